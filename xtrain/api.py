@@ -1,0 +1,73 @@
+"""`xtrain.compile`: the one entry point from a model to a distributed training step."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optax
+
+from xtrain.sharding.mesh import Mesh
+from xtrain.sharding.plan import Plan
+
+LOWERINGS = ("xla",)
+
+
+def _torch_model(model, optimizer, loss_fn):
+    from xtrain import optim
+    from xtrain.frontend.torch_module import TorchModel
+
+    wrapped = TorchModel(model, loss_fn=loss_fn)
+    if optimizer is None:
+        raise ValueError("xtrain.compile of a torch module needs optimizer=torch.optim.<...>(model.parameters(), ...)")
+    tx, groups = optim.from_torch(optimizer, wrapped.name_of, wrapped.trainable())
+    return wrapped, tx, set(groups)
+
+
+def _jax_model(fn, params, optimizer):
+    from xtrain.frontend.jax_function import JaxModel
+
+    if params is None:
+        raise ValueError("xtrain.compile of a JAX function needs params=<pytree of initial parameters>")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError("xtrain.compile of a JAX function needs optimizer=<optax.GradientTransformation>")
+    wrapped = JaxModel(fn, params)
+    return wrapped, optimizer, set(wrapped.param_names)
+
+
+def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
+            loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
+            lowering: str = "xla"):
+    """Compiles a model into a distributed training step.
+
+    Args:
+        model: a torch.nn.Module whose forward returns the loss (or see `loss_fn`), or a JAX
+            function `loss(params, *batch) -> scalar`.
+        mesh: the device mesh; default `Mesh(data=-1)` (pure data parallel over all devices).
+        optimizer: a torch.optim optimizer over `model.parameters()` (SGD, Adam, AdamW), or an
+            optax transformation for JAX functions.
+        plan: how tensors are split over the mesh; default: parameters replicated, batch
+            split over `data`.
+        loss_fn: `loss_fn(model, *batch) -> scalar tensor` for torch models whose forward does
+            not return the loss.
+        params: initial parameters (pytree) of a JAX function.
+        seed: seed of the per-step random streams (dropout).
+        lowering: "xla" (XLA's SPMD partitioner).
+
+    Returns:
+        A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float}.
+    """
+    import torch
+
+    from xtrain import runtime
+    from xtrain.step import TrainStep
+
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    runtime.init()
+    mesh = Mesh(data=-1) if mesh is None else mesh
+    if isinstance(model, torch.nn.Module):
+        wrapped, tx, optimized = _torch_model(model, optimizer, loss_fn)
+    elif callable(model):
+        wrapped, tx, optimized = _jax_model(model, params, optimizer)
+    else:
+        raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
+    return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed)

@@ -1,0 +1,59 @@
+"""Global batches (torch tensors or numpy) -> arrays sharded over the mesh.
+
+Every process passes the same global batch; each process materialises only the slices of its
+own devices (`jax.make_array_from_callback` asks for addressable shards only).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xtrain.sharding.plan import Spec, _axes_of
+
+# JAX runs without x64: 64-bit inputs become 32-bit, as torchax does for the model itself.
+_NARROW = {np.dtype("int64"): np.int32, np.dtype("float64"): np.float32, np.dtype("uint64"): np.uint32}
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
+    x = np.asarray(x)
+    return x.astype(_NARROW[x.dtype]) if x.dtype in _NARROW else x
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, spec: Spec, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*spec[:ndim]))
+
+
+def check_divisible(index: int, shape: tuple[int, ...], spec: Spec, mesh: jax.sharding.Mesh) -> None:
+    for dim, entry in enumerate(spec[: len(shape)]):
+        size = math.prod(mesh.shape[a] for a in _axes_of(entry))
+        if shape[dim] % size:
+            axes = " x ".join(f"{a}={mesh.shape[a]}" for a in _axes_of(entry))
+            what = "global batch" if dim == 0 else f"dimension {dim}"
+            raise ValueError(
+                f"batch argument {index} has shape {tuple(shape)}: {what} {shape[dim]} is not "
+                f"divisible by mesh axis {axes}; use a {what} that is a multiple of {size}")
+
+
+def shard_batch(batch: Sequence[Any], mesh: jax.sharding.Mesh, spec: Spec) -> tuple:
+    """Places each array-like batch argument on the mesh, split by `spec` (others pass through)."""
+    out = []
+    for index, x in enumerate(batch):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            out.append(x)
+            continue
+        arr = to_numpy(x)
+        if arr.ndim == 0:
+            out.append(jax.device_put(arr, NamedSharding(mesh, PartitionSpec())))
+            continue
+        check_divisible(index, arr.shape, spec, mesh)
+        sharding = batch_sharding(mesh, spec, arr.ndim)
+        out.append(jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx]))
+    return tuple(out)

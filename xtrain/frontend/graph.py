@@ -1,0 +1,48 @@
+"""The traced graph: a jaxpr whose equations know their torch module path."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import jax
+from jax.extend import core as jex_core
+
+from xtrain.frontend.model import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedGraph:
+    """The closed jaxpr of `model.apply` for one batch shape, with module paths per equation."""
+
+    jaxpr: jex_core.ClosedJaxpr
+    module_paths: frozenset[str]
+
+    def module_path(self, eqn, outer: str = "") -> str:
+        """The torch module path an equation came from ("" for top-level code).
+
+        Equations inside nested jaxprs (jit, custom_jvp, scan bodies) carry name stacks
+        relative to their call site: pass the call site's path as `outer`.
+        """
+        path = outer
+        for part in str(eqn.source_info.name_stack).split("/"):
+            if part in self.module_paths:
+                path = part
+        return path
+
+    def equations(self) -> Iterator[tuple[object, str]]:
+        """Every equation, nested ones included, with its module path."""
+        yield from self._walk(self.jaxpr.jaxpr, "")
+
+    def _walk(self, jaxpr, outer: str):
+        for eqn in jaxpr.eqns:
+            path = self.module_path(eqn, outer)
+            yield eqn, path
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                yield from self._walk(sub, path)
+
+
+def trace(model: Model, params, buffers, key, batch: tuple, *, training: bool = True) -> TracedGraph:
+    """Traces `model.apply` to a jaxpr at global shapes (arrays or ShapeDtypeStructs)."""
+    fn = lambda p, b, k, x: model.apply(p, b, k, x, training=training)
+    closed = jax.make_jaxpr(fn)(params, buffers, key, batch)
+    return TracedGraph(closed, model.module_paths())

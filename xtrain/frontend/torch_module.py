@@ -1,0 +1,193 @@
+"""torch.nn.Module -> named parameters/buffers + a pure JAX loss function (through torchax)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import torch
+import torchax
+from torch.nn.utils import stateless
+
+from xtrain.frontend import torch_ops
+from xtrain.frontend.model import Model, TraceError
+
+LossFn = Callable[..., Any]
+
+
+@functools.cache
+def torchax_env() -> torchax.tensor.Environment:
+    env = torchax.default_env()
+    torch_ops.install(env)
+    return env
+
+
+def _dedup(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], dict[str, str], dict[int, str]]:
+    """Unique names in order, alias -> canonical name for tied tensors, id(tensor) -> name."""
+    canonical: dict[int, str] = {}
+    names, aliases = [], {}
+    for name, tensor in named:
+        if id(tensor) in canonical:
+            aliases[name] = canonical[id(tensor)]
+        else:
+            canonical[id(tensor)] = name
+            names.append(name)
+    return names, aliases, canonical
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(jax.numpy.bfloat16)
+    return t.numpy().copy()
+
+
+class _ModuleScopes:
+    """Forward hooks that open a jax.named_scope per torch module, so every traced equation
+    carries the module path it came from, and keep the current path for error messages."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.stack: list[tuple[str, Any]] = []
+
+    def current(self) -> str:
+        return self.stack[-1][0] if self.stack else ""
+
+    def _enter(self, path: str, _module, _args):
+        scope = jax.named_scope(path)
+        scope.__enter__()
+        self.stack.append((path, scope))
+
+    def _exit(self, _module, _args, _out):
+        self.stack.pop()[1].__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def active(self):
+        handles = []
+        for path, sub in self.module.named_modules():
+            if path:
+                handles.append(sub.register_forward_pre_hook(functools.partial(self._enter, path)))
+                handles.append(sub.register_forward_hook(self._exit))  # on error the stack keeps the failing path
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            while self.stack:
+                self.stack.pop()[1].__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _training_mode(module: torch.nn.Module, training: bool):
+    modes = {m: m.training for m in module.modules()}
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _op_name(err: Exception) -> str:
+    match = re.search(r"name (\S+) has no lowering", str(err))
+    return match.group(1) if match else str(err)
+
+
+class TorchModel(Model):
+    """A torch.nn.Module whose forward returns the loss (or is scored by `loss_fn`).
+
+    Args:
+        module: the model. Its parameters and buffers are copied at construction.
+        loss_fn: optional `loss_fn(module, *batch) -> scalar tensor`, written in torch, for
+            models whose forward does not return the loss.
+    """
+
+    def __init__(self, module: torch.nn.Module, loss_fn: LossFn | None = None):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.name = type(module).__name__
+        named_params = list(module.named_parameters(remove_duplicate=False))
+        self.param_names, self.param_aliases, self._param_ids = _dedup(named_params)
+        self.buffer_names, self.buffer_aliases, _ = _dedup(list(module.named_buffers(remove_duplicate=False)))
+        self._frozen = {n for n, p in named_params if not p.requires_grad}
+        self._paths = frozenset(p for p, _ in module.named_modules() if p)
+        self._state_keys = list(module.state_dict().keys())
+
+    # -- state ---------------------------------------------------------------------------
+    def initial_params(self) -> dict[str, np.ndarray]:
+        named = dict(self.module.named_parameters())
+        return {n: _to_numpy(named[n]) for n in self.param_names}
+
+    def initial_buffers(self) -> dict[str, np.ndarray]:
+        named = dict(self.module.named_buffers())
+        return {n: _to_numpy(named[n]) for n in self.buffer_names}
+
+    def trainable(self) -> dict[str, bool]:
+        return {n: n not in self._frozen for n in self.param_names}
+
+    def name_of(self, tensor: torch.Tensor) -> str | None:
+        """The canonical parameter name of a parameter tensor of this module."""
+        return self._param_ids.get(id(tensor))
+
+    def module_paths(self) -> frozenset[str]:
+        return self._paths
+
+    def export_state(self, params, buffers) -> dict[str, np.ndarray]:
+        full = {**params, **buffers}
+        for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():
+            full[alias] = full[name]
+        return {k: full[k] for k in self._state_keys}
+
+    # -- the pure function ---------------------------------------------------------------
+    def apply(self, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple,
+              *, training: bool) -> tuple[Any, dict[str, Any]]:
+        env = torchax_env()
+        scopes = _ModuleScopes(self.module)
+        # Factory calls without a device (torch.arange(t), torch.ones(...)) must build traced
+        # arrays, not host tensors: make "jax" the default device while tracing.
+        with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
+                _training_mode(self.module, training):
+            t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
+            full = {**t_params, **t_buffers}
+            for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():
+                full[alias] = full[name]
+            with stateless._reparametrize_module(self.module, full):
+                out = self._call(t_batch, scopes)
+            loss = self._loss_of(out, t_batch)
+            return env.t2j_iso(loss), env.t2j_iso({k: t_buffers[k] for k in buffers})
+
+    def _call(self, batch: tuple, scopes: _ModuleScopes):
+        try:
+            if self.loss_fn is None:
+                return self.module(*batch)
+            return self.loss_fn(self.module, *batch)
+        except torchax.tensor.OperatorNotFound as err:
+            where = scopes.current() or f"{self.name}.forward (top level)"
+            raise TraceError(
+                f"xtrain cannot translate torch op {_op_name(err)} used in module {where!r} "
+                f"({self.name}); replace it with supported torch ops there, or register a JAX "
+                "lowering with torchax's env.override_op_definition") from err
+        except jax.errors.ConcretizationTypeError as err:
+            where = scopes.current() or f"{self.name}.forward (top level)"
+            raise TraceError(
+                f"module {where!r} of {self.name} branches on tensor values (data-dependent "
+                "Python control flow), which cannot be compiled; use torch.where or fixed "
+                "shapes instead") from err
+
+    def _loss_of(self, out, batch: tuple):
+        loss = out
+        if not isinstance(out, torch.Tensor):
+            loss = getattr(out, "loss", None)
+            if loss is None and isinstance(out, Mapping):
+                loss = out.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+            return loss
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        source = f"{self.name}.forward" if self.loss_fn is None else "loss_fn"
+        raise TraceError(
+            f"{source} returned {got}, not a scalar loss. Return the loss from forward (or an "
+            "HF-style output with .loss), or pass loss_fn=lambda model, *batch: <scalar> to "
+            "xtrain.compile")

@@ -1,0 +1,57 @@
+"""Lowerings xtrain adds to, or fixes in, torchax's op table.
+
+torchax 0.0.14's batch norm computes new running statistics but never writes them back,
+and uses the biased variance where torch keeps the unbiased one. The override below runs
+as torch code under torchax (so it is traced to JAX like any other op) and updates the
+running buffers in place, as eager torch does.
+"""
+from __future__ import annotations
+
+import torch
+import torchax
+
+aten = torch.ops.aten
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    dims = [0] + list(range(2, input.ndim))
+    shape = [1, -1] + [1] * (input.ndim - 2)
+    if training or running_mean is None:
+        mean = input.mean(dims)
+        centered = input - mean.reshape(shape)
+        var = (centered * centered).mean(dims)
+        if training and running_mean is not None:
+            count = input.numel() // input.shape[1]
+            running_mean.mul_(1 - momentum).add_(mean * momentum)
+            running_var.mul_(1 - momentum).add_(var * (momentum * count / max(count - 1, 1)))
+    else:
+        mean, var = running_mean, running_var
+    invstd = torch.rsqrt(var + eps)
+    out = (input - mean.reshape(shape)) * invstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out, mean, invstd
+
+
+def _legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+def _legit_no_stats(input, weight, bias, training, momentum, eps):
+    return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
+
+
+_OVERRIDES = {
+    aten.native_batch_norm.default: _batch_norm,
+    aten._native_batch_norm_legit.default: _batch_norm,
+    aten._native_batch_norm_legit.no_stats: _legit_no_stats,
+    aten._native_batch_norm_legit_no_training.default: _legit_no_training,
+}
+
+
+def install(env: torchax.tensor.Environment) -> None:
+    """Registers xtrain's op overrides on a torchax environment (idempotent)."""
+    for op, impl in _OVERRIDES.items():
+        env.override_op_definition(op, impl)

@@ -1,0 +1,142 @@
+"""What a compiled step communicates and how much memory it needs.
+
+For the XLA-partitioner lowering the collectives are read from XLA's optimized HLO (XLA
+chose them; the CPU backend may have merged several into one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_LINE = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the compiled step."""
+
+    kind: str                 # all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all
+    axes: tuple[str, ...]     # mesh axes its groups span
+    payload_bytes: int        # per device per step (the full, unsplit buffer)
+    source: str               # jaxpr op / module path it serves, as far as known
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends with a ring algorithm over a group of n devices."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+                  "reduce-scatter": (n - 1) / n, "all-to-all": (n - 1) / n}.get(self.kind, 1.0)
+        return factor * self.payload_bytes
+
+    group_size: int = 1
+
+
+def _bytes_of(shape_text: str) -> int:
+    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in _ARRAY.findall(shape_text))
+
+
+def _mesh_groups(line: str) -> list[list[int]] | None:
+    """Groups written over a named iota mesh: `replica_groups=mesh['a'=8,'b'=1] {'a'}`."""
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if not match:
+        return None
+    dims = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", match.group(1))]
+    chosen = re.findall(r"'([^']+)'", match.group(2))
+    ids = np.arange(math.prod(v for _, v in dims)).reshape([v for _, v in dims])
+    order = [i for i, (n, _) in enumerate(dims) if n not in chosen] + [
+        next(i for i, (n, _) in enumerate(dims) if n == c) for c in chosen]
+    size = math.prod(v for n, v in dims if n in chosen)
+    return ids.transpose(order).reshape(-1, size).tolist()
+
+
+def _groups(line: str) -> list[list[int]]:
+    mesh_groups = _mesh_groups(line)
+    if mesh_groups is not None:
+        return mesh_groups
+    match = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if match:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+    match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if match:
+        out_dims = [int(x) for x in match.group(1).split(",")]
+        ids = np.arange(math.prod(int(x) for x in match.group(2).split(","))).reshape(
+            [int(x) for x in match.group(2).split(",")])
+        if match.group(3):
+            ids = ids.transpose([int(x) for x in match.group(3).split(",")])
+        return ids.reshape(out_dims[0], -1).tolist()
+    pairs = re.search(r"source_target_pairs=\{([\d,{}]*)\}", line)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    return []
+
+
+def _axes_of_group(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    coords = np.array([np.unravel_index(i, tuple(mesh_shape.values())) for i in group])
+    return tuple(name for k, name in enumerate(mesh_shape) if len(set(coords[:, k])) > 1)
+
+
+def collectives_from_hlo(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective in an HLO module's text, with the mesh axes it runs over."""
+    found = []
+    for line in hlo_text.splitlines():
+        match = _LINE.search(line)
+        if not match or "-done" in line.split("=")[0]:
+            continue
+        kind = match.group("kind")
+        groups = _groups(line)
+        size = len(groups[0]) if groups and kind != "collective-permute" else 2
+        payload = _bytes_of(match.group("shape"))
+        if kind == "reduce-scatter":
+            payload *= size
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        axes = _axes_of_group(groups[0], mesh_shape) if groups else ()
+        found.append(Collective(kind, axes, payload, op_name.group(1) if op_name else "", size))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Per-step communication and per-device memory of a compiled training step."""
+
+    lowering: str
+    mesh: dict[str, int]
+    collectives: list[Collective]
+    memory: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def bytes_per_axis(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for c in self.collectives:
+            key = "x".join(c.axes) or "-"
+            totals[key] = totals.get(key, 0.0) + c.wire_bytes
+        return totals
+
+    def __str__(self) -> str:
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [f"xtrain step report ({self.lowering} lowering, mesh {mesh})",
+                 f"{'collective':<20}{'axes':<14}{'payload B':>12}{'wire B':>12}  source"]
+        for c in self.collectives:
+            lines.append(f"{c.kind:<20}{'x'.join(c.axes) or '-':<14}{c.payload_bytes:>12}"
+                         f"{c.wire_bytes:>12.0f}  {c.source[-60:]}")
+        lines.append("wire bytes per axis: " + ", ".join(f"{k}: {v:.0f}" for k, v in self.bytes_per_axis().items()))
+        lines.append("memory per device (bytes): " + ", ".join(f"{k}={v}" for k, v in self.memory.items()))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def memory_of(compiled) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+            "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}

@@ -1,0 +1,90 @@
+"""Lowering through XLA's own SPMD partitioner: `jax.jit` with NamedShardings.
+
+The whole step (forward, backward, optimizer) is one global-view program; XLA propagates the
+parameter and batch shardings and inserts the collectives. It is the reference the explicit
+lowering is compared against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xtrain.frontend.model import Model
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything a training step reads and writes (all jax arrays)."""
+
+    params: dict[str, Any]      # optimized parameters
+    frozen: dict[str, Any]      # parameters the optimizer does not update
+    buffers: dict[str, Any]     # module buffers (BatchNorm statistics, ...)
+    opt_state: Any
+    step: Any                   # int32 scalar: optimizer steps taken
+    key: Any                    # base PRNG key; step k uses fold_in(key, k)
+
+
+def _replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def state_shardings(state: TrainState, param_shardings: Mapping[str, NamedSharding], mesh) -> TrainState:
+    """Shardings for a TrainState: parameters per plan, optimizer moments like their parameter,
+    everything else replicated."""
+    shapes = {n: s for n, s in jax.tree.map(lambda x: x.shape, {**state.params, **state.frozen}).items()}
+
+    def opt_leaf(path, leaf):
+        for entry in path:
+            name = getattr(entry, "key", None)
+            if name in param_shardings and getattr(leaf, "shape", None) == shapes[name]:
+                return param_shardings[name]
+        return _replicated(mesh)
+
+    return TrainState(
+        params={n: param_shardings[n] for n in state.params},
+        frozen={n: param_shardings[n] for n in state.frozen},
+        buffers={n: _replicated(mesh) for n in state.buffers},
+        opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state),
+        step=_replicated(mesh),
+        key=_replicated(mesh),
+    )
+
+
+def make_train_step(model: Model, tx: optax.GradientTransformation) -> Callable:
+    """The pure step: (state, batch) -> (new state, loss)."""
+
+    def train_step(state: TrainState, batch: tuple):
+        key = jax.random.fold_in(state.key, state.step)
+
+        def loss_of(params):
+            return model.apply({**params, **state.frozen}, state.buffers, key, batch, training=True)
+
+        (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(params, state.frozen, {**state.buffers, **buffers}, opt_state, state.step + 1, state.key)
+        return new, loss
+
+    return train_step
+
+
+def make_eval_step(model: Model) -> Callable:
+    def eval_step(state: TrainState, batch: tuple):
+        key = jax.random.fold_in(state.key, state.step)
+        loss, _ = model.apply({**state.params, **state.frozen}, state.buffers, key, batch, training=False)
+        return loss
+
+    return eval_step
+
+
+def compile_steps(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh):
+    """jit-compiled (train_step, eval_step) with the state's shardings fixed."""
+    replicated = _replicated(mesh)
+    train = jax.jit(make_train_step(model, tx), out_shardings=(shardings, replicated), donate_argnums=0)
+    evaluate = jax.jit(make_eval_step(model), out_shardings=replicated)
+    return train, evaluate

@@ -1,0 +1,62 @@
+"""Named device meshes: `Mesh(data=4, tensor=2)`."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Axis names xtrain's presets and the batch default refer to.
+DATA, TENSOR, PIPE = "data", "tensor", "pipe"
+
+
+class Mesh:
+    """A logical mesh of devices with named axes, in the order given.
+
+    `Mesh(data=4, tensor=2)` puts 4 x 2 devices on axes "data" and "tensor"; the last axis
+    varies fastest over the device list, so "tensor" groups neighbouring devices. One axis
+    may be -1, meaning "all remaining devices".
+    """
+
+    def __init__(self, **axes: int):
+        if not axes:
+            raise ValueError("Mesh needs at least one named axis, e.g. xtrain.Mesh(data=-1)")
+        for name, size in axes.items():
+            if not isinstance(size, int) or (size < 1 and size != -1):
+                raise ValueError(f"Mesh axis {name}={size!r} must be a positive int or -1")
+        if sum(1 for s in axes.values() if s == -1) > 1:
+            raise ValueError(f"Mesh({self._fmt(axes)}) has more than one -1 axis; at most one axis can take the remaining devices")
+        self.axes: dict[str, int] = dict(axes)
+
+    @staticmethod
+    def _fmt(axes: dict[str, int]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in axes.items())
+
+    def __repr__(self) -> str:
+        return f"Mesh({self._fmt(self.axes)})"
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes with -1 filled in for `num_devices` devices; errors when they don't fit."""
+        known = math.prod(s for s in self.axes.values() if s != -1)
+        if -1 in self.axes.values():
+            if num_devices % known:
+                raise ValueError(
+                    f"{self} cannot fill {num_devices} devices: the fixed axes take {known}, "
+                    f"which does not divide {num_devices}")
+            return {k: (num_devices // known if v == -1 else v) for k, v in self.axes.items()}
+        if known != num_devices:
+            raise ValueError(
+                f"{self} needs {known} devices but {num_devices} are available; make the axis "
+                f"sizes multiply to {num_devices} or use -1 for one axis (e.g. "
+                f"Mesh({', '.join(f'{k}={-1 if i == 0 else v}' for i, (k, v) in enumerate(self.axes.items()))}))")
+        return dict(self.axes)
+
+    def build(self, devices: list | None = None):
+        """The jax.sharding.Mesh over `devices` (all devices of the job by default)."""
+        import jax
+
+        from xtrain.runtime import job_devices
+
+        devices = job_devices() if devices is None else list(devices)
+        sizes = self.resolve(len(devices))
+        grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
+        return jax.sharding.Mesh(grid, tuple(sizes))

@@ -1,0 +1,108 @@
+"""Plans: which mesh axes split which tensors.
+
+Parameter rules are keyed by glob patterns over torch module paths (`fnmatch` syntax:
+`*` matches any run of characters, dots included), e.g. `"blocks.*.mlp.fc_in.weight"`.
+A spec has one entry per tensor dimension: a mesh axis name, a tuple of axis names, or
+None (that dimension is not split).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Mapping, Sequence, Union
+
+AxisEntry = Union[str, tuple[str, ...], None]
+Spec = tuple[AxisEntry, ...]
+
+
+def _axes_of(entry: AxisEntry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _normalize(spec: Sequence[AxisEntry] | str | None) -> Spec:
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        return (spec,)
+    return tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How a model is split over a mesh.
+
+    Attributes:
+        params: glob pattern over parameter names -> spec. A parameter matched by no rule is
+            replicated; a rule that matches no parameter is an error. When several rules match
+            one parameter, the first one wins.
+        batch: spec of the leading dimensions of every batch argument. None means "the mesh's
+            `data` axis when it has one".
+    """
+
+    params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
+    batch: Sequence[AxisEntry] | str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
+        if self.batch is not None:
+            object.__setattr__(self, "batch", _normalize(self.batch))
+
+    def batch_spec(self, mesh_axes: Mapping[str, int]) -> Spec:
+        """The batch spec for a mesh with `mesh_axes`."""
+        if self.batch is not None:
+            _check_axes("batch", self.batch, mesh_axes, rule="Plan(batch=...)")
+            return self.batch
+        return ("data",) if "data" in mesh_axes else ()
+
+    def param_specs(self, shapes: Mapping[str, tuple[int, ...]], mesh_axes: Mapping[str, int]) -> dict[str, Spec]:
+        """Spec of every parameter (empty tuple = replicated), validated against shapes and mesh."""
+        specs: dict[str, Spec] = {}
+        used: set[str] = set()
+        for name, shape in shapes.items():
+            for pattern, spec in self.params.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    _check_param(name, shape, spec, mesh_axes, pattern)
+                    specs[name] = spec
+                    used.add(pattern)
+                    break
+            else:
+                specs[name] = ()
+        unused = [p for p in self.params if p not in used]
+        if unused:
+            sample = ", ".join(list(shapes)[:6])
+            raise ValueError(
+                f"Plan rule(s) {unused} match no parameter; parameter names look like: {sample}, ... "
+                "(patterns are fnmatch globs over torch parameter names)")
+        return specs
+
+
+def _check_axes(what: str, spec: Spec, mesh_axes: Mapping[str, int], rule: str) -> None:
+    seen: list[str] = []
+    for entry in spec:
+        for axis in _axes_of(entry):
+            if axis not in mesh_axes:
+                raise ValueError(
+                    f"{rule} splits {what} over mesh axis {axis!r}, which the mesh "
+                    f"({', '.join(f'{k}={v}' for k, v in mesh_axes.items())}) does not have")
+            if axis in seen:
+                raise ValueError(f"{rule} uses mesh axis {axis!r} twice for {what}")
+            seen.append(axis)
+
+
+def _check_param(name: str, shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], pattern: str) -> None:
+    rule = f"Plan rule {pattern!r}: {tuple(spec)}"
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{rule} has {len(spec)} entries but parameter {name} has shape {tuple(shape)} "
+            f"({len(shape)} dims); give at most one entry per dimension")
+    _check_axes(f"parameter {name}", spec, mesh_axes, rule)
+    for dim, entry in enumerate(spec):
+        size = 1
+        for axis in _axes_of(entry):
+            size *= mesh_axes[axis]
+        if shape[dim] % size:
+            raise ValueError(
+                f"{rule}: dimension {dim} of parameter {name} (shape {tuple(shape)}) has size "
+                f"{shape[dim]}, not divisible by {entry}={size}; split another dimension or leave it whole")

@@ -1,0 +1,97 @@
+"""The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xtrain import data
+from xtrain.frontend.model import Model
+from xtrain.lowering import report as report_mod
+from xtrain.lowering import xla_partitioner
+from xtrain.lowering.xla_partitioner import TrainState
+from xtrain.sharding.plan import Plan
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class TrainStep:
+    """A model compiled for a mesh and plan. Call it with one global batch per step."""
+
+    def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
+                 tx: optax.GradientTransformation, optimized: set[str], seed: int = 0):
+        self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
+        mesh_axes = dict(mesh.shape)
+        params = model.initial_params()
+        self.param_specs = plan.param_specs({n: p.shape for n, p in params.items()}, mesh_axes)
+        self.batch_spec = plan.batch_spec(mesh_axes)
+        param_shardings = {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in self.param_specs.items()}
+        state = self._initial_state(params, optimized, seed)
+        self.shardings = xla_partitioner.state_shardings(state, param_shardings, mesh)
+        self.state: TrainState = jax.device_put(state, self.shardings)
+        self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
+        self._last_batch: tuple | None = None
+
+    def _initial_state(self, params: dict, optimized: set[str], seed: int) -> TrainState:
+        opt_params = {n: v for n, v in params.items() if n in optimized}
+        return TrainState(
+            params=opt_params,
+            frozen={n: v for n, v in params.items() if n not in optimized},
+            buffers=self.model.initial_buffers(),
+            opt_state=jax.jit(self.tx.init)(opt_params),
+            step=np.int32(0),
+            key=jax.random.key_data(jax.random.key(seed)),
+        )
+
+    # -- running ---------------------------------------------------------------------------
+    def _place(self, batch: tuple) -> tuple:
+        return data.shard_batch(batch, self.mesh, self.batch_spec)
+
+    def __call__(self, *batch: Any) -> dict[str, float]:
+        """Runs one optimizer step on a global batch; returns {"loss": float}."""
+        placed = self._place(batch)
+        self._last_batch = placed
+        self.state, loss = self._train(self.state, placed)
+        return {"loss": float(loss)}
+
+    def eval(self, *batch: Any) -> dict[str, float]:
+        """The loss in eval mode (dropout off, running statistics); updates nothing."""
+        return {"loss": float(self._eval(self.state, self._place(batch)))}
+
+    @property
+    def step_count(self) -> int:
+        return int(self.state.step)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, "Any"]:
+        """Full (unsharded) tensors under the model's own names; for torch modules every key
+        of `module.state_dict()`, loadable with `load_state_dict(strict=True)`."""
+        import torch
+
+        params = {n: _to_host(v) for n, v in {**self.state.params, **self.state.frozen}.items()}
+        buffers = {n: _to_host(v) for n, v in self.state.buffers.items()}
+        out = self.model.export_state(params, buffers)
+        return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
+
+    # -- explanation -----------------------------------------------------------------------
+    def report(self) -> report_mod.Report:
+        """Collectives and per-device memory of the compiled training step.
+
+        Needs one step to have run (the program is compiled for the batch shapes it sees)."""
+        if self._last_batch is None:
+            raise RuntimeError("step.report() needs the batch shapes: run step(*batch) once first")
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                              if isinstance(x, jax.Array) else x, self._last_batch)
+        compiled = self._train.lower(self.state, shapes).compile()
+        collectives = report_mod.collectives_from_hlo(compiled.as_text(), dict(self.mesh.shape))
+        replicated = [n for n, s in self.param_specs.items() if not s]
+        notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
+        return report_mod.Report("xla", dict(self.mesh.shape), collectives, report_mod.memory_of(compiled), notes)
