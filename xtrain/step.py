@@ -82,15 +82,23 @@ class TrainStep:
         return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
 
     # -- explanation -----------------------------------------------------------------------
-    def report(self) -> report_mod.Report:
-        """Collectives and per-device memory of the compiled training step.
-
-        Needs one step to have run (the program is compiled for the batch shapes it sees)."""
-        if self._last_batch is None:
-            raise RuntimeError("step.report() needs the batch shapes: run step(*batch) once first")
+    def compiled(self, *batch: Any):
+        """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
+        last batch trained on. `.as_text()` gives the optimized HLO."""
+        if batch:
+            placed = self._place(batch)
+        elif self._last_batch is not None:
+            placed = self._last_batch
+        else:
+            raise RuntimeError("step.compiled() needs the batch shapes: pass a batch or run step(*batch) once")
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                              if isinstance(x, jax.Array) else x, self._last_batch)
-        compiled = self._train.lower(self.state, shapes).compile()
+                              if isinstance(x, jax.Array) else x, placed)
+        return self._train.lower(self.state, shapes).compile()
+
+    def report(self, *batch: Any) -> report_mod.Report:
+        """Collectives and per-device memory of the compiled training step, for `batch`'s
+        shapes or the last batch trained on."""
+        compiled = self.compiled(*batch)
         collectives = report_mod.collectives_from_hlo(compiled.as_text(), dict(self.mesh.shape))
         replicated = [n for n, s in self.param_specs.items() if not s]
         notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
