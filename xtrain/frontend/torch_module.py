@@ -96,6 +96,22 @@ def _op_name(err: Exception) -> str:
     return match.group(1) if match else str(err)
 
 
+# torchax passes ops outside the namespaces it intercepts (aten, ...), e.g. torch.library
+# custom ops, through to torch, whose dispatch back to the torchax tensor fails with this.
+_OUTSIDE_ENV = "torchax Tensors can only do math within the torchax environment"
+
+
+def _dispatched_op(err: BaseException) -> str:
+    """The torch op being dispatched where `err` was raised (innermost frame with one)."""
+    name, tb = "<unknown op>", err.__traceback__
+    while tb is not None:
+        func = tb.tb_frame.f_locals.get("func")
+        if isinstance(func, torch._ops.OpOverload):
+            name = func.name()
+        tb = tb.tb_next
+    return name
+
+
 class TorchModel(Model):
     """A torch.nn.Module whose forward returns the loss (or is scored by `loss_fn`).
 
@@ -165,17 +181,24 @@ class TorchModel(Model):
                 return self.module(*batch)
             return self.loss_fn(self.module, *batch)
         except torchax.tensor.OperatorNotFound as err:
-            where = scopes.current() or f"{self.name}.forward (top level)"
-            raise TraceError(
-                f"xtrain cannot translate torch op {_op_name(err)} used in module {where!r} "
-                f"({self.name}); replace it with supported torch ops there, or register a JAX "
-                "lowering with torchax's env.override_op_definition") from err
+            raise self._untranslatable(_op_name(err), scopes) from err
+        except AssertionError as err:
+            if _OUTSIDE_ENV not in str(err):
+                raise
+            raise self._untranslatable(_dispatched_op(err), scopes) from err
         except jax.errors.ConcretizationTypeError as err:
             where = scopes.current() or f"{self.name}.forward (top level)"
             raise TraceError(
                 f"module {where!r} of {self.name} branches on tensor values (data-dependent "
                 "Python control flow), which cannot be compiled; use torch.where or fixed "
                 "shapes instead") from err
+
+    def _untranslatable(self, op: str, scopes: _ModuleScopes) -> TraceError:
+        where = scopes.current() or f"{self.name}.forward (top level)"
+        return TraceError(
+            f"xtrain cannot translate torch op {op} used in module {where!r} "
+            f"({self.name}); replace it with supported torch ops there, or register a JAX "
+            "lowering with torchax's env.override_op_definition")
 
     def _loss_of(self, out, batch: tuple):
         loss = out
