@@ -10,7 +10,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "compile", "init"]
+__all__ = ["Mesh", "Plan", "GradSync", "compile", "init"]
 
 
 def __getattr__(name):
@@ -18,6 +18,10 @@ def __getattr__(name):
         from xtrain.api import compile
 
         return compile
+    if name == "GradSync":
+        from xtrain.lowering.explicit.gradient_sync import GradSync
+
+        return GradSync
     if name == "init":
         from xtrain.runtime.devices import init
 

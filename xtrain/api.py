@@ -8,7 +8,7 @@ import optax
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
-LOWERINGS = ("xla",)
+LOWERINGS = ("explicit", "xla")
 
 
 def _torch_model(model, optimizer, loss_fn):
@@ -35,7 +35,7 @@ def _jax_model(fn, params, optimizer):
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
-            lowering: str = "xla"):
+            lowering: str = "xla", grad_sync=None):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -50,7 +50,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             not return the loss.
         params: initial parameters (pytree) of a JAX function.
         seed: seed of the per-step random streams (dropout).
-        lowering: "xla" (XLA's SPMD partitioner).
+        lowering: "explicit" (xtrain's partitioner: every collective chosen and counted by
+            xtrain) or "xla" (XLA's SPMD partitioner on the same plan, for comparison).
+        grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering.
 
     Returns:
         A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float}.
@@ -70,4 +72,5 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         wrapped, tx, optimized = _jax_model(model, params, optimizer)
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
-    return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed)
+    return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
+                     lowering=lowering, grad_sync=grad_sync)

@@ -13,6 +13,9 @@ from xtrain import data
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
+from xtrain.lowering.explicit import accounting
+from xtrain.lowering.explicit import step as explicit_step
+from xtrain.lowering.explicit.gradient_sync import GradSync
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.plan import Plan
 
@@ -27,8 +30,10 @@ class TrainStep:
     """A model compiled for a mesh and plan. Call it with one global batch per step."""
 
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
-                 tx: optax.GradientTransformation, optimized: set[str], seed: int = 0):
+                 tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
+                 lowering: str = "explicit", grad_sync: GradSync | None = None):
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
+        self.lowering = lowering
         mesh_axes = dict(mesh.shape)
         params = model.initial_params()
         self.param_specs = plan.param_specs({n: p.shape for n, p in params.items()}, mesh_axes)
@@ -37,7 +42,11 @@ class TrainStep:
         state = self._initial_state(params, optimized, seed)
         self.shardings = xla_partitioner.state_shardings(state, param_shardings, mesh)
         self.state: TrainState = jax.device_put(state, self.shardings)
-        self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
+        if lowering == "explicit":
+            self._train, self._eval, self._program = explicit_step.build(
+                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync())
+        else:
+            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None
 
     def _initial_state(self, params: dict, optimized: set[str], seed: int) -> TrainState:
@@ -82,24 +91,33 @@ class TrainStep:
         return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
 
     # -- explanation -----------------------------------------------------------------------
+    def _shapes(self, batch: tuple) -> tuple:
+        placed = self._place(batch) if batch else self._last_batch
+        if placed is None:
+            raise RuntimeError("needs the batch shapes: pass a batch or run step(*batch) once first")
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                            if isinstance(x, jax.Array) else x, placed)
+
+    def program(self, *batch: Any):
+        """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
+        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch))
+
     def compiled(self, *batch: Any):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
         last batch trained on. `.as_text()` gives the optimized HLO."""
-        if batch:
-            placed = self._place(batch)
-        elif self._last_batch is not None:
-            placed = self._last_batch
-        else:
-            raise RuntimeError("step.compiled() needs the batch shapes: pass a batch or run step(*batch) once")
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                              if isinstance(x, jax.Array) else x, placed)
-        return self._train.lower(self.state, shapes).compile()
+        return self._train.lower(self.state, self._shapes(batch)).compile()
 
     def report(self, *batch: Any) -> report_mod.Report:
         """Collectives and per-device memory of the compiled training step, for `batch`'s
         shapes or the last batch trained on."""
         compiled = self.compiled(*batch)
-        collectives = report_mod.collectives_from_hlo(compiled.as_text(), dict(self.mesh.shape))
+        sizes = dict(self.mesh.shape)
         replicated = [n for n, s in self.param_specs.items() if not s]
         notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
-        return report_mod.Report("xla", dict(self.mesh.shape), collectives, report_mod.memory_of(compiled), notes)
+        if self.lowering == "explicit":
+            found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
+            for prim, paths in sorted(self._program.ctx.fallbacks.items()):
+                notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")
+        else:
+            found = report_mod.collectives_from_hlo(compiled.as_text(), sizes)
+        return report_mod.Report(self.lowering, sizes, found, report_mod.memory_of(compiled), notes)

@@ -1,0 +1,54 @@
+"""Counts the collectives of the emitted program (the jaxpr xtrain hands to XLA), autodiff's
+transposes included, with the module path each one serves. XLA may later merge all-reduces;
+this count is what xtrain asked for."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax.extend import core as jcore
+
+from xtrain.lowering.report import Collective
+
+_KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",
+         "all_gather": "all-gather", "all_gather_invariant": "all-gather", "psum_scatter": "reduce-scatter",
+         "reduce_scatter": "reduce-scatter", "ppermute": "collective-permute", "all_to_all": "all-to-all"}
+
+
+def _bytes(avals) -> int:
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in avals)
+
+
+def _axes(params) -> tuple[str, ...]:
+    axes = params.get("axes", params.get("axis_name", ()))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def _source(eqn, module_paths) -> str:
+    stack = str(eqn.source_info.name_stack)
+    parts = stack.split("/")
+    path = next((p for p in reversed(parts) if any(m == p.split("(")[-1].rstrip(")") for m in module_paths)), None)
+    return f"{path.split('(')[-1].rstrip(')')} [{stack}]" if path else stack
+
+
+def collectives(closed, sizes: dict[str, int], module_paths=frozenset()) -> list[Collective]:
+    """Every collective in a (nested) jaxpr; scan bodies count once per iteration."""
+    found: list[Collective] = []
+    _walk(closed.jaxpr, sizes, module_paths, 1, found)
+    return found
+
+
+def _walk(jaxpr, sizes, module_paths, times, found):
+    for eqn in jaxpr.eqns:
+        name = str(eqn.primitive)
+        if name in _KIND:
+            axes = _axes(eqn.params)
+            n = math.prod(sizes[a] for a in axes)
+            payload = _bytes([v.aval for v in eqn.invars])
+            if _KIND[name] == "all-gather":
+                payload *= n
+            for _ in range(times):
+                found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n))
+        repeat = times * eqn.params["length"] if name == "scan" else times
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            _walk(sub, sizes, module_paths, repeat, found)

@@ -1,0 +1,120 @@
+"""The collectives the explicit lowering emits, on values that know their layout.
+
+Every function takes and returns `Sharded` values; payload sizes are read back later from
+the emitted program (`program_collectives`), so nothing here keeps counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax import lax
+
+from xtrain.lowering.explicit.layout import Axes, Layout
+
+
+@dataclasses.dataclass
+class Sharded:
+    """A value of the global program: its local array and how it is split."""
+
+    value: Any            # local array (a tracer inside shard_map)
+    layout: Layout
+    shape: tuple[int, ...]  # global shape
+    dtype: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclasses.dataclass
+class Context:
+    """Per-lowering facts: mesh axis sizes and what fell back to replicated execution."""
+
+    sizes: Mapping[str, int]
+    module_paths: frozenset = frozenset()
+    fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
+    path: str = ""
+
+    def note_fallback(self, primitive: str) -> None:
+        self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
+
+
+def axis_offset(ctx: Context, axes: Axes):
+    """This device's index along `axes` flattened major-first (0 for no axes)."""
+    index = 0
+    for a in axes:
+        index = index * ctx.sizes[a] + lax.axis_index(a)
+    return index
+
+
+def resolve(ctx: Context, x: Sharded, axes: Axes | None = None) -> Sharded:
+    """Sums pending partial addends (all of them, or only `axes`) with one all-reduce."""
+    axes = x.layout.partial if axes is None else tuple(a for a in x.layout.partial if a in axes)
+    if not axes:
+        return x
+    value = lax.psum(x.value, axes)
+    return dataclasses.replace(x, value=value, layout=x.layout.with_partial(
+        tuple(a for a in x.layout.partial if a not in axes)))
+
+
+def resolve_all(ctx: Context, xs) -> list[Sharded]:
+    return [resolve(ctx, x) for x in xs]
+
+
+def gather_dim(ctx: Context, x: Sharded, dim: int) -> Sharded:
+    """All-gathers dimension `dim` so it is whole on every device."""
+    axes = x.layout.dims[dim]
+    if not axes:
+        return x
+    value = lax.all_gather(x.value, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    dims = list(x.layout.dims)
+    dims[dim] = ()
+    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Keeps this device's slice of a whole dimension (no communication)."""
+    assert not x.layout.dims[dim], "split_dim needs a whole dimension"
+    if not axes:
+        return x
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim] // parts
+    value = lax.dynamic_slice_in_dim(x.value, axis_offset(ctx, axes) * local, local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = tuple(axes)
+    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def replicate(ctx: Context, x: Sharded) -> Sharded:
+    x = resolve(ctx, x)
+    for dim in range(x.ndim):
+        x = gather_dim(ctx, x, dim)
+    return x
+
+
+def relayout(ctx: Context, x: Sharded, target: Layout) -> Sharded:
+    """Moves `x` to `target`'s dims (partial sums resolved unless `target` keeps them)."""
+    keep = set(target.partial)
+    x = resolve(ctx, x, tuple(a for a in x.layout.partial if a not in keep))
+    for dim, (have, want) in enumerate(zip(x.layout.dims, target.dims)):
+        if have == want:
+            continue
+        x = gather_dim(ctx, x, dim)
+    for dim, want in enumerate(target.dims):
+        if want and not x.layout.dims[dim]:
+            if any(a in x.layout.split_axes() for a in want):
+                x = gather_dim(ctx, x, x.layout.dims.index(next(d for d in x.layout.dims if set(d) & set(want))))
+            x = split_dim(ctx, x, dim, want)
+    return x
+
+
+def to_sharded(value, layout: Layout, shape, dtype) -> Sharded:
+    return Sharded(value, layout, tuple(shape), np.dtype(dtype) if not hasattr(dtype, "name") else dtype)
+
+
+def aval_bytes(x) -> int:
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize

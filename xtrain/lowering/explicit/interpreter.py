@@ -1,0 +1,55 @@
+"""Re-tracing interpreter: evaluates a global-shape jaxpr on local shards.
+
+Each equation's rule (rules.RULES) sees its operands' layouts, inserts the collectives it
+needs and binds the primitive on local arrays with shape parameters rewritten. Nested calls
+are interpreted, not inlined as opaque ops, so their equations get rules too.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering.explicit.layout import Layout
+
+
+def literal(var) -> Sharded:
+    value = np.asarray(var.val, dtype=var.aval.dtype)
+    shape = value.shape
+    return Sharded(value, Layout.replicated(len(shape)), shape, var.aval.dtype)
+
+
+def module_path(ctx: Context, eqn, outer: str) -> str:
+    path = outer
+    for part in str(eqn.source_info.name_stack).split("/"):
+        if part in ctx.module_paths:
+            path = part
+    return path
+
+
+def interpret(ctx: Context, jaxpr, consts, args: list[Sharded]) -> list[Sharded]:
+    """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values."""
+    from xtrain.lowering.explicit.rules import rule_for
+
+    env: dict = {}
+
+    def read(var) -> Sharded:
+        return literal(var) if isinstance(var, jcore.Literal) else env[var]
+
+    for var, const in zip(jaxpr.constvars, consts):
+        shape = tuple(np.shape(const))
+        env[var] = Sharded(const, Layout.replicated(len(shape)), shape, var.aval.dtype)
+    for var, arg in zip(jaxpr.invars, args):
+        env[var] = arg
+    outer = ctx.path
+    for eqn in jaxpr.eqns:
+        ctx.path = module_path(ctx, eqn, outer)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+            outs = rule_for(eqn.primitive)(ctx, eqn, [read(v) for v in eqn.invars])
+        for var, out in zip(eqn.outvars, outs):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = out
+        ctx.path = outer
+    return [read(v) for v in jaxpr.outvars]

@@ -1,0 +1,124 @@
+"""The training step of the explicit lowering.
+
+    forward   the model's global jaxpr, interpreted per device (rules insert the collectives)
+    backward  JAX autodiff of that per-device forward, parameters cast to varying over the
+              batch axes so autodiff does not sum their gradients itself
+    sync      xtrain's bucketed all-reduce of gradients over the batch axes (gradient_sync)
+    update    the optax transformation on local shards
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from xtrain.frontend.model import Model
+from xtrain.lowering.explicit import collectives as C
+from xtrain.lowering.explicit import gradient_sync
+from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.layout import Layout
+from xtrain.lowering.xla_partitioner import TrainState
+from xtrain.sharding.plan import Spec, _axes_of
+
+
+def _layout(spec: Spec, ndim: int) -> Layout:
+    dims = tuple(_axes_of(e) for e in spec[:ndim])
+    return Layout(dims + ((),) * (ndim - len(dims)))
+
+
+class Program:
+    """Builds the per-device forward for one batch shape and records what it emitted."""
+
+    def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec):
+        self.model, self.mesh = model, mesh
+        self.param_specs, self.batch_spec = param_specs, batch_spec
+        self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
+        self.ctx: Context | None = None
+
+    def _input_layouts(self, params, buffers, key, batch) -> list[Layout]:
+        spec_tree = (
+            {n: _layout(self.param_specs[n], p.ndim) for n, p in params.items()},
+            {n: Layout.replicated(b.ndim) for n, b in buffers.items()},
+            Layout.replicated(key.ndim),
+            tuple(_layout(self.batch_spec, x.ndim) if hasattr(x, "ndim") else None for x in batch),
+        )
+        return jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, Layout))
+
+    def forward(self, training: bool, global_args) -> Callable:
+        """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
+        returns the per-device function: local params, buffers, key, batch -> loss, buffers."""
+
+        def apply(params, buffers, key, batch):
+            return self.model.apply(params, buffers, key, batch, training=training)
+
+        closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
+        layouts = self._input_layouts(*global_args)
+        avals = jax.tree.leaves(global_args)
+
+        def local(params, buffers, key, batch):
+            leaves = jax.tree.leaves((params, buffers, key, batch))
+            ins = [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(leaves, layouts, avals)]
+            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths())
+            outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins)
+            outs = [C.replicate(self.ctx, o).value for o in outs]
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+        return local
+
+
+def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
+          param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync):
+    """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
+    program = Program(model, mesh, param_specs, batch_spec)
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
+                 for n in param_specs}
+
+    def batch_specs(batch):
+        return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
+
+    def train_step(state: TrainState, batch: tuple):
+        global_args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                   ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+        forward = program.forward(True, global_args)
+
+        def per_device(state: TrainState, batch):
+            key = jax.random.fold_in(state.key, state.step)
+
+            def loss_of(params):
+                return forward({**params, **state.frozen}, state.buffers, key, batch)
+
+            params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
+                      for n, p in state.params.items()}
+            (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            grads = gradient_sync.sync(grads, grad_axes, sync)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+            return TrainState(new_params, state.frozen, {**state.buffers, **buffers}, opt_state,
+                              state.step + 1, state.key), loss
+
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch)),
+                               out_specs=(specs, PartitionSpec()), check_vma=True)
+        return mapped(state, batch)
+
+    def eval_step(state: TrainState, batch: tuple):
+        global_args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                   ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+        forward = program.forward(False, global_args)
+
+        def per_device(state: TrainState, batch):
+            key = jax.random.fold_in(state.key, state.step)
+            loss, _ = forward({**state.params, **state.frozen}, state.buffers, key, batch)
+            return loss
+
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch)),
+                               out_specs=PartitionSpec(), check_vma=True)
+        return mapped(state, batch)
+
+    train = jax.jit(train_step, out_shardings=(shardings, jax.sharding.NamedSharding(mesh, PartitionSpec())),
+                    donate_argnums=0)
+    return train, jax.jit(eval_step), program
