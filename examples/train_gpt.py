@@ -1,0 +1,86 @@
+"""Train a small GPT with xtrain, data parallel, on text that ships with Python.
+
+    python examples/train_gpt.py                          # 8 emulated CPU devices, one process
+    torchrun --nproc_per_node=2 examples/train_gpt.py     # the same script, 2 processes x 4 devices
+
+The model (gpt_model.py) is plain PyTorch; xtrain traces it to JAX and compiles one training
+step for the whole mesh. Every process builds the same model (same seed) and passes the same
+global batch; xtrain feeds each process's devices their slices.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import xtrain
+from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=32, help="global batch (sequences per step, all processes)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="emulated CPU devices in the whole job (CPU only; ignored on GPU/Trainium)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    return p.parse_args(argv)
+
+
+def train(step, tokens: np.ndarray, args, show: bool) -> tuple[list[float], list[float]]:
+    """Runs `args.steps` steps; returns (losses, seconds per step)."""
+    rng = np.random.default_rng(args.seed)  # same stream in every process: same global batch
+    losses, seconds = [], []
+    bar = tqdm(range(args.steps), disable=not show, desc="train", unit="step")
+    for _ in bar:
+        x, y = sample_batch(tokens, rng, args.batch, args.seq)
+        start = time.perf_counter()
+        loss = step(x, y)["loss"]  # a python float: the step has finished
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{args.batch * args.seq / seconds[-1]:,.0f}")
+    return losses, seconds
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    xtrain.init(cpu_devices=args.cpu_devices)  # first: emulated devices, jax.distributed
+    import jax
+
+    show = jax.process_index() == 0
+    torch.manual_seed(args.seed)  # identical initial weights in every process
+    cfg = GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads,
+                    dropout=args.dropout)
+    model = GPT(cfg)
+    mesh = xtrain.Mesh(data=-1)
+    step = xtrain.compile(model, mesh,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    train_tokens, val_tokens = split_corpus(default_corpus())
+    if show:
+        print(f"GPT {model.num_params() / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "
+              f"devices in {jax.process_count()} process(es), mesh data={jax.device_count()}, "
+              f"global batch {args.batch} x {args.seq} tokens, {len(train_tokens):,} training bytes", flush=True)
+
+    losses, seconds = train(step, train_tokens, args, show)
+    x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
+    eval_loss = step.eval(x, y)["loss"]
+    timed = seconds[1:] or seconds  # the first step includes compilation
+    tokens_per_s = args.batch * args.seq * len(timed) / sum(timed)
+    if show:
+        print(f"done: steps={args.steps} first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
+              f"eval_loss={eval_loss:.4f} tokens_per_s={tokens_per_s:.0f} "
+              f"compile_s={seconds[0]:.1f} median_step_ms={1e3 * statistics.median(timed):.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The main example (examples/train_gpt.py) runs end to end and its loss falls."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--batch", "16", "--seq", "32", "--lr", "1e-2"]
+# Launcher variables would turn the child into a rank of some other job.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def final_line(stdout: str) -> dict[str, float]:
+    """{"first_loss": ..., "last_loss": ..., ...} from the example's closing `done: k=v ...` line."""
+    lines = [line for line in stdout.splitlines() if line.startswith("done:")]
+    assert lines, f"no 'done:' line in the example's output:\n{stdout}"
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([-+.\deE]+)", lines[-1])}
+
+
+def test_train_gpt_runs_and_loss_falls():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *TINY], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    done = final_line(proc.stdout)
+    assert done["steps"] == 8
+    assert done["last_loss"] < done["first_loss"] - 0.5, done
+    assert done["eval_loss"] < done["first_loss"], done
+    assert done["tokens_per_s"] > 0
