@@ -20,7 +20,10 @@ LossFn = Callable[..., Any]
 
 @functools.cache
 def torchax_env() -> torchax.tensor.Environment:
-    env = torchax.default_env()
+    # The environment draws a PRNG key when built; built inside the first trace, that key
+    # would be a tracer cached (leaked) past the trace and an equation of that graph only.
+    with jax.ensure_compile_time_eval():
+        env = torchax.default_env()
     torch_ops.install(env)
     return env
 
