@@ -1,0 +1,201 @@
+"""What one instance holds: chips, cores, memory and links, and the mesh that follows them.
+
+Numbers for trn1/trn1n/trn2 come from /work/shared/docs/PLATFORM.md ("Trainium (Neuron)",
+itself gathered from the AWS Neuron docs); numbers PLATFORM.md does not give are marked with
+their own source. The GPU rows exist so p4d/p5-shaped meshes can be emulated the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+GIB = 2**30
+
+# PLATFORM.md: "Within a trn1 node, replica groups of size 1, 2, (4), 8 or 32 starting at a core
+# index that is a multiple of the size." The docs print 4 in parentheses (allowed, but marked
+# apart); it is accepted here. 16 is not in the list.
+TRN1_GROUP_SIZES = (1, 2, 4, 8, 32)
+
+
+class Backend(str, enum.Enum):
+    NEURON = "neuron"
+    CUDA = "cuda"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InstanceTopology:
+    """One instance type.
+
+    Attributes:
+        name: EC2 instance type, e.g. "trn1.32xlarge".
+        backend: the PJRT backend its accelerators use.
+        chips: accelerator chips (Trainium chips or GPUs) per instance.
+        cores_per_chip: physical cores per chip (NeuronCores; 1 for a GPU).
+        logical_core_size: physical cores fused into one device JAX sees (trn2's LNC=2).
+        hbm_gib_per_chip: HBM capacity per chip, GiB.
+        hbm_gib_s_per_chip: HBM bandwidth per chip, GiB/s (None: not known here).
+        interconnect: links between the chips of one instance.
+        efa_gbit_s: EFA bandwidth of the instance, Gbit/s (0: no EFA).
+        compiler_target: neuronx-cc --target (None for GPUs).
+        node_group_sizes: replica-group sizes a collective may use inside one instance (None:
+            no known restriction).
+    """
+
+    name: str
+    backend: Backend
+    chips: int
+    cores_per_chip: int
+    logical_core_size: int = 1
+    hbm_gib_per_chip: float
+    hbm_gib_s_per_chip: float | None
+    interconnect: str
+    efa_gbit_s: int
+    compiler_target: str | None = None
+    node_group_sizes: tuple[int, ...] | None = None
+
+    @property
+    def devices_per_chip(self) -> int:
+        """Devices JAX shows per chip (NeuronCores, logical cores on trn2, 1 per GPU)."""
+        return self.cores_per_chip // self.logical_core_size
+
+    @property
+    def devices(self) -> int:
+        """Devices JAX shows per instance."""
+        return self.chips * self.devices_per_chip
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return int(self.hbm_gib_per_chip * GIB) // self.devices_per_chip
+
+
+INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
+    InstanceTopology(
+        name="trn1.2xlarge", backend=Backend.NEURON, compiler_target="trn1",
+        chips=1, cores_per_chip=2,            # PLATFORM.md: 1 chip x 2 NeuronCores
+        hbm_gib_per_chip=32,                  # PLATFORM.md: 32 GiB
+        hbm_gib_s_per_chip=820,               # PLATFORM.md: the same Trainium chip as trn1.32xlarge, 820 GiB/s
+        interconnect="none (one chip)",
+        efa_gbit_s=0,                         # not in PLATFORM.md; AWS trn1 page: no EFA, up to 12.5 Gbps ENA
+        node_group_sizes=(1, 2),              # TRN1_GROUP_SIZES that fit 2 cores
+    ),
+    InstanceTopology(
+        name="trn1.32xlarge", backend=Backend.NEURON, compiler_target="trn1",
+        chips=16, cores_per_chip=2,           # PLATFORM.md: 16 chips x 2 NeuronCore-v2
+        hbm_gib_per_chip=32,                  # PLATFORM.md: 32 GiB HBM per chip
+        hbm_gib_s_per_chip=820,               # PLATFORM.md: 820 GiB/s
+        interconnect="NeuronLink-v2 2D torus",  # PLATFORM.md: 2D torus
+        efa_gbit_s=800,                       # PLATFORM.md: 800 Gbps EFA
+        node_group_sizes=TRN1_GROUP_SIZES,
+    ),
+    InstanceTopology(
+        name="trn1n.32xlarge", backend=Backend.NEURON, compiler_target="trn1n",
+        chips=16, cores_per_chip=2,           # PLATFORM.md: "the same" as trn1.32xlarge
+        hbm_gib_per_chip=32,                  # PLATFORM.md: the same
+        hbm_gib_s_per_chip=820,               # PLATFORM.md: the same
+        interconnect="NeuronLink-v2 2D torus",  # PLATFORM.md: the same
+        efa_gbit_s=1600,                      # PLATFORM.md: 1600 Gbps
+        node_group_sizes=TRN1_GROUP_SIZES,
+    ),
+    InstanceTopology(
+        name="trn2.48xlarge", backend=Backend.NEURON, compiler_target="trn2",
+        chips=16, cores_per_chip=8,           # PLATFORM.md: 16 chips x 8 cores
+        logical_core_size=2,                  # PLATFORM.md: 64 logical cores at LNC=2
+        hbm_gib_per_chip=96,                  # PLATFORM.md: 96 GiB per chip
+        hbm_gib_s_per_chip=None,              # not in PLATFORM.md
+        interconnect="NeuronLink-v3 2D torus",  # not in PLATFORM.md (AWS trn2 page)
+        efa_gbit_s=3200,                      # PLATFORM.md: 3.2 Tbps
+    ),
+    InstanceTopology(
+        name="p4d.24xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # not in PLATFORM.md; AWS P4d page: 8 x A100
+        hbm_gib_per_chip=40,                  # AWS P4d page: 40 GB HBM2 per A100 (320 GB total)
+        hbm_gib_s_per_chip=1448,              # NVIDIA A100 40GB datasheet: 1,555 GB/s = 1448 GiB/s
+        interconnect="NVLink 3 through NVSwitch, 600 GB/s per GPU",  # AWS P4d page
+        efa_gbit_s=400,                       # AWS P4d page: 400 Gbps EFA
+    ),
+    InstanceTopology(
+        name="p5.48xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # not in PLATFORM.md; AWS P5 page: 8 x H100
+        hbm_gib_per_chip=80,                  # AWS P5 page: 80 GB HBM3 per H100 (640 GB total)
+        hbm_gib_s_per_chip=3120,              # NVIDIA H100 SXM datasheet: 3.35 TB/s = 3120 GiB/s
+        interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page
+        efa_gbit_s=3200,                      # AWS P5 page: 3200 Gbps EFA
+    ),
+)}
+
+
+def instance(name: str | InstanceTopology) -> InstanceTopology:
+    """The topology of an instance type ("trn1.32xlarge"; SageMaker's "ml." prefix is allowed)."""
+    if isinstance(name, InstanceTopology):
+        return name
+    key = name[3:] if name.startswith("ml.") else name
+    if key not in INSTANCES:
+        raise ValueError(f"unknown instance type {name!r}; known: {', '.join(INSTANCES)}")
+    return INSTANCES[key]
+
+
+def parse_cluster(spec: str) -> tuple[InstanceTopology, int]:
+    """'trn1.32xlarge:2' -> (trn1.32xlarge, 2 nodes); a bare name means one node."""
+    name, _, count = spec.partition(":")
+    if count and not (count.isdigit() and int(count) >= 1):
+        raise ValueError(f"cluster spec {spec!r}: the node count after ':' must be a positive "
+                         "integer, e.g. 'trn1.32xlarge:2'")
+    return instance(name), int(count or 1)
+
+
+def physical_axes(topology: str | InstanceTopology, nodes: int = 1) -> dict[str, int]:
+    """Mesh axes in the order devices are numbered: node, then chip, then core.
+
+    Trainium: {"node": n, "chip": 16, "core": 2} for trn1.32xlarge (4 logical cores per chip
+    on trn2); GPUs: {"node": n, "gpu": 8}.
+    """
+    t = instance(topology)
+    if t.backend is Backend.CUDA:
+        return {"node": nodes, "gpu": t.chips}
+    return {"node": nodes, "chip": t.chips, "core": t.devices_per_chip}
+
+
+def mesh_axes(topology: str | InstanceTopology, nodes: int = 1, *, tensor: int = 1,
+              pipe: int = 1) -> dict[str, int]:
+    """Logical axes {"data", "pipe", "tensor"} laid over the physical layout.
+
+    Devices are numbered node-major (node, chip, core) and the last mesh axis varies fastest,
+    so "tensor" (the chattiest axis) takes neighbouring cores inside one instance, "pipe" the
+    next ones and "data" the rest, across nodes. Axes of size 1 are kept so a plan can always
+    name them.
+
+    Args:
+        topology: instance type or its topology.
+        nodes: instances in the job.
+        tensor: tensor-parallel degree; must divide the devices of one instance.
+        pipe: pipeline stages.
+
+    Returns:
+        {"data": d, "pipe": p, "tensor": t} with d * p * t = nodes * devices per instance.
+    """
+    t = instance(topology)
+    if t.node_group_sizes and tensor not in t.node_group_sizes:
+        raise ValueError(f"tensor={tensor} is not a replica-group size {t.name} supports inside a node "
+                         f"({', '.join(map(str, t.node_group_sizes))}); pick one of those")
+    if t.devices % tensor:
+        raise ValueError(f"tensor={tensor} does not divide the {t.devices} devices of one {t.name}; "
+                         "tensor parallelism stays inside an instance: use a size that divides "
+                         f"{t.devices}")
+    total = nodes * t.devices
+    if total % (tensor * pipe):
+        raise ValueError(f"tensor={tensor} x pipe={pipe} does not divide the {total} devices of "
+                         f"{nodes} x {t.name}; choose sizes whose product divides {total}")
+    return {"data": total // (tensor * pipe), "pipe": pipe, "tensor": tensor}
+
+
+def describe(topology: str | InstanceTopology) -> str:
+    t = instance(topology)
+    bandwidth = f"{t.hbm_gib_s_per_chip:g} GiB/s" if t.hbm_gib_s_per_chip else "bandwidth n/a"
+    return (f"{t.name}: {t.chips} chips x {t.cores_per_chip} cores "
+            f"({t.devices} devices), {t.hbm_gib_per_chip:g} GiB HBM per chip ({bandwidth}), "
+            f"{t.interconnect}, EFA {t.efa_gbit_s} Gbit/s")
+
+
+def total_devices(topology: str | InstanceTopology, nodes: int = 1) -> int:
+    return math.prod(physical_axes(topology, nodes).values())
