@@ -1,0 +1,69 @@
+"""The torchax pin works with the installed torch: a broken pin fails here, loudly, first.
+
+torchax release 0.0.13 fails to import with torch >= 2.13 (PLATFORM.md); pyproject.toml pins a
+nightly verified with torch 2.13.
+"""
+import importlib.metadata
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from packaging.requirements import Requirement
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+
+
+def project_dependencies() -> list[str]:
+    # A regex, not tomllib: tomllib is Python >= 3.11 and xtrain supports 3.10.
+    block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", PYPROJECT.read_text(), re.S | re.M)
+    assert block, f"no [project] dependencies list in {PYPROJECT}"
+    return re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)
+
+
+def requirement(name: str) -> Requirement:
+    deps = project_dependencies()
+    found = [Requirement(d) for d in deps if Requirement(d).name == name]
+    assert len(found) == 1, f"pyproject.toml should list {name} once in [project].dependencies: {deps}"
+    return found[0]
+
+
+def test_torchax_is_the_pinned_build():
+    pin = requirement("torchax")
+    pinned = re.fullmatch(r"==(\S+)", str(pin.specifier))
+    assert pinned, f"torchax must be pinned to one known-good build (==version), got {pin}"
+    import torchax  # noqa: F401  (an import error with this torch is the failure this guards)
+
+    installed = importlib.metadata.version("torchax")
+    assert installed == pinned.group(1), f"installed torchax {installed}, pyproject.toml pins {pin}"
+
+
+def test_installed_torch_satisfies_its_constraint():
+    pin = requirement("torch")
+    installed = importlib.metadata.version("torch")
+    assert pin.specifier.contains(installed, prereleases=True), f"installed torch {installed} is outside {pin}"
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x)).softmax(-1).pow(2).sum()
+
+
+def test_torch_function_through_torchax_matches_torch():
+    import torchax
+
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(5, 6)
+    weights, fn = torchax.extract_jax(model)
+    value, grads = jax.value_and_grad(fn)(weights, (jnp.asarray(x.numpy()),))
+    expected = model(x)
+    expected.backward()
+    np.testing.assert_allclose(float(value), expected.item(), rtol=1e-6)
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(np.asarray(grads[name]), param.grad.numpy(), atol=1e-6, err_msg=name)
