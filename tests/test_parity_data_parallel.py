@@ -37,11 +37,25 @@ def case(name):
     return model, make_opt, batches, torch_reference(model, make_opt, batches)
 
 
+@functools.cache
+def trained(name, mesh, lowering):
+    model, make_opt, batches, reference = case(name)
+    # Mesh(data=2, rest=4): the batch splits over data only, the other axis replicates.
+    return run_parity(model, make_opt, batches, xtrain.Mesh(**MESHES[mesh]), reference=reference,
+                      lowering=lowering)
+
+
+@pytest.mark.parametrize("lowering", ["explicit", "xla"])
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("name", CASES)
-def test_parity(name, mesh):
-    model, make_opt, batches, reference = case(name)
-    axes = MESHES[mesh]
-    # Mesh(data=2, rest=4): the batch splits over data only, the other axis replicates.
-    result = run_parity(model, make_opt, batches, xtrain.Mesh(**axes), reference=reference)
-    assert_parity(result)
+def test_parity(name, mesh, lowering):
+    assert_parity(trained(name, mesh, lowering))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_explicit_and_xla_lowerings_agree(name):
+    explicit, xla = trained(name, "data8", "explicit"), trained(name, "data8", "xla")
+    assert max(abs(a - b) / abs(b) for a, b in zip(explicit.losses, xla.losses)) <= 1e-5
+    for key, value in xla.state.items():
+        if value.is_floating_point():
+            assert float((explicit.state[key] - value).abs().max()) <= explicit.param_atol, key

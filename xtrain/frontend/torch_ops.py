@@ -7,8 +7,10 @@ running buffers in place, as eager torch does.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import torch
 import torchax
+from torchax.ops import ops_registry
 
 aten = torch.ops.aten
 
@@ -43,6 +45,23 @@ def _legit_no_stats(input, weight, bias, training, momentum, eps):
     return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
 
 
+def _gather(input, dim, index):
+    """torch.gather as jnp.take_along_axis: a gather whose batch correspondence is explicit
+    in its dimension numbers (operand_batching_dims), where torchax's lowering builds global
+    row indices from an iota. The explicit lowering can then gather on each device's shard
+    (e.g. cross-entropy's pick of the target logit) instead of gathering the whole operand."""
+    if input.ndim == 0:
+        return jnp.broadcast_to(input, index.shape)
+    dim = dim % input.ndim
+    # torch allows index to be smaller than input in the other dims: cut input to match
+    input = input[tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))]
+    return jnp.take_along_axis(input, index, axis=dim, mode="clip")
+
+
+_JAX_OVERRIDES = {
+    aten.gather.default: _gather,
+}
+
 _OVERRIDES = {
     aten.native_batch_norm.default: _batch_norm,
     aten._native_batch_norm_legit.default: _batch_norm,
@@ -55,3 +74,6 @@ def install(env: torchax.tensor.Environment) -> None:
     """Registers xtrain's op overrides on a torchax environment (idempotent)."""
     for op, impl in _OVERRIDES.items():
         env.override_op_definition(op, impl)
+    for op, impl in _JAX_OVERRIDES.items():
+        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
+                                             needs_env=False, is_view_op=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -68,7 +69,8 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
             g = grads[name]
             by_axes.setdefault(axes[name], {})[name] = int(np.prod(g.shape)) * g.dtype.itemsize
     for group_axes, sizes in by_axes.items():
-        for bucket in buckets(sizes, config.bucket_bytes):
-            for name, value in zip(bucket, _all_reduce([grads[n] for n in bucket], group_axes, config.comm_dtype)):
-                out[name] = value
+        for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):
+            with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
+                reduced = _all_reduce([grads[n] for n in bucket], group_axes, config.comm_dtype)
+            out.update(zip(bucket, reduced))
     return out
