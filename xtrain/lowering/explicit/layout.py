@@ -19,6 +19,10 @@ class Layout:
     dims: tuple[Axes, ...]
     partial: Axes = ()
 
+    def __post_init__(self):
+        used = self.split_axes() + tuple(self.partial)
+        assert len(set(used)) == len(used), f"mesh axis used twice in layout {self}"
+
     @staticmethod
     def replicated(ndim: int) -> "Layout":
         return Layout(((),) * ndim)

@@ -72,9 +72,9 @@ LINEAR_UNARY = {"neg", "copy", "copy_p", "reduce_precision", "real", "imag", "co
 ADDITIVE = {"add", "sub", "add_any"}
 
 
-def _align(ctx: Context, args, out_shape: tuple) -> tuple[list[Sharded], tuple]:
-    """Brings operands to one dims layout. Each output dim takes the split of the most split
-    operand that has that dim at full size; size-1 (broadcasting) dims stay whole."""
+def _target_dims(args, out_shape: tuple) -> tuple:
+    """Each output dim takes the split of the most split operand that has that dim at full
+    size; size-1 (broadcasting) dims stay whole."""
     ranked = sorted((a for a in args if a.ndim), key=lambda a: -len(a.layout.split_axes()))
     dims, used = [], set()
     for d, size in enumerate(out_shape):
@@ -82,6 +82,15 @@ def _align(ctx: Context, args, out_shape: tuple) -> tuple[list[Sharded], tuple]:
                       and not set(a.layout.dims[d]) & used), ())
         used.update(split)
         dims.append(split)
+    return tuple(dims)
+
+
+def _align(ctx: Context, args, out_shape: tuple) -> tuple[list[Sharded], tuple]:
+    """Brings operands to one dims layout (`_target_dims`); a partial sum over an axis that
+    the result is split on is resolved first (an addend's slice is not a slice's addend)."""
+    dims = _target_dims(args, out_shape)
+    split = {a for d in dims for a in d}
+    args = [C.resolve(ctx, a, tuple(set(a.layout.partial) & split)) for a in args]
     out = []
     for a in args:
         want = tuple(dims[d] if a.shape[d] == out_shape[d] else () for d in range(a.ndim))
@@ -108,10 +117,11 @@ def _partial_after(prim: str, args) -> tuple | None:
 def elementwise(ctx: Context, eqn, args):
     """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear."""
     keep = _partial_after(str(eqn.primitive), args)
-    if keep is None:
+    out_shape = tuple(_out_avals(eqn)[0].shape)
+    if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
         args = C.resolve_all(ctx, args)
         keep = ()
-    args, dims = _align(ctx, args, tuple(_out_avals(eqn)[0].shape))
+    args, dims = _align(ctx, args, out_shape)
     outs = _bind(eqn, [a.value for a in args])
     return _wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in _out_avals(eqn)])
 
@@ -299,12 +309,21 @@ def _match_pairs(ctx, lhs, rhs, pairs):
         a, b = lhs.layout.dims[l], rhs.layout.dims[r]
         if a == b:
             continue
-        if a and not b and not set(a) & set(rhs.layout.split_axes()):
+        if a and not b and not set(a) & set(rhs.layout.split_axes() + rhs.layout.partial):
             rhs = C.split_dim(ctx, rhs, r, a)
-        elif b and not a and not set(b) & set(lhs.layout.split_axes()):
+        elif b and not a and not set(b) & set(lhs.layout.split_axes() + lhs.layout.partial):
             lhs = C.split_dim(ctx, lhs, l, b)
         else:
             lhs, rhs = C.gather_dim(ctx, lhs, l), C.gather_dim(ctx, rhs, r)
+    return lhs, rhs
+
+
+def _no_partial_clash(ctx, lhs, rhs):
+    """An operand's pending sum over an axis the other operand is split on is resolved."""
+    if set(lhs.layout.partial) & set(rhs.layout.split_axes()):
+        lhs = C.resolve(ctx, lhs)
+    if set(rhs.layout.partial) & set(lhs.layout.split_axes()):
+        rhs = C.resolve(ctx, rhs)
     return lhs, rhs
 
 
@@ -315,7 +334,9 @@ def dot_general(ctx: Context, eqn, args):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     if lhs.layout.partial and rhs.layout.partial:
         rhs = C.resolve(ctx, rhs)
+    lhs, rhs = _no_partial_clash(ctx, lhs, rhs)
     lhs, rhs = _match_pairs(ctx, lhs, rhs, list(zip(lb, rb)) + list(zip(lc, rc)))
+    lhs, rhs = _no_partial_clash(ctx, lhs, rhs)
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     used = {a for d in list(lb) + list(lc) + lfree for a in lhs.layout.dims[d]}

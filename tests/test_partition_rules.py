@@ -1,0 +1,219 @@
+"""Differential fuzzer of the explicit lowering's partition rules.
+
+For each rule: random operand shapes and random valid layouts (splits over mesh axes, and
+pending partial sums); the function run partitioned must equal the function run whole.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from xtrain.lowering.explicit.check import run_partitioned
+from xtrain.lowering.explicit.layout import Layout
+from xtrain.lowering.explicit.rules import RULES
+
+SIZES = {"a": 2, "b": 4}
+DIMS = (2, 4, 8, 6, 12)
+
+
+@functools.cache
+def mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+
+
+def random_layout(rng, shape, partial_ok=True) -> Layout:
+    """Each dim split by at most one unused axis that divides it; maybe a partial axis."""
+    free, dims = list(SIZES), []
+    for size in shape:
+        options = [a for a in free if size % SIZES[a] == 0]
+        axis = rng.choice(options + [None] * 2) if options else None
+        dims.append((axis,) if axis else ())
+        if axis:
+            free.remove(axis)
+    partial = (rng.choice(free),) if partial_ok and free and rng.random() < 0.3 else ()
+    return Layout(tuple(dims), partial)
+
+
+def rand_shape(rng, rank):
+    return tuple(int(rng.choice(DIMS)) for _ in range(rank))
+
+
+def check_many(cases, partial_ok=True, tol=1e-4):
+    """Runs many (fn, args, rng) cases as one partitioned program (one compile), then
+    compares each case's outputs with the whole computation."""
+    fns, args, layouts, spans = [], [], [], []
+    for fn, case_args, rng in cases:
+        spans.append((len(args), len(args) + len(case_args)))
+        fns.append(fn)
+        args += case_args
+        layouts += [random_layout(rng, np.shape(a), partial_ok and np.issubdtype(a.dtype, np.floating))
+                    for a in case_args]
+
+    def combined(*flat):
+        return [jax.tree.leaves(f(*flat[lo:hi])) for f, (lo, hi) in zip(fns, spans)]
+
+    got, ctx = run_partitioned(combined, args, layouts, mesh())
+    want = combined(*args)
+    got_iter = iter(got)
+    for index, (outs, (lo, hi)) in enumerate(zip(want, spans)):
+        for w in outs:
+            np.testing.assert_allclose(next(got_iter), np.asarray(w), rtol=tol, atol=tol,
+                                       err_msg=f"case {index}, layouts {[str(l) for l in layouts[lo:hi]]}")
+    return ctx
+
+
+def normal(rng, shape):
+    return rng.normal(size=shape).astype(np.float32)
+
+
+UNARY = [jnp.tanh, jnp.exp, jnp.negative, jax.nn.relu, jax.nn.sigmoid, lax.rsqrt, jnp.square,
+         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), lambda x: x ** 3, jax.lax.stop_gradient]
+BINARY = [jnp.add, jnp.subtract, jnp.multiply, jnp.maximum, lambda x, y: x / (jnp.abs(y) + 1),
+          lambda x, y: jnp.where(x > y, x, y)]
+
+
+def case_unary(rng):
+    x = normal(rng, rand_shape(rng, rng.integers(1, 4)))
+    f = UNARY[rng.integers(len(UNARY))]
+    if f is lax.rsqrt:
+        x = np.abs(x) + 1
+    return f, [x]
+
+
+def case_binary(rng):
+    shape = rand_shape(rng, rng.integers(1, 4))
+    other = tuple(1 if rng.random() < 0.3 else s for s in shape)  # size-1 dims broadcast
+    return BINARY[rng.integers(len(BINARY))], [normal(rng, shape), normal(rng, other)]
+
+
+def case_reduce(rng):
+    x = normal(rng, rand_shape(rng, rng.integers(1, 4)))
+    axes = tuple(sorted(rng.choice(x.ndim, rng.integers(1, x.ndim + 1), replace=False).tolist()))
+    reducer = [jnp.sum, jnp.max, jnp.min, jnp.mean][rng.integers(4)]
+    if rng.random() < 0.2:
+        return (lambda x: jnp.argmax(x, axis=axes[0])), [x]
+    return (lambda x: reducer(x, axis=axes)), [x]
+
+
+def _factor_pairs(n):
+    return [(d, n // d) for d in range(1, n + 1) if n % d == 0]
+
+
+def case_reshape(rng):
+    shape = rand_shape(rng, rng.integers(2, 4))
+    if rng.random() < 0.5:  # merge two neighbouring dims
+        i = rng.integers(shape.__len__() - 1)
+        new = shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:]
+    else:  # split one dim
+        i = rng.integers(len(shape))
+        a, b = _factor_pairs(shape[i])[rng.integers(len(_factor_pairs(shape[i])))]
+        new = shape[:i] + (a, b) + shape[i + 1:]
+    return (lambda x: jnp.reshape(x, new) * 2), [normal(rng, shape)]
+
+
+def case_transpose(rng):
+    x = normal(rng, rand_shape(rng, rng.integers(2, 4)))
+    perm = tuple(rng.permutation(x.ndim).tolist())
+    return (lambda x: jnp.transpose(x, perm) + 1), [x]
+
+
+def case_broadcast(rng):
+    shape = rand_shape(rng, rng.integers(1, 3))
+    lead = int(rng.choice(DIMS))
+    return (lambda x: jnp.broadcast_to(x[None], (lead,) + shape) * 3), [normal(rng, shape)]
+
+
+EINSUMS = ["ij,jk->ik", "bij,bjk->bik", "ij,kj->ik", "bti,io->bto", "ij,ij->i", "bhtd,bhsd->bhts", "i,i->"]
+
+
+def _einsum_shapes(rng, spec):
+    letters = {c: int(rng.choice(DIMS)) for c in set(spec) if c.isalpha()}
+    ins = spec.split("->")[0].split(",")
+    return [tuple(letters[c] for c in s) for s in ins]
+
+
+def case_dot(rng):
+    spec = EINSUMS[rng.integers(len(EINSUMS))]
+    return (lambda x, y: jnp.einsum(spec, x, y)), [normal(rng, s) for s in _einsum_shapes(rng, spec)]
+
+
+def case_conv(rng):
+    x = normal(rng, (int(rng.choice([2, 4, 8])), 3, 6, 6))
+    w = normal(rng, (4, 3, 3, 3))
+    return (lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))), [x, w]
+
+
+def case_gather(rng):
+    b, n = int(rng.choice(DIMS)), int(rng.choice(DIMS))
+    if rng.random() < 0.5:  # embedding lookup
+        table, idx = normal(rng, (n, 4)), rng.integers(0, n, size=(b, 2)).astype(np.int32)
+        return (lambda t, i: jnp.take(t, i, axis=0)), [table, idx]
+    logits, target = normal(rng, (b, n)), rng.integers(0, n, size=(b, 1)).astype(np.int32)
+    return (lambda x, t: jnp.take_along_axis(x, t, axis=1)), [logits, target]
+
+
+def case_structural(rng):
+    x = normal(rng, rand_shape(rng, 2))
+    ops = [
+        lambda x: jnp.concatenate([x, 2 * x], axis=1),
+        lambda x: x[:, 1:],
+        lambda x: jnp.pad(x, ((0, 0), (1, 2))),
+        lambda x: lax.dynamic_slice(x, (0, 1), (x.shape[0], 1)),
+        lambda x: jnp.cumsum(x, axis=1),
+        lambda x: jnp.squeeze(x[:, :1], 1),
+        lambda x: jax.nn.softmax(x, axis=-1),
+        lambda x: jax.nn.logsumexp(x, axis=0),
+    ]
+    return ops[rng.integers(len(ops))], [x]
+
+
+def case_call(rng):
+    shape = rand_shape(rng, 2)
+    inner = jax.jit(lambda x, y: jnp.tanh(x) @ y.T)
+    return (lambda x, y: inner(x, y).sum(0)), [normal(rng, shape), normal(rng, shape)]
+
+
+CASES = {"unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
+         "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
+         "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call}
+PER_FAMILY = 32
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_rule_matches_whole_computation(family):
+    cases = []
+    for seed in range(PER_FAMILY):
+        rng = np.random.default_rng(seed)
+        fn, args = CASES[family](rng)
+        cases.append((fn, args, rng))
+    check_many(cases)
+
+
+def test_op_without_rule_runs_replicated_and_is_recorded():
+    x = normal(np.random.default_rng(0), (8, 6))
+    got, ctx = run_partitioned(lambda x: jnp.sort(x, axis=1) * 2, [x], [Layout((("a",), ()))], mesh())
+    np.testing.assert_allclose(got[0], np.sort(x, axis=1) * 2)
+    assert "sort" in ctx.fallbacks and "sort" not in RULES
+
+
+def test_data_parallel_matmul_emits_no_collective_until_output():
+    """Batch-split activations times a replicated weight stay local: the only collective is
+    the final gather the checker itself asks for."""
+    x, w = normal(np.random.default_rng(0), (8, 6)), normal(np.random.default_rng(1), (6, 4))
+    closed = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(x, w)
+    from xtrain.lowering.explicit.collectives import Context, Sharded
+    from xtrain.lowering.explicit.interpreter import interpret
+
+    def per_device(x, w):
+        ctx = Context(SIZES)
+        (out,) = interpret(ctx, closed.jaxpr, closed.consts,
+                           [Sharded(x, Layout((("a", "b"), ())), (8, 6), x.dtype), Sharded(w, Layout(((), ())), (6, 4), w.dtype)])
+        assert out.layout == Layout((("a", "b"), ()))
+        return out.value
+
+    program = jax.make_jaxpr(jax.shard_map(per_device, mesh=mesh(), in_specs=(jax.P(("a", "b")), jax.P()),
+                                           out_specs=jax.P(("a", "b")), check_vma=False))(x, w)
+    assert not [e for e in program.jaxpr.eqns[0].params["jaxpr"].eqns if "psum" in str(e.primitive) or "gather" in str(e.primitive)]
