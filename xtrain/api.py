@@ -35,7 +35,7 @@ def _jax_model(fn, params, optimizer):
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
-            lowering: str = "xla", grad_sync=None):
+            lowering: str = "explicit", grad_sync=None):
     """Compiles a model into a distributed training step.
 
     Args:
