@@ -1,5 +1,7 @@
-"""Process and device setup: launcher environments -> jax.distributed, backend detection."""
-from xtrain.runtime.launch import ProcessEnv, process_env
-from xtrain.runtime.devices import init, backend, job_devices
+"""Process and device setup: launcher environments -> jax.distributed, backend detection,
+compilation cache."""
+from xtrain.runtime.launch import Cluster, Launcher, ProcessEnv, process_env
+from xtrain.runtime.devices import init, backend, emulated_cluster, job_devices
 
-__all__ = ["ProcessEnv", "process_env", "init", "backend", "job_devices"]
+__all__ = ["Cluster", "Launcher", "ProcessEnv", "process_env", "init", "backend", "emulated_cluster",
+           "job_devices"]

@@ -1,21 +1,31 @@
-"""Backend detection and device setup, including CPU emulation of a cluster.
+"""Device setup: backend variables, emulated CPU clusters, jax.distributed, compilation cache.
 
-Emulated CPU devices must be requested before JAX initialises its backends, so `init` is
-the first xtrain call a script makes (`xtrain.compile` calls it with defaults otherwise).
+Emulated CPU devices and Neuron's variables must be in place before JAX initialises its
+backends, so `init` is the first xtrain call a script makes (`xtrain.compile` calls it with
+defaults otherwise). The order inside `init` is fixed:
+  1. read the launcher's environment (launch.process_env)
+  2. detect the backend without starting it (backends.detect_backend)
+  3. on Trainium, set the Neuron runtime variables the launcher implies
+  4. size the CPU device pool (explicit, or the emulated cluster's)
+  5. turn on the persistent compilation cache
+  6. start jax.distributed for multi-process jobs
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
+from xtrain.runtime import backends, cache
 from xtrain.runtime.launch import ProcessEnv, process_env
 
 log = logging.getLogger(__name__)
 
 # Preference order: Trainium's PJRT plugin, then CUDA, then the host CPU.
-BACKEND_ORDER = ("neuron", "cuda", "cpu")
+BACKEND_ORDER = backends.BACKEND_ORDER
+EMULATE_ENV = "XTRAIN_EMULATE"
 
-_state: dict = {"initialized": False, "process_env": None}
+_state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}}
 
 
 def _backends_started() -> bool:
@@ -41,13 +51,44 @@ def _request_cpu_devices(per_process: int) -> None:
     jax.config.update("jax_num_cpu_devices", per_process)
 
 
-def init(cpu_devices: int | None = None, env: ProcessEnv | None = None) -> ProcessEnv:
+def _emulated_cluster(spec: str | None, platform: str, cpu_devices: int | None):
+    if not spec:
+        return None
+    if platform != "cpu":
+        log.warning("emulate=%r ignored: this machine runs %s, not CPU", spec, platform)
+        return None
+    from neuron_support.emulate import virtual_cluster
+
+    return virtual_cluster(spec, devices=cpu_devices)
+
+
+def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
+    """Sets the backend's variables that the user has not set; returns what it set."""
+    if platform != "neuron":
+        return {}
+    wanted = backends.backend_env(platform, env, instance=backends.instance_type() or env.instance_type,
+                                  compile_cache=cache.neuron_cache_url())
+    applied = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(applied)
+    import jax
+
+    # PLATFORM.md: threefry is only partly supported on Neuron; rbg is. The variable alone is
+    # read when jax is imported, which may have happened already.
+    jax.config.update("jax_default_prng_impl", os.environ["JAX_DEFAULT_PRNG_IMPL"])
+    return applied
+
+
+def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
+         emulate: str | None = None) -> ProcessEnv:
     """Sets up devices and, under a multi-process launcher, jax.distributed. Idempotent.
 
     Args:
         cpu_devices: total number of emulated CPU devices in the job (split evenly over the
             processes). Only used when the job runs on CPU; ignored on GPU and Trainium.
         env: the process environment; read from the launcher's variables by default.
+        emulate: a cluster to fly on CPU, e.g. "trn1.32xlarge:2" (also XTRAIN_EMULATE): as
+            many CPU devices as the real cluster has, or `cpu_devices` of them scaled down
+            (see neuron_support.emulate). Ignored off CPU.
 
     Returns:
         The ProcessEnv this process runs in.
@@ -55,31 +96,60 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None) -> Proce
     if _state["initialized"]:
         return _state["process_env"]
     env = process_env() if env is None else env
+    platform = backends.detect_backend()
+    applied = _apply_backend_env(platform, env)
+    cluster = _emulated_cluster(emulate or os.environ.get(EMULATE_ENV), platform, cpu_devices)
+    if cluster is not None and cpu_devices is None:
+        cpu_devices = cluster.num_devices
     if cpu_devices is not None:
         if cpu_devices % env.num_processes:
             raise ValueError(
                 f"cpu_devices={cpu_devices} cannot be split over {env.num_processes} processes; "
                 f"use a multiple of {env.num_processes}")
         _request_cpu_devices(cpu_devices // env.num_processes)
+    _enable_cache()
     if env.is_multi_process:
-        _init_distributed(env)
-    _state.update(initialized=True, process_env=env)
+        _init_distributed(env, platform)
+    _state.update(initialized=True, process_env=env, cluster=cluster, backend_env=applied)
     return env
 
 
-def _init_distributed(env: ProcessEnv) -> None:
+def _enable_cache() -> None:
+    path = cache.jax_cache_dir()
+    if path is not None:
+        cache.enable_jax_cache(path)
+
+
+def local_device_ids(env: ProcessEnv, platform: str) -> list[int] | None:
+    """The GPUs this process owns when several processes share a node: `devices_per_process`
+    of them (one by default) from LOCAL_RANK on. None: every visible device (one process per
+    node, or a backend whose visibility is set through the environment, as Neuron's is)."""
+    if platform != "cuda" or env.local_world_size == 1:
+        return None
+    per = env.devices_per_process or 1
+    return list(range(env.local_rank * per, (env.local_rank + 1) * per))
+
+
+def _init_distributed(env: ProcessEnv, platform: str) -> None:
     import jax
 
     if _backends_started():
         raise RuntimeError(
             "JAX was used before xtrain.init() in a multi-process job; call xtrain.init() "
             "first so jax.distributed can be initialised")
-    log.info("jax.distributed.initialize(%s, %d, %d)", env.coordinator, env.num_processes, env.process_id)
+    ids = local_device_ids(env, platform)
+    kwargs = {"local_device_ids": ids} if ids is not None else {}
+    if ids is None and "cluster_detection_method" in inspect.signature(jax.distributed.initialize).parameters:
+        # Without this, jax re-reads Slurm/Open MPI variables and pins each process to the GPU
+        # of SLURM_LOCALID, which is 0 for every torchrun child of a one-task-per-node srun.
+        kwargs["cluster_detection_method"] = "deactivate"
+    log.info("jax.distributed.initialize(%s, %d, %d, %s)", env.coordinator, env.num_processes, env.process_id, kwargs)
     jax.distributed.initialize(
         coordinator_address=env.coordinator,
         num_processes=env.num_processes,
         process_id=env.process_id,
         initialization_timeout=120,
+        **kwargs,
     )
 
 
@@ -89,6 +159,11 @@ def backend() -> str:
 
     platform = jax.devices()[0].platform
     return "cuda" if platform == "gpu" else platform
+
+
+def emulated_cluster():
+    """The cluster `init(emulate=...)` flies on CPU (a neuron_support VirtualCluster), or None."""
+    return _state["cluster"]
 
 
 def job_devices() -> list:

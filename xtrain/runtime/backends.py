@@ -1,0 +1,145 @@
+"""Which accelerator this machine has, found before JAX starts, and what each backend needs.
+
+Detection order: the Neuron PJRT plugin (with a Neuron device present), then CUDA, then the
+CPU; XTRAIN_BACKEND (or JAX_PLATFORMS) overrides. Nothing here starts a JAX backend: the
+launcher (`xtrain run`) must count devices without taking them, and the Neuron variables
+must be in place before the plugin initialises.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+from typing import Callable, Mapping
+
+from xtrain.runtime.launch import ProcessEnv
+
+BACKEND_ORDER = ("neuron", "cuda", "cpu")
+NEURON_PLUGIN_MODULES = ("libneuronxla", "jax_neuronx")
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "jax_cuda12_plugin",
+                       "jax_cuda13_plugin")
+_PLATFORM_NAMES = {"neuron": "neuron", "cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}
+# On Nitro instances the DMI product name is the instance type ("trn1.32xlarge").
+DMI_PRODUCT_NAME = "/sys/devices/virtual/dmi/id/product_name"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _choose(value: str, source: str) -> str:
+    name = _PLATFORM_NAMES.get(value.strip().lower())
+    if name is None:
+        raise ValueError(f"{source}={value!r} names no backend xtrain runs on; use one of {', '.join(BACKEND_ORDER)}")
+    return name
+
+
+def detect_backend(env: Mapping[str, str] | None = None, *, has_module: Callable[[str], bool] = _has_module,
+                   exists: Callable[[str], bool] = os.path.exists) -> str:
+    """'neuron', 'cuda' or 'cpu', without starting JAX.
+
+    Args:
+        env: environment (os.environ by default): XTRAIN_BACKEND, else the first entry of
+            JAX_PLATFORMS, overrides detection.
+        has_module, exists: probes for installed plugins and device files (tests replace them).
+    """
+    env = os.environ if env is None else env
+    if env.get("XTRAIN_BACKEND"):
+        return _choose(env["XTRAIN_BACKEND"], "XTRAIN_BACKEND")
+    if env.get("JAX_PLATFORMS"):
+        return _choose(env["JAX_PLATFORMS"].split(",")[0], "JAX_PLATFORMS")
+    if any(map(has_module, NEURON_PLUGIN_MODULES)) and exists("/dev/neuron0"):
+        return "neuron"
+    if any(map(has_module, CUDA_PLUGIN_MODULES)) and exists("/dev/nvidia0"):
+        return "cuda"
+    return "cpu"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def instance_type(env: Mapping[str, str] | None = None, *,
+                  read: Callable[[str], str | None] = _read) -> str | None:
+    """The EC2 instance type: XTRAIN_INSTANCE_TYPE, SageMaker's SM_CURRENT_INSTANCE_TYPE, or the
+    DMI product name when it is an instance type xtrain knows."""
+    from neuron_support.topology import INSTANCES
+
+    env = os.environ if env is None else env
+    for name in ("XTRAIN_INSTANCE_TYPE", "SM_CURRENT_INSTANCE_TYPE"):
+        if env.get(name):
+            value = env[name]
+            return value[3:] if value.startswith("ml.") else value
+    product = read(DMI_PRODUCT_NAME)
+    return product if product in INSTANCES else None
+
+
+def _count_list(value: str) -> int:
+    """'0,1,3' -> 3; '0-31' -> 32 (CUDA_VISIBLE_DEVICES, NEURON_RT_VISIBLE_CORES)."""
+    total = 0
+    for item in filter(None, value.split(",")):
+        lo, _, hi = item.partition("-")
+        total += int(hi) - int(lo) + 1 if hi else 1
+    return total
+
+
+def local_device_count(backend: str, env: Mapping[str, str] | None = None, *,
+                       devices: Callable[[str], list[str]] = glob.glob) -> int | None:
+    """Accelerators on this node without starting JAX (None when it cannot tell)."""
+    env = os.environ if env is None else env
+    if backend == "cuda":
+        if "CUDA_VISIBLE_DEVICES" in env:
+            return _count_list(env["CUDA_VISIBLE_DEVICES"])
+        return len([p for p in devices("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)]) or None
+    if backend == "neuron":
+        if env.get("NEURON_RT_VISIBLE_CORES"):
+            return _count_list(env["NEURON_RT_VISIBLE_CORES"])
+        kind = instance_type(env)
+        if kind:
+            from neuron_support.topology import instance
+
+            return instance(kind).devices
+        return None
+    return 1
+
+
+def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
+                           local_devices: int | None = None) -> int:
+    """One process per GPU; on Trainium one per node or one per NeuronCore; else one."""
+    if backend == "cuda":
+        if not local_devices:
+            raise ValueError("no GPUs counted on this node (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+                             "pass --nproc-per-node")
+        return local_devices
+    if backend == "neuron" and layout == "process-per-core":
+        if not local_devices:
+            raise ValueError("cannot count the NeuronCores of this node; set XTRAIN_INSTANCE_TYPE "
+                             "(e.g. trn1.32xlarge) or pass --nproc-per-node")
+        return local_devices
+    return 1
+
+
+def neuron_layout(process: ProcessEnv) -> str:
+    """One process on the node: it owns every core; several: one core each."""
+    return "process-per-node" if process.local_world_size == 1 else "process-per-core"
+
+
+def backend_env(backend: str, process: ProcessEnv, *, instance: str | None,
+                compile_cache: str | None = None) -> dict[str, str]:
+    """Variables the backend needs before it starts (today: Neuron's; {} elsewhere)."""
+    if backend != "neuron":
+        return {}
+    if instance is None:
+        raise ValueError("on Trainium xtrain needs the instance type to map processes onto NeuronCores; "
+                         "set XTRAIN_INSTANCE_TYPE=trn1.32xlarge (or trn1.2xlarge, trn1n.32xlarge, trn2.48xlarge)")
+    from neuron_support.env import neuron_env
+
+    return neuron_env(process, instance, neuron_layout(process), compile_cache=compile_cache)
