@@ -1,0 +1,116 @@
+"""The `xtrain` command: `xtrain env` in a subprocess, `xtrain run`'s torchrun command line per
+backend and environment (pure), and real `xtrain run` launches on CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xtrain.cli import RunOptions, launch_command, launch_env
+from xtrain.runtime.launch import ProcessEnv, process_env
+
+TESTS = Path(__file__).resolve().parent
+SINGLE = ProcessEnv()
+PY = "/usr/bin/python3"
+
+
+def cli(*args, env=None, timeout=120):
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+                XTRAIN_CACHE_DIR="off", **(env or {}))
+    full = {k: v for k, v in full.items() if v is not None}  # None: unset
+    return subprocess.run([sys.executable, "-m", "xtrain.cli", *args], env=full, capture_output=True, text=True,
+                          timeout=timeout, cwd=TESTS)
+
+
+def command(opts, backend="cpu", local_devices=None, outer=SINGLE, port=40000):
+    cmd = launch_command(opts, backend=backend, local_devices=local_devices, outer=outer, python=PY, free_port=port)
+    assert cmd[:3] == [PY, "-m", "torch.distributed.run"]
+    flags = dict(zip(cmd[3:13:2], cmd[4:13:2]))
+    return flags, cmd[13:]
+
+
+def test_env_prints_backend_devices_and_process():
+    proc = cli("env")
+    assert proc.returncode == 0, proc.stderr
+    assert "backend: cpu" in proc.stdout and "devices: 8 x cpu" in proc.stdout  # conftest's 8 devices
+    assert "process: single" in proc.stdout and "Mesh(data=8)" in proc.stdout
+
+
+def test_env_emulated_trn1_cluster():
+    proc = cli("env", "--emulate", "trn1.32xlarge:2", env={"JAX_NUM_CPU_DEVICES": None})
+    assert proc.returncode == 0, proc.stderr
+    assert "devices: 64 x cpu" in proc.stdout and "node=2 x chip=16 x core=2" in proc.stdout
+    assert "NEURON_PJRT_PROCESSES_NUM_DEVICES=32,32" in proc.stdout and "FI_PROVIDER=efa" in proc.stdout
+
+
+def test_env_bad_emulate_names_the_choices():
+    proc = cli("env", "--emulate", "trn9.large", "--no-start")
+    assert proc.returncode == 2 and "unknown instance type 'trn9.large'; known: trn1.2xlarge" in proc.stderr
+
+
+def test_run_defaults_per_backend():
+    opts = RunOptions(script="train.py", args=("--steps", "5"))
+    flags, rest = command(opts, backend="cuda", local_devices=8)  # p4d: one process per GPU
+    assert flags == {"--nnodes": "1", "--nproc_per_node": "8", "--node_rank": "0",
+                     "--master_addr": "127.0.0.1", "--master_port": "40000"}
+    assert rest == ["train.py", "--steps", "5"]
+    assert command(opts, backend="neuron", local_devices=32)[0]["--nproc_per_node"] == "1"  # JAX recipe
+    per_core = RunOptions(script="train.py", layout="process-per-core")
+    assert command(per_core, backend="neuron", local_devices=32)[0]["--nproc_per_node"] == "32"
+    assert command(opts, backend="cpu")[0]["--nproc_per_node"] == "1"
+    assert command(RunOptions(script="t.py", nproc_per_node=3), backend="cuda", local_devices=8)[0][
+        "--nproc_per_node"] == "3"
+
+
+def test_run_multi_node_flags_and_environments():
+    opts = RunOptions(script="t.py", nnodes=4, node_rank=2, master_addr="10.0.0.1")
+    flags, _ = command(opts, backend="cuda", local_devices=8)
+    assert (flags["--nnodes"], flags["--node_rank"], flags["--master_addr"], flags["--master_port"]) == (
+        "4", "2", "10.0.0.1", "29500")
+    # SageMaker without `distribution`: the entry point `xtrain run t.py` runs once per host.
+    sm = process_env({"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2", "SM_NUM_NEURONS": "32"})
+    flags, _ = command(RunOptions(script="t.py"), backend="neuron", local_devices=32, outer=sm)
+    assert (flags["--nnodes"], flags["--node_rank"], flags["--master_addr"]) == ("2", "1", "algo-1")
+    # srun --ntasks-per-node=1 xtrain run t.py
+    slurm = process_env({"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+                         "SLURM_NODEID": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_NODELIST": "gpu[1-3]"})
+    flags, _ = command(RunOptions(script="t.py"), backend="cuda", local_devices=8, outer=slurm)
+    assert (flags["--nnodes"], flags["--node_rank"], flags["--master_addr"]) == ("3", "2", "gpu1")
+
+
+def test_run_emulation_is_one_local_process_per_node():
+    opts = RunOptions(script="t.py", emulate="trn1.32xlarge:2")
+    flags, _ = command(opts)
+    assert (flags["--nnodes"], flags["--nproc_per_node"]) == ("1", "2")
+    assert launch_env(opts) == {"XTRAIN_EMULATE": "trn1.32xlarge:2"}
+
+
+@pytest.mark.parametrize("opts, message", [
+    (RunOptions(script="t.py", nnodes=2), "--nnodes 2 needs --master-addr"),
+    (RunOptions(script="t.py", nnodes=2, node_rank=2, master_addr="h"), "--node-rank 2 is outside --nnodes 2"),
+    (RunOptions(script="t.py", layout="per-chip"), "--layout 'per-chip' is not one of"),
+])
+def test_run_bad_flags(opts, message):
+    with pytest.raises(ValueError, match=message):
+        command(opts, backend="cuda", local_devices=8)
+
+
+def ranks(stdout: str) -> list[dict]:
+    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+
+
+def test_run_launches_torchrun():
+    proc = cli("run", "--nproc-per-node", "2", str(TESTS / "_cli_worker.py"), "a", "--b")
+    assert proc.returncode == 0, proc.stderr
+    assert ranks(proc.stdout) == [{"rank": r, "world": 2, "args": ["a", "--b"]} for r in (0, 1)]
+
+
+def test_run_emulated_trn1_cluster_across_processes():
+    # Two trn1.2xlarge (2 NeuronCores each) as two local processes with 2 CPU devices each.
+    proc = cli("run", "--emulate", "trn1.2xlarge:2", str(TESTS / "_cli_worker.py"), "--jax",
+               env={"JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu"}, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = {"processes": 2, "devices": 4, "local_devices": 2, "axes": {"node": 2, "chip": 1, "core": 2}}
+    assert ranks(proc.stdout) == [{"rank": r, **expected} for r in (0, 1)]
