@@ -1,0 +1,83 @@
+"""What the benchmark workers share: core pinning, the model, the batches, the result line.
+
+Each worker (bench_xtrain.py, bench_ddp.py, bench_eager.py) trains the GPT of
+examples/train_gpt.py on the same global batches and prints one `RESULT {json}` line from
+rank 0 with its per-step wall times. ddp_vs_xtrain.py launches them and compares.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+RESULT_PREFIX = "RESULT "
+
+
+def pin_to_core() -> int:
+    """Pins this process to one core (LOCAL_RANK modulo the cores it may use); returns the core.
+
+    Call before torch or jax start their thread pools: XLA sizes its pools by the schedulable
+    CPUs, so this is what makes XLA run on one thread, as OMP_NUM_THREADS=1 does for torch.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, caches)")
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lowering", default="xla", help="xtrain lowering (bench_xtrain.py only)")
+    return p.parse_args(argv)
+
+
+def build_model(args):
+    """The example's GPT, with the same initial weights in every process and framework."""
+    import torch
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(args.seed)
+    return GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads))
+
+
+def batches(args) -> list[tuple[np.ndarray, np.ndarray]]:
+    """warmup + steps global batches (inputs, targets), identical in every process."""
+    from gpt_model import default_corpus, sample_batch, split_corpus
+
+    tokens, _ = split_corpus(default_corpus())
+    rng = np.random.default_rng(args.seed)
+    return [sample_batch(tokens, rng, args.batch, args.seq) for _ in range(args.warmup + args.steps)]
+
+
+def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[float]]:
+    """Calls `step_fn(x, y) -> float loss` on each batch; returns (losses, seconds of timed steps).
+    `step_fn` must return a host float, so each step has finished when the clock stops."""
+    losses, seconds = [], []
+    for i, (x, y) in enumerate(all_batches):
+        start = time.perf_counter()
+        losses.append(step_fn(x, y))
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return losses, seconds
+
+
+def emit(framework: str, losses: list[float], seconds: list[float], **extra) -> None:
+    """Prints the result line the driver parses."""
+    record = dict(framework=framework, step_s=seconds, first_loss=losses[0], last_loss=losses[-1], **extra)
+    print(RESULT_PREFIX + json.dumps(record), flush=True)

@@ -1,0 +1,32 @@
+"""Benchmark worker: the GPT trained with xtrain, one CPU device per process (under torchrun).
+
+    torchrun --nproc_per_node=2 benchmarks/bench_xtrain.py --steps 30
+"""
+import os
+
+import bench_common
+
+CORE = bench_common.pin_to_core()  # before jax starts its thread pools
+
+import torch  # noqa: E402
+
+import xtrain  # noqa: E402
+
+
+def main() -> None:
+    args = bench_common.parse_args()
+    env = xtrain.init(cpu_devices=int(os.environ.get("WORLD_SIZE", "1")))  # one device per process
+    import jax
+
+    model = bench_common.build_model(args)
+    step = xtrain.compile(model, xtrain.Mesh(data=-1), lowering=args.lowering,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    losses, seconds = bench_common.timed_loop(lambda x, y: step(x, y)["loss"], bench_common.batches(args),
+                                              args.warmup)
+    if env.process_id == 0:
+        bench_common.emit("xtrain", losses, seconds, processes=env.num_processes, devices=jax.device_count(),
+                          core=CORE, lowering=args.lowering)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""xtrain vs PyTorch DDP vs single-process torch eager: step time of the example GPT, one command.
+
+    python benchmarks/ddp_vs_xtrain.py                 # ~4-5 minutes on 2 cores
+    python benchmarks/ddp_vs_xtrain.py --rounds 5 --steps 50
+
+Runs, on the same model (examples/gpt_model.py), initial weights and global batches:
+  xtrain  torchrun, 2 processes x 1 CPU device, data parallel (each xtrain lowering asked for)
+  DDP     torchrun, 2 processes, gloo
+  eager   1 process, plain torch
+Every process is pinned to one core with one compute thread: torch through OMP_NUM_THREADS=1,
+XLA through the core affinity (XLA sizes its thread pools by the schedulable CPUs; the only
+thread flag this XLA knows, --xla_cpu_multi_thread_eigen=false, is set too but alone still left
+four busy threads here). Runs are interleaved over rounds (rotating order), the first --warmup
+steps of each run (compilation) are not timed, and the figure is the median step time over all
+timed steps. Prints a markdown table and writes it to benchmarks/results/ddp_vs_xtrain.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "ddp_vs_xtrain.md"
+XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+PINNING = ("each process pinned to one core (sched_setaffinity); torch: OMP_NUM_THREADS=1; "
+           f"XLA: XLA_FLAGS={XLA_FLAGS} + the one-core affinity (XLA sizes its pools by schedulable CPUs)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """One configuration of the comparison.
+
+    Attributes:
+        key: short name used in the ratios ("xtrain-xla", "ddp", "eager").
+        label: how the table names it.
+        launch: how it is launched, in words.
+        worker: the worker script in benchmarks/.
+        processes: processes started (1 = plain python, else torchrun).
+        extra: extra worker arguments.
+    """
+
+    key: str
+    label: str
+    launch: str
+    worker: str
+    processes: int
+    extra: tuple[str, ...] = ()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each runs every configuration once)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per run (compilation)")
+    p.add_argument("--nproc", type=int, default=2, help="processes of the data-parallel runs")
+    p.add_argument("--lowerings", default="xla,explicit", help="xtrain lowerings to run, comma separated")
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
+    return p.parse_args(argv)
+
+
+def runs(args) -> list[Run]:
+    n = args.nproc
+    out = [Run(key=f"xtrain-{lw}", label=f"xtrain (lowering={lw})", launch=f"torchrun, {n} processes x 1 CPU device",
+               worker="bench_xtrain.py", processes=n, extra=("--lowering", lw))
+           for lw in args.lowerings.split(",")]
+    out.append(Run(key="ddp", label="PyTorch DDP (gloo)", launch=f"torchrun, {n} processes",
+                   worker="bench_ddp.py", processes=n))
+    out.append(Run(key="eager", label="torch eager", launch="1 process", worker="bench_eager.py", processes=1))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JAX_NUM_CPU_DEVICES")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS="cpu",
+               XTRAIN_COORDINATOR_PORT=str(free_port()))
+    return env
+
+
+def check_xla_flags() -> None:
+    """XLA aborts on an unknown XLA_FLAGS entry; fail here with a clear message instead."""
+    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=child_env(),
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"this XLA rejects XLA_FLAGS={XLA_FLAGS!r}:\n{proc.stderr[-2000:]}")
+
+
+def command(run: Run, args) -> list[str]:
+    worker = [str(HERE / run.worker), "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
+              "--d-model", str(args.d_model), *run.extra]
+    if run.processes == 1:
+        return [sys.executable, *worker]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.processes}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *worker]
+
+
+def launch(run: Run, args) -> dict:
+    """Runs one configuration; returns the worker's result record."""
+    proc = subprocess.run(command(run, args), env=child_env(), capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{run.label} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def measure(all_runs: list[Run], args) -> dict[str, list[dict]]:
+    """Every run once per round, the order rotated each round; key -> one record per round."""
+    records: dict[str, list[dict]] = {r.key: [] for r in all_runs}
+    for round_index in range(args.rounds):
+        shift = round_index % len(all_runs)
+        for run in all_runs[shift:] + all_runs[:shift]:
+            record = launch(run, args)
+            records[run.key].append(record)
+            print(f"round {round_index + 1}/{args.rounds}  {run.label:26s} median "
+                  f"{1e3 * statistics.median(record['step_s']):7.1f} ms/step", flush=True)
+    return records
+
+
+def median_ms(records: list[dict]) -> float:
+    return 1e3 * statistics.median(s for r in records for s in r["step_s"])
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"{os.cpu_count()} CPUs (nproc), {cpu}, {platform.system()} {platform.release()}"
+
+
+def versions() -> str:
+    import jax
+    import torch
+
+    commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}, xtrain commit {commit}"
+
+
+def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str]:
+    tokens = args.batch * args.seq
+    lines = ["| run | launch | median step (ms) | round medians (ms) | tokens/s | loss first -> last |",
+             "|---|---|---:|---|---:|---|"]
+    for run in all_runs:
+        recs = records[run.key]
+        ms = median_ms(recs)
+        rounds = ", ".join(f"{1e3 * statistics.median(r['step_s']):.0f}" for r in recs)
+        loss = f"{recs[0]['first_loss']:.4f} -> {recs[0]['last_loss']:.4f}"
+        lines.append(f"| {run.label} | {run.launch} | {ms:.1f} | {rounds} | {tokens / ms * 1e3:,.0f} | {loss} |")
+    return lines
+
+
+def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
+    ms = {run.key: median_ms(records[run.key]) for run in all_runs}
+    lines = ["| ratio of median step times | value |", "|---|---:|"]
+    for key in (k for k in ms if k.startswith("xtrain")):
+        lines.append(f"| {key} / DDP | {ms[key] / ms['ddp']:.2f} |")
+        lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")
+    lines.append(f"| DDP / eager | {ms['ddp'] / ms['eager']:.2f} |")
+    return lines
+
+
+def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tuple[float, float]) -> str:
+    head = [
+        "# xtrain vs PyTorch DDP vs torch eager (example GPT)",
+        "",
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- machine: {machine()}; 1-min load average {load[0]:.2f} before, {load[1]:.2f} after",
+        f"- software: {versions()}",
+        f"- model: examples/gpt_model.py, {args.layers} layers, d_model {args.d_model}, vocab 256; "
+        f"global batch {args.batch} x {args.seq} tokens; AdamW lr 1e-3; fp32",
+        f"- threads: {PINNING}",
+        f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps "
+        f"per run, {args.steps} timed steps; median over all timed steps (wall time of step(x, y) "
+        "including the host float of the loss, on rank 0)",
+        "- losses: xtrain and eager train on the whole global batch from the same weights, so their "
+        "losses agree; DDP's is rank 0's half of the batch",
+        "",
+    ]
+    return "\n".join(head + table(all_runs, records, args) + [""] + ratios(all_runs, records)) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    check_xla_flags()
+    all_runs = runs(args)
+    load_before = os.getloadavg()[0]
+    records = measure(all_runs, args)
+    text = report(all_runs, records, args, (load_before, os.getloadavg()[0]))
+    print("\n" + text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
