@@ -35,7 +35,7 @@ def _jax_model(fn, params, optimizer):
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
-            lowering: str = "explicit", grad_sync=None):
+            lowering: str = "explicit", grad_sync=None, scan_layers: bool = True):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -53,6 +53,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         lowering: "explicit" (xtrain's partitioner: every collective chosen and counted by
             xtrain) or "xla" (XLA's SPMD partitioner on the same plan, for comparison).
         grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering.
+        scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
+            (explicit lowering); compile time then stays flat in depth.
 
     Returns:
         A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float}.
@@ -73,4 +75,4 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
     return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
-                     lowering=lowering, grad_sync=grad_sync)
+                     lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers)

@@ -31,7 +31,7 @@ class TrainStep:
 
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
-                 lowering: str = "explicit", grad_sync: GradSync | None = None):
+                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True):
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
         self.lowering = lowering
         mesh_axes = dict(mesh.shape)
@@ -44,7 +44,8 @@ class TrainStep:
         self.state: TrainState = jax.device_put(state, self.shardings)
         if lowering == "explicit":
             self._train, self._eval, self._program = explicit_step.build(
-                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync())
+                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
+                scan_layers)
         else:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None

@@ -28,9 +28,12 @@ def module_path(ctx: Context, eqn, outer: str) -> str:
     return path
 
 
-def interpret(ctx: Context, jaxpr, consts, args: list[Sharded]) -> list[Sharded]:
-    """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values."""
+def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], repeated=()) -> list[Sharded]:
+    """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values.
+
+    `repeated`: layer_scan.RepeatedBlocks of this jaxpr, each emitted as one scan."""
     from xtrain.lowering.explicit.rules import rule_for
+    from xtrain.lowering.explicit.scan import emit_repeated_blocks
 
     env: dict = {}
 
@@ -43,7 +46,15 @@ def interpret(ctx: Context, jaxpr, consts, args: list[Sharded]) -> list[Sharded]
     for var, arg in zip(jaxpr.invars, args):
         env[var] = arg
     outer = ctx.path
-    for eqn in jaxpr.eqns:
+    starts = {r.start: r for r in repeated}
+    skip_until = 0
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index < skip_until:
+            continue
+        if index in starts:
+            env.update(emit_repeated_blocks(ctx, starts[index], read))
+            skip_until = starts[index].stop
+            continue
         ctx.path = module_path(ctx, eqn, outer)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):

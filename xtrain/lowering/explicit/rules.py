@@ -431,6 +431,16 @@ def custom_jvp(ctx: Context, eqn, args):
 RULES = {}
 
 
+def _scan(ctx, eqn, args):
+    from xtrain.lowering.explicit.scan import scan_rule
+    return scan_rule(ctx, eqn, args)
+
+
+def _while(ctx, eqn, args):
+    from xtrain.lowering.explicit.scan import while_rule
+    return while_rule(ctx, eqn, args)
+
+
 def _register(rule, *names):
     for name in names:
         RULES[name] = rule
@@ -461,6 +471,8 @@ _register(conv, "conv_general_dilated")
 _register(gather, "gather")
 _register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
 _register(custom_jvp, "custom_jvp_call")
+_register(_scan, "scan")
+_register(_while, "while")
 _register(replicated, "iota", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
           "random_unwrap", "threefry2x32", "rng_bit_generator")
 

@@ -19,7 +19,8 @@ from xtrain.frontend.model import Model
 from xtrain.lowering.explicit import collectives as C
 from xtrain.lowering.explicit import gradient_sync
 from xtrain.lowering.explicit.collectives import Context, Sharded
-from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.interpreter import interpret, module_path
+from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
 from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.plan import Spec, _axes_of
@@ -33,11 +34,13 @@ def _layout(spec: Spec, ndim: int) -> Layout:
 class Program:
     """Builds the per-device forward for one batch shape and records what it emitted."""
 
-    def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec):
-        self.model, self.mesh = model, mesh
+    def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec,
+                 scan_layers: bool = True):
+        self.model, self.mesh, self.scan_layers = model, mesh, scan_layers
         self.param_specs, self.batch_spec = param_specs, batch_spec
         self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
         self.ctx: Context | None = None
+        self.repeated: list = []
 
     def _input_layouts(self, params, buffers, key, batch) -> list[Layout]:
         spec_tree = (
@@ -58,22 +61,31 @@ class Program:
         closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
         layouts = self._input_layouts(*global_args)
         avals = jax.tree.leaves(global_args)
+        repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
 
         def local(params, buffers, key, batch):
             leaves = jax.tree.leaves((params, buffers, key, batch))
             ins = [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(leaves, layouts, avals)]
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths())
-            outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins)
+            outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
         return local
 
+    def _repeated_blocks(self, jaxpr, num_params: int) -> list:
+        if not self.scan_layers:
+            return []
+        probe = Context(dict(self.mesh.shape), self.model.module_paths())
+        self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
+        return self.repeated
+
 
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
-          param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync):
+          param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
+          scan_layers: bool = True):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
-    program = Program(model, mesh, param_specs, batch_spec)
+    program = Program(model, mesh, param_specs, batch_spec, scan_layers)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}

@@ -1,0 +1,173 @@
+"""Repeated blocks as one scan.
+
+A transformer traced from torch unrolls its layers: blocks.0, blocks.1, ... each contribute
+a run of identical equations. `find_repeated_blocks` recognises such runs in the top-level
+jaxpr (same primitives, parameters and shapes; inputs that are either the previous block's
+output, the same shared value, or that block's own parameters) and describes one scan:
+
+    carry  <- the previous block's output (the residual stream)
+    xs     <- each block's parameters, stacked along a new leading axis
+    shared <- values every block reads (masks, positions)
+
+The interpreter then emits `lax.scan` over the first block's equations, so the program (and
+its compile time) stays flat in depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+from jax.extend import core as jcore
+
+_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedBlocks:
+    """L identical segments of a jaxpr's equations, [start, stop) in eqn indices."""
+
+    prefix: str                # module path of the container, e.g. "transformer.h"
+    start: int
+    stop: int
+    length: int                # L
+    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer
+    num_carry: int
+    num_shared: int
+    init: list                 # carry inputs of block 0 (vars outside the blocks)
+    shared: list               # shared vars
+    per_layer: list[list]      # per block: its parameter vars, in body invar order
+    outputs: list              # the last block's carry outputs (vars used after the blocks)
+
+
+def _block_key(path: str):
+    match = _BLOCK.match(path)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _fingerprint(value) -> str:
+    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+        return str(value)
+    info = getattr(value, "debug_info", None)
+    if info is not None and callable(value) or hasattr(value, "call_wrapped"):
+        return f"fn:{getattr(info, 'func_name', '')}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_fingerprint(v) for v in value) + ")"
+    return repr(value)
+
+
+def _signature(eqn) -> tuple:
+    return (str(eqn.primitive), tuple((k, _fingerprint(v)) for k, v in sorted(eqn.params.items())),
+            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars),
+            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars))
+
+
+def _segments(jaxpr, path_of) -> list[tuple[tuple, int, int]]:
+    keys = [_block_key(path_of(e)) for e in jaxpr.eqns]
+    out, index = [], 0
+    for key, group in itertools.groupby(keys):
+        n = len(list(group))
+        out.append((key, index, index + n))
+        index += n
+    return out
+
+
+def _runs(segments) -> list[list[tuple[int, int]]]:
+    """Consecutive segments blocks.0, blocks.1, ... of one container (at least 2)."""
+    runs, current = [], []
+    for key, lo, hi in segments:
+        if key and current and key[0] == current[-1][0][0] and key[1] == current[-1][0][1] + 1:
+            current.append((key, lo, hi))
+            continue
+        if len(current) > 1:
+            runs.append(current)
+        current = [(key, lo, hi)] if key and key[1] == 0 else []
+    if len(current) > 1:
+        runs.append(current)
+    return runs
+
+
+def _inputs(eqns, defined_before: set) -> list:
+    """Vars a segment reads that it does not define, in first-use order."""
+    local, seen, out = set(), set(), []
+    for eqn in eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var) and v not in local and v not in seen:
+                seen.add(v)
+                out.append(v)
+        local.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
+    return out
+
+
+def _describe(jaxpr, run, param_vars: set):
+    """Matches blocks position by position; returns a RepeatedBlocks or None."""
+    blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
+    if any(len(b) != len(blocks[0]) for b in blocks):
+        return None
+    if any(_signature(a) != _signature(b) for blk in blocks[1:] for a, b in zip(blocks[0], blk)):
+        return None
+    # position of every var a block defines: (eqn index, outvar index)
+    def defined(block):
+        return {v: (i, j) for i, e in enumerate(block) for j, v in enumerate(e.outvars)}
+
+    defs = [defined(b) for b in blocks]
+    ins = [_inputs(b, set()) for b in blocks]
+    if len({len(i) for i in ins}) != 1:
+        return None
+    # each input position of block 0 must be consistently: carry, shared or per-layer param
+    kinds, carry_src = [], []
+    for pos, v0 in enumerate(ins[0]):
+        vs = [i[pos] for i in ins]
+        if all(v is v0 for v in vs):
+            kinds.append("shared")
+        elif all(v in param_vars for v in vs):
+            kinds.append("param")
+        elif all(vs[k] in defs[k - 1] for k in range(1, len(vs))):
+            src = {defs[k - 1][vs[k]] for k in range(1, len(vs))}
+            if len(src) != 1:
+                return None
+            kinds.append("carry")
+            carry_src.append((pos, src.pop()))
+        else:
+            return None
+    # every var a block defines is used only inside it, by the next block as carry, or (last
+    # block) after the run
+    carry_positions = {src for _, src in carry_src}
+    users: dict = {}
+    for k, block in enumerate(blocks):
+        for e in block:
+            for v in e.invars:
+                if isinstance(v, jcore.Var):
+                    users.setdefault(v, set()).add(k)
+    after = {v for e in jaxpr.eqns[run[-1][2]:] for v in e.invars if isinstance(v, jcore.Var)}
+    after |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    last = len(blocks) - 1
+    for k in range(len(blocks)):
+        for v, position in defs[k].items():
+            if users.get(v, set()) - {k, k + 1}:
+                return None
+            if v in after and not (k == last and position in carry_positions):
+                return None
+    first = blocks[0]
+    carry_out = [first[i].outvars[j] for _, (i, j) in carry_src]
+    carry_in_pos = [p for p, _ in carry_src]
+    order = carry_in_pos + [p for p, k in enumerate(kinds) if k == "shared"] + [p for p, k in enumerate(kinds) if k == "param"]
+    body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in order], outvars=carry_out, eqns=first,
+                       effects=jcore.no_effects if hasattr(jcore, "no_effects") else set())
+    last = blocks[-1]
+    return RepeatedBlocks(
+        prefix=run[0][0][0], start=run[0][1], stop=run[-1][2], length=len(blocks), body=body,
+        num_carry=len(carry_src), num_shared=kinds.count("shared"),
+        init=[ins[0][p] for p in carry_in_pos], shared=[ins[0][p] for p, k in enumerate(kinds) if k == "shared"],
+        per_layer=[[i[p] for p, k in enumerate(kinds) if k == "param"] for i in ins],
+        outputs=[last[i].outvars[j] for _, (i, j) in carry_src])
+
+
+def find_repeated_blocks(jaxpr, path_of, param_vars) -> list[RepeatedBlocks]:
+    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr`."""
+    found = []
+    for run in _runs(_segments(jaxpr, path_of)):
+        blocks = _describe(jaxpr, run, set(param_vars))
+        if blocks is not None:
+            found.append(blocks)
+    return found

@@ -1,0 +1,119 @@
+"""Loops in the per-device program: the layer scan of repeated blocks, and the rules for
+`scan` / `while` equations of the traced graph. Carries keep one layout across iterations."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from xtrain.lowering.explicit import collectives as C
+from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.layer_scan import RepeatedBlocks
+from xtrain.lowering.explicit.layout import Layout
+
+
+def _vma(x) -> frozenset:
+    return jax.typeof(x).mat.varying if hasattr(x, "shape") and not isinstance(x, (int, float)) else frozenset()
+
+
+def _vary(values, vmas):
+    return [lax.pcast(v, tuple(sorted(m - _vma(v))), to="varying") if m - _vma(v) else v for v, m in zip(values, vmas)]
+
+
+def scan_with_stable_carry(body, init: list, xs, **kwargs):
+    """lax.scan whose carry may pick up varying mesh axes inside the body (e.g. a replicated
+    value sliced per device): on a carry type mismatch, widen the initial carry and retry."""
+    seen: list = []
+
+    def recording(carry, x):
+        new, y = body(carry, x)
+        seen[:] = [_vma(v) for v in new]
+        return new, y
+
+    try:
+        return lax.scan(recording, init, xs, **kwargs)
+    except TypeError:
+        if not seen:
+            raise
+        return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(_vma, init))]), xs, **kwargs)
+
+
+def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
+    """One lax.scan over the first block's equations; returns the env entries of the last
+    block's outputs."""
+    init = [read(v) for v in blocks.init]
+    shared = [read(v) for v in blocks.shared]
+    layers = [[read(v) for v in layer] for layer in blocks.per_layer]
+    first = layers[0]
+    # all layers of one parameter position share block 0's layout
+    layers = [[C.relayout(ctx, p, f.layout) for p, f in zip(layer, first)] for layer in layers]
+    stacked = [jnp.stack([layer[k].value for layer in layers]) for k in range(len(first))]
+    carry_layouts = [x.layout for x in init]
+    path = ctx.path
+
+    def body(carry, xs):
+        ctx.path = path
+        ins = ([dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared
+               + [dataclasses.replace(p, value=v) for p, v in zip(first, xs)])
+        outs = interpret(ctx, blocks.body, [], ins)
+        outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
+        return [o.value for o in outs], None
+
+    final, _ = scan_with_stable_carry(body, [x.value for x in init], stacked, length=blocks.length)
+    return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
+
+
+def scan_rule(ctx: Context, eqn, args):
+    """A scan of the traced graph: the scanned axis whole, carries at their initial layout."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = args[:n_consts], args[n_consts:n_consts + n_carry], args[n_consts + n_carry:]
+    xs = [C.gather_dim(ctx, C.resolve(ctx, x), 0) for x in xs]
+    body_jaxpr = p["jaxpr"]
+    y_layouts: list = []
+    path = ctx.path
+
+    def body(carry, x_vals):
+        ctx.path = path
+        ins = (consts + [dataclasses.replace(c, value=v) for c, v in zip(init, carry)]
+               + [Sharded(v, Layout(x.layout.dims[1:]), x.shape[1:], x.dtype) for x, v in zip(xs, x_vals)])
+        outs = interpret(ctx, body_jaxpr.jaxpr, body_jaxpr.consts, ins)
+        new = [C.relayout(ctx, o, c.layout) for o, c in zip(outs[:n_carry], init)]
+        y_layouts[:] = [o.layout for o in outs[n_carry:]]
+        return [o.value for o in new], [o.value for o in outs[n_carry:]]
+
+    final, ys = scan_with_stable_carry(body, [c.value for c in init], [x.value for x in xs],
+                                       length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    out_avals = [v.aval for v in eqn.outvars]
+    carries = [dataclasses.replace(c, value=v) for c, v in zip(init, final)]
+    stacked = [Sharded(v, Layout(((),) + l.dims, l.partial), tuple(a.shape), a.dtype)
+               for v, l, a in zip(ys, y_layouts, out_avals[n_carry:])]
+    return carries + stacked
+
+
+def while_rule(ctx: Context, eqn, args):
+    """A while loop: the predicate computed replicated, carries at their initial layout."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    c_consts, b_consts = args[:p["cond_nconsts"]], args[p["cond_nconsts"]:p["cond_nconsts"] + p["body_nconsts"]]
+    init = args[p["cond_nconsts"] + p["body_nconsts"]:]
+    path = ctx.path
+
+    def as_sharded(vals):
+        return [dataclasses.replace(c, value=v) for c, v in zip(init, vals)]
+
+    def cond_fn(vals):
+        ctx.path = path
+        (pred,) = interpret(ctx, cond.jaxpr, cond.consts, c_consts + as_sharded(vals))
+        return C.replicate(ctx, pred).value
+
+    def body_fn(vals):
+        ctx.path = path
+        outs = interpret(ctx, body.jaxpr, body.consts, b_consts + as_sharded(vals))
+        return [C.relayout(ctx, o, c.layout).value for o, c in zip(outs, init)]
+
+    final = lax.while_loop(cond_fn, body_fn, [c.value for c in init])
+    return as_sharded(final)
