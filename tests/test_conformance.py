@@ -192,11 +192,12 @@ def test_distinct_replica_group_cap_per_runtime():
 
 # -- xtrain's own step -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gpt_step():
+@pytest.fixture(scope="module", params=["explicit", "xla"])
+def gpt_step(request):
     torch.manual_seed(0)
     model = GPT()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          lowering=request.param)
     return step, token_batches(n=1)[0]
 
 
@@ -205,8 +206,9 @@ def test_xtrain_data_parallel_gpt_step_conforms(gpt_step):
     # One trn1.32xlarge (all 8 devices in one node) and two scaled nodes (data across nodes).
     for cluster in (emulate.virtual_cluster("trn1.32xlarge"), TWO_NODES):
         assert emulate.check_step(step, *batch, cluster=cluster) == []
-    # XLA's CPU partitioner emits a gradient all-reduce over all 8 devices and an s32 one for
-    # the cross-entropy's count of targets; no s64, no gathers of indices.
+    # Both lowerings emit gradient all-reduces over all 8 devices (XLA's CPU pipeline merges
+    # them into one) and, for the cross-entropy's count of targets, an s32 one; no s64, no
+    # gathers of indices, no loops without a static trip count (the layer scan has one).
     assert emulate.check_step(step, *batch, cluster=emulate.virtual_cluster("p4d.24xlarge")) == []
 
 
