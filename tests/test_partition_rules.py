@@ -176,7 +176,16 @@ def case_call(rng):
     return (lambda x, y: inner(x, y).sum(0)), [normal(rng, shape), normal(rng, shape)]
 
 
-CASES = {"unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
+def case_loop(rng):
+    shape = rand_shape(rng, 2)
+    w = normal(rng, (shape[1], shape[1])) / shape[1]
+    if rng.random() < 0.5:  # a scan carrying activations through a stacked weight
+        ws = np.stack([w, 2 * w, -w])
+        return (lambda x, ws: lax.scan(lambda h, m: (jnp.tanh(h @ m), h.sum(1)), x, ws)), [normal(rng, shape), ws]
+    return (lambda x, w: lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w) + i, x)), [normal(rng, shape), w]
+
+
+CASES = {"loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
          "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
          "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call}
 PER_FAMILY = 32

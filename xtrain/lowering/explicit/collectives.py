@@ -10,6 +10,7 @@ import math
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -100,6 +101,10 @@ def relayout(ctx: Context, x: Sharded, target: Layout) -> Sharded:
     """Moves `x` to `target`'s dims (partial sums resolved unless `target` keeps them)."""
     keep = set(target.partial)
     x = resolve(ctx, x, tuple(a for a in x.layout.partial if a not in keep))
+    for axis in target.partial:
+        if axis not in x.layout.partial:  # a whole value as addends: all of it on device 0
+            value = jnp.where(lax.axis_index(axis) == 0, x.value, jnp.zeros_like(x.value))
+            x = dataclasses.replace(x, value=value, layout=x.layout.with_partial(x.layout.partial + (axis,)))
     for dim, (have, want) in enumerate(zip(x.layout.dims, target.dims)):
         if have == want:
             continue

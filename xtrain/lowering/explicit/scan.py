@@ -44,7 +44,7 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     """One lax.scan over the first block's equations; returns the env entries of the last
     block's outputs."""
-    init = [read(v) for v in blocks.init]
+    init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
     shared = [read(v) for v in blocks.shared]
     layers = [[read(v) for v in layer] for layer in blocks.per_layer]
     first = layers[0]
@@ -71,6 +71,7 @@ def scan_rule(ctx: Context, eqn, args):
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts, init, xs = args[:n_consts], args[n_consts:n_consts + n_carry], args[n_consts + n_carry:]
+    init = C.resolve_all(ctx, init)  # carries hold whole values
     xs = [C.gather_dim(ctx, C.resolve(ctx, x), 0) for x in xs]
     body_jaxpr = p["jaxpr"]
     y_layouts: list = []
@@ -99,7 +100,7 @@ def while_rule(ctx: Context, eqn, args):
     p = eqn.params
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     c_consts, b_consts = args[:p["cond_nconsts"]], args[p["cond_nconsts"]:p["cond_nconsts"] + p["body_nconsts"]]
-    init = args[p["cond_nconsts"] + p["body_nconsts"]:]
+    init = C.resolve_all(ctx, args[p["cond_nconsts"] + p["body_nconsts"]:])  # carries hold whole values
     path = ctx.path
 
     def as_sharded(vals):

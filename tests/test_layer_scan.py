@@ -1,0 +1,111 @@
+"""Repeated blocks are lowered as one scan with L iterations, and training still matches torch."""
+import functools
+
+import pytest
+import torch
+from jax.extend import core as jcore
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import xtrain
+from xtrain.testing import assert_parity, run_parity
+
+from models import GPT, token_batches
+from test_hf_models import VOCAB, lm_batches, lm_loss
+
+LAYERS = 4
+
+
+def scan_lengths(closed) -> list[int]:
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if str(eqn.primitive) == "scan":
+                found.append(eqn.params["length"])
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def sgd(params):
+    # SGD: a deep model's smallest gradients sit near rounding noise, which Adam would turn
+    # into lr-sized sign flips on any layout (the parity standard).
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def hf_gpt2():
+    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def hf_llama():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32))
+
+
+def hf_bert():
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+MODELS = {
+    "gpt": (lambda: GPT(layers=LAYERS), None, token_batches, "blocks"),
+    "hf_gpt2": (hf_gpt2, lm_loss, lm_batches, "transformer.h"),
+    "hf_llama": (hf_llama, lm_loss, lm_batches, "model.layers"),
+    "hf_bert": (hf_bert, lm_loss, lm_batches, "bert.encoder.layer"),
+}
+
+
+@functools.cache
+def compiled(name, scan_layers=True):
+    make, loss_fn, batches, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), loss_fn=loss_fn,
+                          scan_layers=scan_layers)
+    return model, step, batches(4)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_blocks_become_one_scan_and_training_matches_torch(name):
+    model, step, batches = compiled(name)
+    prefix = MODELS[name][3]
+    # the forward scan and its transpose in the backward pass, each with L iterations
+    assert scan_lengths(step.program(*batches[0])) == [LAYERS, LAYERS]
+    assert [(r.prefix, r.length) for r in step._program.repeated] == [(prefix, LAYERS)]
+    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=MODELS[name][1]))
+
+
+def test_scan_layers_off_unrolls():
+    _, step, batches = compiled("gpt", scan_layers=False)
+    assert scan_lengths(step.program(*batches[0])) == []
+
+
+class Uneven(nn.Module):
+    """Two blocks of different widths: not repeated, so nothing may be scanned."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(12, 16), nn.Linear(16, 12)])
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_blocks_that_differ_are_not_scanned():
+    from models import mlp_batches
+
+    torch.manual_seed(0)
+    model, batches = Uneven(), mlp_batches()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
+    step(*batches[0])
+    assert step._program.repeated == []
+    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8)))
