@@ -44,6 +44,15 @@ class Context:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
 
 
+def vma(x) -> frozenset:
+    """Mesh axes a value varies over inside shard_map (empty for constants and Python scalars)."""
+    if not (isinstance(x, jax.Array) or hasattr(x, "aval")):
+        return frozenset()
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; older releases: aval.vma
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
 def axis_offset(ctx: Context, axes: Axes):
     """This device's index along `axes` flattened major-first (0 for no axes)."""
     index = 0

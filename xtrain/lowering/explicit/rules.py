@@ -25,18 +25,11 @@ def _out_avals(eqn):
     return [v.aval for v in eqn.outvars]
 
 
-def _vma(x) -> frozenset:
-    """Mesh axes a value varies over inside shard_map (empty for constants)."""
-    if not (isinstance(x, jax.Array) or hasattr(x, "aval")):
-        return frozenset()
-    return jax.typeof(x).mat.varying
-
-
 def _same_vma(values):
     """Primitives need operands varying over the same mesh axes (the jnp layer would pcast)."""
-    union = frozenset().union(*(_vma(v) for v in values))
-    return [lax.pcast(v, tuple(sorted(union - _vma(v))), to="varying")
-            if hasattr(v, "shape") and union - _vma(v) else v for v in values]
+    union = frozenset().union(*(C.vma(v) for v in values))
+    return [lax.pcast(v, tuple(sorted(union - C.vma(v))), to="varying")
+            if hasattr(v, "shape") and union - C.vma(v) else v for v in values]
 
 
 def _bind(eqn, values, **overrides):

@@ -15,12 +15,8 @@ from xtrain.lowering.explicit.layer_scan import RepeatedBlocks
 from xtrain.lowering.explicit.layout import Layout
 
 
-def _vma(x) -> frozenset:
-    return jax.typeof(x).mat.varying if hasattr(x, "shape") and not isinstance(x, (int, float)) else frozenset()
-
-
 def _vary(values, vmas):
-    return [lax.pcast(v, tuple(sorted(m - _vma(v))), to="varying") if m - _vma(v) else v for v, m in zip(values, vmas)]
+    return [lax.pcast(v, tuple(sorted(m - C.vma(v))), to="varying") if m - C.vma(v) else v for v, m in zip(values, vmas)]
 
 
 def scan_with_stable_carry(body, init: list, xs, **kwargs):
@@ -30,7 +26,7 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
 
     def recording(carry, x):
         new, y = body(carry, x)
-        seen[:] = [_vma(v) for v in new]
+        seen[:] = [C.vma(v) for v in new]
         return new, y
 
     try:
@@ -38,7 +34,7 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
     except TypeError:
         if not seen:
             raise
-        return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(_vma, init))]), xs, **kwargs)
+        return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(C.vma, init))]), xs, **kwargs)
 
 
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
