@@ -62,13 +62,18 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
     """All-reduces each gradient over its axes (name -> axes), bucketing tensors that share axes.
 
     Reverse order: the last layers' gradients exist first in the backward pass."""
+    from xtrain.lowering.explicit.collectives import vma
+
     out = dict(grads)
     by_axes: dict[tuple, dict[str, int]] = {}
     for name in reversed(list(grads)):
         if axes[name]:
             g = grads[name]
-            by_axes.setdefault(axes[name], {})[name] = int(np.prod(g.shape)) * g.dtype.itemsize
-    for group_axes, sizes in by_axes.items():
+            # one bucket mixes only gradients that vary over the same mesh axes (a tensor-
+            # parallel shard must not make a replicated gradient look split)
+            key = (axes[name], tuple(sorted(vma(g))))
+            by_axes.setdefault(key, {})[name] = int(np.prod(g.shape)) * g.dtype.itemsize
+    for (group_axes, _), sizes in by_axes.items():
         for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):
             with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 reduced = _all_reduce([grads[n] for n in bucket], group_axes, config.comm_dtype)
