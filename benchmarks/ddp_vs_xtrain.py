@@ -5,6 +5,7 @@
 
 Runs, on the same model (examples/gpt_model.py), initial weights and global batches:
   xtrain  torchrun, 2 processes x 1 CPU device, data parallel (each xtrain lowering asked for)
+  xtrain  1 process x 1 CPU device (compute alone: compare with eager)
   DDP     torchrun, 2 processes, gloo
   eager   1 process, plain torch
 Every process is pinned to one core with one compute thread: torch through OMP_NUM_THREADS=1,
@@ -62,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per run (compilation)")
     p.add_argument("--nproc", type=int, default=2, help="processes of the data-parallel runs")
-    p.add_argument("--lowerings", default="xla,explicit", help="xtrain lowerings to run, comma separated")
+    p.add_argument("--lowerings", default="explicit,xla",
+                   help="xtrain lowerings to run, comma separated (the first also runs in 1 process)")
     p.add_argument("--batch", type=int, default=32, help="global batch")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -76,6 +78,10 @@ def runs(args) -> list[Run]:
     out = [Run(key=f"xtrain-{lw}", label=f"xtrain (lowering={lw})", launch=f"torchrun, {n} processes x 1 CPU device",
                worker="bench_xtrain.py", processes=n, extra=("--lowering", lw))
            for lw in args.lowerings.split(",")]
+    # The same program on one device of one process: compute alone, no communication.
+    first = args.lowerings.split(",")[0]
+    out.append(Run(key="xtrain-1proc", label=f"xtrain (lowering={first})", launch="1 process x 1 CPU device",
+                   worker="bench_xtrain.py", processes=1, extra=("--lowering", first)))
     out.append(Run(key="ddp", label="PyTorch DDP (gloo)", launch=f"torchrun, {n} processes",
                    worker="bench_ddp.py", processes=n))
     out.append(Run(key="eager", label="torch eager", launch="1 process", worker="bench_eager.py", processes=1))
@@ -153,9 +159,11 @@ def versions() -> str:
     import jax
     import torch
 
-    commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    return f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}, xtrain commit {commit}"
+    git = ["git", "-C", str(HERE)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run([*git, "status", "--porcelain", "--", "../xtrain"], capture_output=True, text=True).stdout:
+        commit += " with uncommitted changes to xtrain/"
+    return f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}, xtrain commit {commit or 'unknown'}"
 
 
 def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str]:
@@ -174,10 +182,11 @@ def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str
 def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
     ms = {run.key: median_ms(records[run.key]) for run in all_runs}
     lines = ["| ratio of median step times | value |", "|---|---:|"]
-    for key in (k for k in ms if k.startswith("xtrain")):
+    for key in (k for k in ms if k.startswith("xtrain") and k != "xtrain-1proc"):
         lines.append(f"| {key} / DDP | {ms[key] / ms['ddp']:.2f} |")
         lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")
     lines.append(f"| DDP / eager | {ms['ddp'] / ms['eager']:.2f} |")
+    lines.append(f"| xtrain 1 process / eager (compute only, same work) | {ms['xtrain-1proc'] / ms['eager']:.2f} |")
     return lines
 
 
@@ -196,6 +205,9 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         "including the host float of the loss, on rank 0)",
         "- losses: xtrain and eager train on the whole global batch from the same weights, so their "
         "losses agree; DDP's is rank 0's half of the batch",
+        "- reading: the 1-process xtrain row is the compiled program alone (no communication) on the "
+        "work eager does; a 2-process row minus half of it is roughly communication and rank skew",
+        f"- command: python benchmarks/ddp_vs_xtrain.py {' '.join(sys.argv[1:])}".rstrip(),
         "",
     ]
     return "\n".join(head + table(all_runs, records, args) + [""] + ratios(all_runs, records)) + "\n"
