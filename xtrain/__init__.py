@@ -10,7 +10,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "GradSync", "compile", "init"]
+__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans"]
 
 
 def __getattr__(name):
@@ -22,6 +22,10 @@ def __getattr__(name):
         from xtrain.lowering.explicit.gradient_sync import GradSync
 
         return GradSync
+    if name == "plans":
+        import xtrain.plans
+
+        return xtrain.plans
     if name == "init":
         from xtrain.runtime.devices import init
 

@@ -39,15 +39,28 @@ class Plan:
             one parameter, the first one wins.
         batch: spec of the leading dimensions of every batch argument. None means "the mesh's
             `data` axis when it has one".
+        notes: why a preset (`xtrain.plans`) chose what it did: tensors it kept whole and the
+            reason, splits that are correct but not the textbook layout. Informational only.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
     batch: Sequence[AxisEntry] | str | None = None
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
         if self.batch is not None:
             object.__setattr__(self, "batch", _normalize(self.batch))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def __str__(self) -> str:
+        """One line per rule, then the notes: what `print(plan)` shows."""
+        batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
+        lines = [f"Plan(batch={batch})"]
+        width = max((len(p) for p in self.params), default=0)
+        lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
     def batch_spec(self, mesh_axes: Mapping[str, int]) -> Spec:
         """The batch spec for a mesh with `mesh_axes`."""

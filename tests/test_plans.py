@@ -1,0 +1,254 @@
+"""Presets (xtrain.plans): what each one chooses, and parity with single-device torch for each
+on 8 emulated devices (SGD: differences stay proportional to gradient errors)."""
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import xtrain
+from models import GPT, MLP, token_batches
+from test_hf_models import gpt2, llama, lm_batches, lm_loss
+from xtrain import plans
+from xtrain.testing import assert_parity, run_parity, torch_reference
+
+TP2, TP4 = dict(data=4, tensor=2), dict(data=2, tensor=4)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+@functools.cache
+def case(name):
+    """(model, batches, loss_fn, torch reference) built once per model."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        model, batches, loss_fn = GPT(), token_batches(n=4), None
+    else:
+        model, batches, loss_fn = {"gpt2": gpt2, "llama": llama}[name](), lm_batches(), lm_loss
+    return model, batches, loss_fn, torch_reference(model, sgd, batches, loss_fn)
+
+
+def parity(name, mesh, plan, **kwargs):
+    model, batches, loss_fn, reference = case(name)
+    result = run_parity(model, sgd, batches, xtrain.Mesh(**mesh), plan=plan, loss_fn=loss_fn,
+                        reference=reference, **kwargs)
+    assert_parity(result)
+    return result
+
+
+# -- what the presets choose (no compile) ---------------------------------------------------
+def test_ddp_is_the_default_plan():
+    assert plans.ddp().params == {} and plans.ddp().batch is None
+    assert plans.ddp("replica").batch == ("replica",)
+
+
+def test_megatron_on_test_gpt_splits_attention_mlp_and_vocab():
+    plan = plans.megatron(GPT(), TP2)
+    assert plan.params == {
+        "blocks.*.attn.q.weight": ("tensor", None), "blocks.*.attn.q.bias": ("tensor",),
+        "blocks.*.attn.k.weight": ("tensor", None),
+        "blocks.*.attn.v.weight": ("tensor", None), "blocks.*.attn.v.bias": ("tensor",),
+        "blocks.*.attn.out.weight": (None, "tensor"),
+        "blocks.*.mlp.0.weight": ("tensor", None), "blocks.*.mlp.0.bias": ("tensor",),
+        "blocks.*.mlp.2.weight": (None, "tensor"),
+        "tok.weight": ("tensor", None)}
+    assert any("lm_head is tied to tok.weight" in n for n in plan.notes)
+    assert any(n.startswith("pos.weight (16, 32): position") for n in plan.notes)
+
+
+def test_megatron_on_gpt2_conv1d_fused_qkv_and_odd_vocab():
+    plan = plans.megatron(gpt2(), TP2)
+    h = "transformer.h.*."
+    # Conv1D weights are (in, out): column-parallel splits dim 1, row-parallel dim 0.
+    assert plan.params[h + "mlp.c_fc.weight"] == (None, "tensor")
+    assert plan.params[h + "mlp.c_fc.bias"] == ("tensor",)
+    assert plan.params[h + "mlp.c_proj.weight"] == ("tensor", None)
+    assert plan.params[h + "attn.c_attn.weight"] == (None, "tensor")
+    assert plan.params[h + "attn.c_proj.weight"] == ("tensor", None)
+    assert h + "mlp.c_proj.bias" not in plan.params  # added once, after the all-reduce
+    assert "transformer.wte.weight" not in plan.params
+    assert any("fused qkv c_attn (32 -> 96) split contiguously" in n for n in plan.notes)
+    assert any("vocab 101 not divisible by tensor=2" in n for n in plan.notes)
+
+
+def test_megatron_on_llama_swiglu_and_gqa():
+    plan = plans.megatron(llama(), TP2)
+    layer = "model.layers.*."
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert plan.params[f"{layer}{name}.weight"] == ("tensor", None), name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert plan.params[f"{layer}{name}.weight"] == (None, "tensor"), name
+    assert "lm_head.weight" not in plan.params  # vocab 101
+
+
+def test_megatron_keeps_kv_whole_when_kv_heads_do_not_divide():
+    plan = plans.megatron(llama(), TP4)  # 2 kv heads, tensor=4
+    layer = "model.layers.*.self_attn."
+    assert plan.params[layer + "q_proj.weight"] == ("tensor", None)
+    assert plan.params[layer + "o_proj.weight"] == (None, "tensor")
+    assert layer + "k_proj.weight" not in plan.params and layer + "v_proj.weight" not in plan.params
+    assert ("model.layers.*.self_attn: 2 key/value heads not divisible by tensor=4; k_proj, v_proj kept "
+            "whole (GQA: every device holds all kv heads)") in plan.notes
+
+
+def test_megatron_keeps_attention_whole_when_heads_do_not_divide():
+    plan = plans.megatron(GPT(heads=2), TP4)
+    assert not any(".attn." in p for p in plan.params)
+    assert plan.params["blocks.*.mlp.0.weight"] == ("tensor", None)
+    assert "blocks.*.attn: 2 heads not divisible by tensor=4; attention kept whole" in plan.notes
+
+
+def test_megatron_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"mesh \(data=8\) has no axis 'tensor'"):
+        plans.megatron(GPT(), dict(data=8))
+    with pytest.raises(ValueError, match="found no transformer blocks in MLP"):
+        plans.megatron(MLP(), TP2)
+
+
+def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
+    plan = plans.fsdp(gpt2(), dict(data=8))
+    assert plan.params["transformer.wte.weight"] == (None, "data")  # vocab 101: the width instead
+    assert plan.params["transformer.h.*.mlp.c_fc.weight"] == (None, "data")  # (32, 128)
+    assert plan.params["transformer.h.*.mlp.c_proj.weight"] == ("data", None)  # (128, 32)
+    assert not any("ln_" in p or p.endswith("bias") for p in plan.params)
+    assert any(n.startswith("18 tensors under min_size=1024 elements not split over data") for n in plan.notes)
+    odd = plans.fsdp({"w": (101, 7), "b": (3,)}, dict(data=8), min_size=1)
+    assert odd.params == {} and "w (101, 7): no dimension divisible by data=8; not split over data" in odd.notes
+    assert plans.zero(3, gpt2(), dict(data=8)) == plan and plans.zero(0) == plans.ddp()
+    with pytest.raises(ValueError, match="needs the model and the mesh"):
+        plans.zero(3)
+
+
+def test_fsdp_accepts_jax_params_pytrees():
+    params = {"layers": [{"w": np.zeros((64, 32))}, {"w": np.zeros((64, 32))}], "b": np.zeros(32)}
+    assert plans.fsdp(params, dict(data=8)).params == {"layers.*.w": ("data", None)}
+
+
+def test_hybrid_shards_within_a_group_and_batches_over_both():
+    plan = plans.hybrid(GPT(), dict(replica=2, data=4))
+    assert plan.batch == (("replica", "data"),)
+    assert plan.params["blocks.*.mlp.0.weight"] == ("data", None)
+    assert all("replica" not in str(s) for s in plan.params.values())
+
+
+def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
+    model = GPT()
+    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))
+    assert plan.params["blocks.*.attn.q.weight"] == ("tensor", "data")
+    assert plan.params["blocks.*.mlp.2.weight"] == (None, ("tensor", "data"))
+    assert plan.params["blocks.*.attn.q.bias"] == ("tensor",)  # small: tensor only
+    assert any("vocab-parallel" in n for n in plan.notes) and any("FSDP" in n for n in plan.notes)
+
+
+def test_printed_plan_lists_rules_and_notes():
+    text = str(plans.megatron(llama(), TP4))
+    assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis))"
+    assert "  model.layers.*.mlp.down_proj.weight     (None, 'tensor')" in text
+    assert "  note: model.layers.*.self_attn: 2 key/value heads" in text
+    assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis))\n  (every parameter replicated)"
+
+
+def test_a_preset_plan_is_an_editable_plan():
+    plan = plans.megatron(GPT(), TP2)
+    edited = dataclasses.replace(plan, params={**plan.params, "pos.weight": (None, "tensor")})
+    specs = edited.param_specs({n: tuple(p.shape) for n, p in GPT().named_parameters()}, TP2)
+    assert specs["pos.weight"] == (None, "tensor") and specs["blocks.1.attn.q.weight"] == ("tensor", None)
+
+
+# -- the plan after sharding (STYLE.md point 9) ---------------------------------------------
+def test_assert_sharded_names_the_largest_replicated_tensors():
+    model = gpt2()
+    tp = plans.megatron(model, TP2)
+    assert plans.largest_replicated(tp, model, TP2, top=2) == [
+        ("transformer.wte.weight", (101, 32)), ("transformer.wpe.weight", (32, 32))]
+    with pytest.raises(ValueError, match=r"replicated on every device .*largest: transformer.wte.weight \(101, 32\)"):
+        plans.assert_sharded(tp, model, TP2)
+    assert plans.assert_sharded(plans.fsdp(model, TP2, base=tp), model, TP2) < 0.05
+    with pytest.raises(ValueError, match="100.0% of the parameter elements"):
+        plans.assert_sharded(plans.ddp(), model, dict(data=8))
+
+
+def test_largest_replicated_of_a_compiled_step():
+    model = GPT()
+    step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()),
+                          plan=plans.megatron(model, TP2))
+    assert plans.largest_replicated(step, top=1) == [("pos.weight", (16, 32))]
+    assert plans.assert_sharded(step, max_replicated=0.1) < 0.1
+
+
+# -- parity ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh", [TP2, TP4], ids=["tp2xdp4", "tp4xdp2"])
+def test_megatron_gpt_parity(mesh):
+    # Vocab-parallel logits hit the explicit lowering's pmax bug (see the xfail below).
+    parity("gpt", mesh, plans.megatron(case("gpt")[0], mesh, vocab_parallel=False))
+
+
+def test_megatron_gpt_vocab_parallel_parity_xla():
+    parity("gpt", TP2, plans.megatron(case("gpt")[0], TP2), lowering="xla")
+
+
+@pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                   reason="explicit lowering: reduce_max over a split vocab dim emits lax.pmax, which has no "
+                          "differentiation rule (rules.reduce_extremum)")
+def test_megatron_gpt_vocab_parallel_parity_explicit():
+    parity("gpt", TP2, plans.megatron(case("gpt")[0], TP2))
+
+
+@pytest.mark.parametrize("name,mesh", [("gpt2", TP2), ("llama", TP2), ("llama", TP4)],
+                         ids=["gpt2-tp2", "llama-tp2", "llama-tp4-kv-whole"])
+def test_megatron_hf_parity(name, mesh):
+    parity(name, mesh, plans.megatron(case(name)[0], mesh))
+
+
+def test_fsdp_parity_data8():
+    parity("gpt2", dict(data=8), plans.fsdp(case("gpt2")[0], dict(data=8)))
+
+
+def test_hybrid_parity_replica2_data4():
+    mesh = dict(replica=2, data=4)
+    parity("gpt", mesh, plans.hybrid(case("gpt")[0], mesh))
+
+
+def test_tp2_fsdp4_parity_and_lowerings_agree():
+    model = case("gpt")[0]
+    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2, vocab_parallel=False))
+    explicit = parity("gpt", TP2, plan)
+    xla = parity("gpt", TP2, plan, lowering="xla")
+    np.testing.assert_allclose(explicit.losses, xla.losses, rtol=1e-5)
+
+
+# -- randomised plans -----------------------------------------------------------------------
+RANDOM_MESHES = [dict(data=2, tensor=4), dict(a=2, b=2, c=2)]
+# Splitting the tied embedding's vocab dim splits the logits' vocab dim, which the explicit
+# lowering cannot differentiate yet (test_megatron_gpt_vocab_parallel_parity_explicit).
+NOT_DRAWN = {("tok.weight", 0)}
+
+
+def random_plan(rng, shapes, sizes):
+    """Each dim: whole, or split over one axis that divides it; each axis once per tensor."""
+    rules = {}
+    for name, shape in shapes.items():
+        free, spec = list(sizes), []
+        for dim, size in enumerate(shape):
+            options = [a for a in free if size % sizes[a] == 0 and (name, dim) not in NOT_DRAWN]
+            axis = rng.choice(options + [None] * len(options)) if options else None
+            spec.append(axis)
+            if axis:
+                free.remove(axis)
+        if any(spec):
+            rules[name] = tuple(spec)
+    batch = ("data",) if "data" in sizes else (str(rng.choice(list(sizes))),)
+    return xtrain.Plan(params=rules, batch=batch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_plans_parity(seed):
+    rng = np.random.default_rng(seed)
+    sizes = RANDOM_MESHES[seed % len(RANDOM_MESHES)]
+    shapes = {n: tuple(p.shape) for n, p in case("gpt")[0].named_parameters()}
+    plan = random_plan(rng, shapes, sizes)
+    assert plan.params, "drew an all-replicated plan"
+    parity("gpt", sizes, plan)
