@@ -222,18 +222,27 @@ class _Proj:
         return {self.weight: (None, axis) if self.out_dim == 0 else (axis, None)}
 
 
-def _proj(path: str, module, names: Mapping[int, str]) -> _Proj | None:
+def _is_conv1d(module) -> bool:
+    # HF's Conv1D, looked up only when transformers is already loaded (an HF model is).
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def _is_projection(module) -> bool:
     from torch import nn
 
-    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _proj(path: str, module, names: Mapping[int, str]) -> _Proj | None:
+    if not _is_projection(module):
+        return None
     bias = getattr(module, "bias", None)
     bias_name = names.get(id(bias)) if bias is not None else None
-    if isinstance(module, nn.Linear):
-        return _Proj(path, module.in_features, module.out_features, 0, names[id(module.weight)], bias_name)
-    if conv1d is not None and isinstance(module, conv1d):
-        d_in, d_out = module.weight.shape
-        return _Proj(path, d_in, d_out, 1, names[id(module.weight)], bias_name)
-    return None
+    d_out, d_in = module.weight.shape
+    if _is_conv1d(module):
+        return _Proj(path, d_out, d_in, 1, names[id(module.weight)], bias_name)  # weight (in, out)
+    return _Proj(path, d_in, d_out, 0, names[id(module.weight)], bias_name)
 
 
 def _blocks(model) -> list[tuple[str, list[tuple[str, Any]]]]:
@@ -247,8 +256,7 @@ def _blocks(model) -> list[tuple[str, list[tuple[str, Any]]]]:
         inside = any(path.startswith(f"{p}.") for p, _ in found)  # experts inside a block
         if not isinstance(module, nn.ModuleList) or not children or inside:
             continue
-        if len({type(c) for _, c in children}) == 1 and any(isinstance(m, nn.Linear) or m.__class__.__name__ == "Conv1D"
-                                                           for m in children[0][1].modules()):
+        if len({type(c) for _, c in children}) == 1 and any(map(_is_projection, children[0][1].modules())):
             found.append((path, [(f"{path}.{n}" if path else n, c) for n, c in children]))
     return found
 
