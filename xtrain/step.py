@@ -17,7 +17,8 @@ from xtrain.lowering.explicit import accounting
 from xtrain.lowering.explicit import step as explicit_step
 from xtrain.lowering.explicit.gradient_sync import GradSync
 from xtrain.lowering.xla_partitioner import TrainState
-from xtrain.sharding.plan import Plan
+from xtrain.sharding import zero as zero_mod
+from xtrain.sharding.plan import Plan, _axes_of
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -36,16 +37,20 @@ class TrainStep:
         self.lowering = lowering
         mesh_axes = dict(mesh.shape)
         params = model.initial_params()
-        self.param_specs = plan.param_specs({n: p.shape for n, p in params.items()}, mesh_axes)
+        shapes = {n: p.shape for n, p in params.items()}
         self.batch_spec = plan.batch_spec(mesh_axes)
-        param_shardings = {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in self.param_specs.items()}
+        data_axes = tuple(a for e in self.batch_spec for a in _axes_of(e))
+        self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
+            shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
+        named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
         state = self._initial_state(params, optimized, seed)
-        self.shardings = xla_partitioner.state_shardings(state, param_shardings, mesh)
+        self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
+                                                         named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
         if lowering == "explicit":
             self._train, self._eval, self._program = explicit_step.build(
                 model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
-                scan_layers)
+                scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs)
         else:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None
@@ -115,6 +120,9 @@ class TrainStep:
         sizes = dict(self.mesh.shape)
         replicated = [n for n, s in self.param_specs.items() if not s]
         notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
+        if self.zero_whole:
+            notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
+                         f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):

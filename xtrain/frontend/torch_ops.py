@@ -58,8 +58,19 @@ def _gather(input, dim, index):
     return jnp.take_along_axis(input, index, axis=dim, mode="clip")
 
 
+def _matmul(x, y):
+    """torch.matmul as one batched dot_general. torch decomposes a 4-D matmul (attention's
+    q @ k^T over batch and heads) into reshapes to 3-D and bmm; merging the batch and head
+    dims would force a gather of heads split for tensor parallelism."""
+    return jnp.matmul(x, y)
+
+
 _JAX_OVERRIDES = {
     aten.gather.default: _gather,
+    # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
 }
 
 _OVERRIDES = {

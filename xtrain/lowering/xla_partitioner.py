@@ -33,16 +33,18 @@ def _replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def state_shardings(state: TrainState, param_shardings: Mapping[str, NamedSharding], mesh) -> TrainState:
-    """Shardings for a TrainState: parameters per plan, optimizer moments like their parameter,
-    everything else replicated."""
+def state_shardings(state: TrainState, param_shardings: Mapping[str, NamedSharding], mesh,
+                    optimizer_shardings: Mapping[str, NamedSharding] | None = None) -> TrainState:
+    """Shardings for a TrainState: parameters per plan, optimizer moments like their parameter
+    (or per `optimizer_shardings`, for ZeRO 1-2), everything else replicated."""
     shapes = {n: s for n, s in jax.tree.map(lambda x: x.shape, {**state.params, **state.frozen}).items()}
+    optimizer_shardings = optimizer_shardings or param_shardings
 
     def opt_leaf(path, leaf):
         for entry in path:
             name = getattr(entry, "key", None)
             if name in param_shardings and getattr(leaf, "shape", None) == shapes[name]:
-                return param_shardings[name]
+                return optimizer_shardings[name]
         return _replicated(mesh)
 
     return TrainState(

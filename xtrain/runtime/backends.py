@@ -127,6 +127,23 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
     return 1
 
 
+# XLA's CPU runtime runs independent ops of a device's program concurrently. With the
+# concurrency-optimised scheduler, two independent collectives (e.g. ZeRO-3's re-gather of a
+# layer's weights in the backward scan next to a gradient reduce-scatter) can start in a
+# different order on different emulated devices, and the rendezvous then deadlocks (XLA
+# aborts after 40 s). The default scheduler keeps one order on every device.
+CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
+
+def with_cpu_xla_flags(xla_flags: str) -> str:
+    """XLA_FLAGS with xtrain's CPU flags added (a flag the user already set is left alone)."""
+    flags = xla_flags.split()
+    for flag in CPU_XLA_FLAGS:
+        if not any(f.split("=")[0] == flag.split("=")[0] for f in flags):
+            flags.append(flag)
+    return " ".join(flags)
+
+
 def neuron_layout(process: ProcessEnv) -> str:
     """One process on the node: it owns every core; several: one core each."""
     return "process-per-node" if process.local_world_size == 1 else "process-per-core"

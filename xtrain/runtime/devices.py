@@ -64,6 +64,10 @@ def _emulated_cluster(spec: str | None, platform: str, cpu_devices: int | None):
 
 def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
     """Sets the backend's variables that the user has not set; returns what it set."""
+    if platform == "cpu" and not _backends_started():
+        flags = backends.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = flags
+        return {"XLA_FLAGS": flags}
     if platform != "neuron":
         return {}
     wanted = backends.backend_env(platform, env, instance=backends.instance_type() or env.instance_type,

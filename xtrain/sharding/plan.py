@@ -41,13 +41,20 @@ class Plan:
             `data` axis when it has one".
         notes: why a preset (`xtrain.plans`) chose what it did: tensors it kept whole and the
             reason, splits that are correct but not the textbook layout. Informational only.
+        zero: ZeRO stage over the batch (data-parallel) axes. 0: replicated optimizer state;
+            1: optimizer state split; 2: also gradients reduce-scattered; 3: also parameters
+            split (gathered per use). Tensors with no dimension divisible by the data size
+            stay whole (the report lists them).
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
     batch: Sequence[AxisEntry] | str | None = None
     notes: tuple[str, ...] = ()
+    zero: int = 0
 
     def __post_init__(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
         if self.batch is not None:
             object.__setattr__(self, "batch", _normalize(self.batch))

@@ -16,6 +16,8 @@ from jax import lax
 
 from xtrain.lowering.explicit.layout import Axes, Layout
 
+from jax._src.lax.parallel import all_gather_invariant  # noqa: E402  (no public name in jax 0.10)
+
 
 @dataclasses.dataclass
 class Sharded:
@@ -25,6 +27,7 @@ class Sharded:
     layout: Layout
     shape: tuple[int, ...]  # global shape
     dtype: Any
+    param: bool = False     # a model parameter as stored (gathers of it are recomputed in backward)
 
     @property
     def ndim(self) -> int:
@@ -37,6 +40,7 @@ class Context:
 
     sizes: Mapping[str, int]
     module_paths: frozenset = frozenset()
+    batch_axes: tuple = ()  # axes the batch is split on (gathers of parameters over them are ZeRO-3's)
     fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
     path: str = ""
 
@@ -75,14 +79,29 @@ def resolve_all(ctx: Context, xs) -> list[Sharded]:
     return [resolve(ctx, x) for x in xs]
 
 
-def gather_dim(ctx: Context, x: Sharded, dim: int) -> Sharded:
-    """All-gathers dimension `dim` so it is whole on every device."""
-    axes = x.layout.dims[dim]
+def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int):
+    name = axes if len(axes) > 1 else axes[0]
+    if x.param and set(axes) <= set(ctx.batch_axes):
+        # ZeRO-3/FSDP: gathered again in the backward pass instead of keeping every gathered
+        # weight alive until then; the gradient comes back reduce-scattered (the transpose).
+        return jax.checkpoint(lambda v: lax.all_gather(v, name, axis=dim, tiled=True))(x.value)
+    # Once gathered, every device along `axes` holds the same values: say so (invariant), so
+    # the rest of the program is not typed as varying over axes it does not vary over.
+    return all_gather_invariant(x.value, name, axis=dim, tiled=True)
+
+
+def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None) -> Sharded:
+    """All-gathers dimension `dim` over `axes` (default: all its axes). Only minor (trailing)
+    axes can be gathered alone; otherwise the whole dimension is gathered."""
+    have = x.layout.dims[dim]
+    axes = have if axes is None else tuple(a for a in have if a in axes)
     if not axes:
         return x
-    value = lax.all_gather(x.value, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    if have[len(have) - len(axes):] != axes:
+        axes = have
+    value = _all_gather(ctx, x, axes, dim)
     dims = list(x.layout.dims)
-    dims[dim] = ()
+    dims[dim] = have[: len(have) - len(axes)]
     return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
 
 

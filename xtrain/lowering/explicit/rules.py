@@ -270,17 +270,19 @@ def reduce_sum(ctx: Context, eqn, args):
                  else _bind(eqn, [x.value]), [layout])
 
 
-_COMBINE = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}
+_COMBINE = {"reduce_max": lambda x: x.max(0), "reduce_min": lambda x: x.min(0)}
 
 
 def reduce_extremum(ctx: Context, eqn, args):
-    """Local max/min, then pmax/pmin over the axes of reduced split dims."""
+    """Local max/min, then the max/min of the per-shard results, gathered (one value per
+    shard; unlike pmax/pmin this is differentiable, e.g. for a vocab-parallel logsumexp)."""
     x = C.resolve(ctx, args[0])
     axes = tuple(eqn.params["axes"])
     over = tuple(a for d in axes for a in x.layout.dims[d])
     (out,) = _bind(eqn, [x.value])
     if over:
-        out = _COMBINE[str(eqn.primitive)](out, over)
+        shards = C.all_gather_invariant(out[None], over if len(over) > 1 else over[0], axis=0, tiled=True)
+        out = _COMBINE[str(eqn.primitive)](shards)
     return _wrap(eqn, [out], [Layout(_kept(x, axes))])
 
 
@@ -333,9 +335,9 @@ def dot_general(ctx: Context, eqn, args):
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
     used = {a for d in list(lb) + list(lc) + lfree for a in lhs.layout.dims[d]}
-    for d in rfree:  # one mesh axis cannot split two output dims
+    for d in rfree:  # one mesh axis cannot split two output dims: gather only the clashing ones
         if set(rhs.layout.dims[d]) & used:
-            rhs = C.gather_dim(ctx, rhs, d)
+            rhs = C.gather_dim(ctx, rhs, d, tuple(set(rhs.layout.dims[d]) & used))
     dims = [lhs.layout.dims[d] for d in lb] + [lhs.layout.dims[d] for d in lfree] + [rhs.layout.dims[d] for d in rfree]
     partial = lhs.layout.partial + rhs.layout.partial + tuple(a for d in lc for a in lhs.layout.dims[d])
     out = _bind(eqn, [lhs.value, rhs.value], out_sharding=None) if "out_sharding" in eqn.params \

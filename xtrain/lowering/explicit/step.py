@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from xtrain.frontend.model import Model
 from xtrain.lowering.explicit import collectives as C
 from xtrain.lowering.explicit import gradient_sync
+from xtrain.lowering.explicit import zero as zero_update
 from xtrain.lowering.explicit.collectives import Context, Sharded
 from xtrain.lowering.explicit.interpreter import interpret, module_path
 from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
@@ -63,10 +64,13 @@ class Program:
         avals = jax.tree.leaves(global_args)
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
 
+        num_params = len(jax.tree.leaves(global_args[0]))
+
         def local(params, buffers, key, batch):
             leaves = jax.tree.leaves((params, buffers, key, batch))
-            ins = [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(leaves, layouts, avals)]
-            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths())
+            ins = [Sharded(v, l, tuple(a.shape), a.dtype, param=i < num_params)
+                   for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
+            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -83,12 +87,16 @@ class Program:
 
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
-          scan_layers: bool = True):
+          scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
     program = Program(model, mesh, param_specs, batch_spec, scan_layers)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
+    update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
+                                zero, tx)
+    # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
+    sync_axes = {n: () if update.scatters(n) else a for n, a in grad_axes.items()}
 
     def batch_specs(batch):
         return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
@@ -107,9 +115,8 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
                       for n, p in state.params.items()}
             (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-            grads = gradient_sync.sync(grads, grad_axes, sync)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            new_params = optax.apply_updates(state.params, updates)
+            grads = gradient_sync.sync(grads, sync_axes, sync)
+            new_params, opt_state = update(grads, state.opt_state, state.params)
             return TrainState(new_params, state.frozen, {**state.buffers, **buffers}, opt_state,
                               state.step + 1, state.key), loss
 
