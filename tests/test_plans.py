@@ -118,8 +118,9 @@ def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
     odd = plans.fsdp({"w": (101, 7), "b": (3,)}, dict(data=8), min_size=1)
     assert odd.params == {} and "w (101, 7): no dimension divisible by data=8; not split over data" in odd.notes
     assert plans.zero(3, gpt2(), dict(data=8)) == plan and plans.zero(0) == plans.ddp()
-    with pytest.raises(ValueError, match="needs the model and the mesh"):
-        plans.zero(3)
+    assert plans.zero(1).zero == 1 and plans.zero(2).zero == 2 and plans.zero(3).zero == 3
+    with pytest.raises(ValueError, match="must be 0, 1, 2 or 3"):
+        plans.zero(4)
 
 
 def test_fsdp_accepts_jax_params_pytrees():

@@ -170,16 +170,17 @@ def fsdp(model: Any, mesh: Mesh | Mapping[str, int], *, axis: str | tuple[str, .
 
 
 def zero(stage: int, model: Any = None, mesh: Mesh | Mapping[str, int] | None = None, **fsdp_kwargs) -> Plan:
-    """ZeRO by stage. 0: `ddp()`; 3: `fsdp(model, mesh, ...)` (needs the model and mesh)."""
+    """ZeRO by stage over the data axis. 0: `ddp()`; 1 and 2: `Plan(zero=stage)` (optimizer
+    state, and for 2 gradients, split; xtrain picks each tensor's dimension at compile time);
+    3: `fsdp(model, mesh, ...)` when given the model and mesh (explicit, printable rules), else
+    `Plan(zero=3)`."""
     if stage == 0:
         return ddp()
+    if stage in (1, 2) or (stage == 3 and (model is None or mesh is None)):
+        return Plan(zero=stage)
     if stage == 3:
-        if model is None or mesh is None:
-            raise ValueError("xtrain.plans.zero(3, model, mesh): ZeRO-3 chooses a dimension per "
-                             "parameter, so it needs the model and the mesh")
         return fsdp(model, mesh, **fsdp_kwargs)
-    raise ValueError(f"xtrain.plans.zero({stage!r}): this preset builds stages 0 and 3 (parameter "
-                     "splits); stages 1 and 2 split optimizer state and gradients, not parameters")
+    raise ValueError(f"xtrain.plans.zero({stage!r}): the ZeRO stage must be 0, 1, 2 or 3")
 
 
 def hybrid(model: Any, mesh: Mesh | Mapping[str, int], *, shard_axis: str = DATA,

@@ -63,7 +63,7 @@ class Plan:
     def __str__(self) -> str:
         """One line per rule, then the notes: what `print(plan)` shows."""
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
-        lines = [f"Plan(batch={batch})"]
+        lines = [f"Plan(batch={batch}, zero={self.zero})"]
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]
