@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="emulated CPU devices in the whole job (CPU only; ignored on GPU/Trainium)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    p.add_argument("--emulate", default=None, metavar="INSTANCE[:NODES]",
+                   help="fly a virtual cluster on CPU, e.g. trn1.32xlarge or p4d.24xlarge:2, and check "
+                        "the compiled step against that hardware's rules")
     return p.parse_args(argv)
 
 
@@ -52,9 +55,22 @@ def train(step, tokens: np.ndarray, args, show: bool) -> tuple[list[float], list
     return losses, seconds
 
 
+def report_conformance(step, tokens, args, show: bool) -> None:
+    """Checks the compiled step against the emulated hardware's rules (Neuron collectives,
+    unsupported ops and dtypes) before training."""
+    from neuron_support.emulate import check_step
+
+    x, y = sample_batch(tokens, np.random.default_rng(args.seed), args.batch, args.seq)
+    findings = check_step(step, x, y)
+    if show:
+        print(f"conformance ({args.emulate}): " + ("the program conforms" if not findings else
+              f"{len(findings)} finding(s)\n" + "\n".join(f"  - {f}" for f in findings)), flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    xtrain.init(cpu_devices=args.cpu_devices)  # first: emulated devices, jax.distributed
+    # first: emulated devices (or a virtual cluster), jax.distributed
+    xtrain.init(cpu_devices=None if args.emulate else args.cpu_devices, emulate=args.emulate)
     import jax
 
     show = jax.process_index() == 0
@@ -71,6 +87,8 @@ def main(argv=None) -> None:
               f"devices in {jax.process_count()} process(es), mesh data={jax.device_count()}, "
               f"global batch {args.batch} x {args.seq} tokens, {len(train_tokens):,} training bytes", flush=True)
 
+    if args.emulate:
+        report_conformance(step, train_tokens, args, show)
     losses, seconds = train(step, train_tokens, args, show)
     x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
     eval_loss = step.eval(x, y)["loss"]

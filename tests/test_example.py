@@ -29,3 +29,14 @@ def test_train_gpt_runs_and_loss_falls():
     assert done["last_loss"] < done["first_loss"] - 0.5, done
     assert done["eval_loss"] < done["first_loss"], done
     assert done["tokens_per_s"] > 0
+
+
+def test_train_gpt_on_an_emulated_trn1_reports_conformance():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + ("JAX_NUM_CPU_DEVICES",)}
+    env["JAX_PLATFORMS"] = "cpu"
+    args = ["--steps", "2", "--layers", "1", "--d-model", "32", "--batch", "32", "--seq", "16",
+            "--emulate", "trn1.32xlarge"]
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "32 cpu devices" in proc.stdout and "conformance (trn1.32xlarge): the program conforms" in proc.stdout
+    assert final_line(proc.stdout)["steps"] == 2
