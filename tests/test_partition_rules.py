@@ -185,9 +185,27 @@ def case_loop(rng):
     return (lambda x, w: lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w) + i, x)), [normal(rng, shape), w]
 
 
+def _constraint(x, layout: Layout):
+    spec = jax.P(*[(d if len(d) > 1 else d[0]) if d else None for d in layout.dims])
+    return lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh(), spec))
+
+
+def case_sharding_constraint(rng):
+    """xtrain.shard's primitive: any layout to any layout; after a matmul whose contraction
+    is split, the pending sum lands on the constraint's split dims (a reduce-scatter)."""
+    if rng.random() < 0.5:
+        x = normal(rng, rand_shape(rng, rng.integers(1, 4)))
+        target = random_layout(rng, x.shape, partial_ok=False)
+        return (lambda x: _constraint(x * 2, target) + 1), [x]
+    m, k, n = (int(rng.choice(DIMS)) for _ in range(3))
+    target = random_layout(rng, (m, n), partial_ok=False)
+    return (lambda x, y: jnp.tanh(_constraint(x @ y, target))), [normal(rng, (m, k)), normal(rng, (k, n))]
+
+
 CASES = {"loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
          "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
-         "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call}
+         "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call,
+         "sharding_constraint": case_sharding_constraint}
 PER_FAMILY = 32
 
 
@@ -226,3 +244,25 @@ def test_data_parallel_matmul_emits_no_collective_until_output():
     program = jax.make_jaxpr(jax.shard_map(per_device, mesh=mesh(), in_specs=(jax.P(("a", "b")), jax.P()),
                                            out_specs=jax.P(("a", "b")), check_vma=False))(x, w)
     assert not [e for e in program.jaxpr.eqns[0].params["jaxpr"].eqns if "psum" in str(e.primitive) or "gather" in str(e.primitive)]
+
+
+def test_pending_sum_onto_a_split_dim_is_one_reduce_scatter():
+    """(m, k) @ (k, n) with k split over `a` leaves a partial sum; a constraint splitting m
+    over `a` resolves it with psum_scatter, not psum + slice."""
+    from xtrain.lowering.explicit.collectives import Context, Sharded
+    from xtrain.lowering.explicit.interpreter import interpret
+
+    x, w = normal(np.random.default_rng(0), (8, 6)), normal(np.random.default_rng(1), (6, 4))
+    closed = jax.make_jaxpr(lambda x, w: _constraint(x @ w, Layout((("a",), ()))))(x, w)
+
+    def per_device(x, w):
+        ins = [Sharded(x, Layout(((), ("a",))), (8, 6), x.dtype), Sharded(w, Layout((("a",), ())), (6, 4), w.dtype)]
+        (out,) = interpret(Context(SIZES), closed.jaxpr, closed.consts, ins)
+        assert out.layout == Layout((("a",), ()))
+        return out.value
+
+    program = jax.make_jaxpr(jax.shard_map(per_device, mesh=mesh(), in_specs=(jax.P(None, "a"), jax.P("a")),
+                                           out_specs=jax.P("a"), check_vma=False))(x, w)
+    prims = [str(e.primitive) for e in program.jaxpr.eqns[0].params["jaxpr"].eqns]
+    assert "psum_scatter" in prims or "reduce_scatter" in prims, prims
+    assert "psum" not in prims and "all_gather" not in prims, prims

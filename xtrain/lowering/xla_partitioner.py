@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain.frontend.model import Model
+from xtrain.sharding.annotate import tracing_for
 
 
 @jax.tree_util.register_dataclass
@@ -57,14 +58,16 @@ def state_shardings(state: TrainState, param_shardings: Mapping[str, NamedShardi
     )
 
 
-def make_train_step(model: Model, tx: optax.GradientTransformation) -> Callable:
-    """The pure step: (state, batch) -> (new state, loss)."""
+def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None) -> Callable:
+    """The pure step: (state, batch) -> (new state, loss); `xtrain.shard` calls in the model
+    constrain to `mesh`."""
 
     def train_step(state: TrainState, batch: tuple):
         key = jax.random.fold_in(state.key, state.step)
 
         def loss_of(params):
-            return model.apply({**params, **state.frozen}, state.buffers, key, batch, training=True)
+            with tracing_for(mesh):
+                return model.apply({**params, **state.frozen}, state.buffers, key, batch, training=True)
 
         (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -75,10 +78,11 @@ def make_train_step(model: Model, tx: optax.GradientTransformation) -> Callable:
     return train_step
 
 
-def make_eval_step(model: Model) -> Callable:
+def make_eval_step(model: Model, mesh=None) -> Callable:
     def eval_step(state: TrainState, batch: tuple):
         key = jax.random.fold_in(state.key, state.step)
-        loss, _ = model.apply({**state.params, **state.frozen}, state.buffers, key, batch, training=False)
+        with tracing_for(mesh):
+            loss, _ = model.apply({**state.params, **state.frozen}, state.buffers, key, batch, training=False)
         return loss
 
     return eval_step
@@ -87,6 +91,6 @@ def make_eval_step(model: Model) -> Callable:
 def compile_steps(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh):
     """jit-compiled (train_step, eval_step) with the state's shardings fixed."""
     replicated = _replicated(mesh)
-    train = jax.jit(make_train_step(model, tx), out_shardings=(shardings, replicated), donate_argnums=0)
-    evaluate = jax.jit(make_eval_step(model), out_shardings=replicated)
+    train = jax.jit(make_train_step(model, tx, mesh), out_shardings=(shardings, replicated), donate_argnums=0)
+    evaluate = jax.jit(make_eval_step(model, mesh), out_shardings=replicated)
     return train, evaluate

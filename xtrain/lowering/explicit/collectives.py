@@ -43,6 +43,8 @@ class Context:
     batch_axes: tuple = ()  # axes the batch is split on (gathers of parameters over them are ZeRO-3's)
     fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
     path: str = ""
+    # conversions already emitted in the jaxpr being interpreted (see `memoized`)
+    memo: dict = dataclasses.field(default_factory=dict)
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
@@ -55,6 +57,24 @@ def vma(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; older releases: aval.vma
     return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def memoized(ctx: Context, key: tuple, source, make):
+    """`make()`, or its earlier result for the same `source` value: a tensor read by several
+    ops (x feeding q, k and v) is gathered or cast once, so forward has one collective and
+    backward one transpose of it (the consumers' cotangents are summed first). Keys hold
+    id(source); the entry keeps `source` alive so the id cannot be reused."""
+    hit = ctx.memo.get(key)
+    if hit is not None and hit[0] is source:
+        return hit[1]
+    out = make()
+    ctx.memo[key] = (source, out)
+    return out
+
+
+def pcast_varying(ctx: Context, v, axes: Axes):
+    """`v` typed as varying over `axes` too (the transpose of this cast is a psum)."""
+    return memoized(ctx, ("pcast", id(v), axes), v, lambda: lax.pcast(v, axes, to="varying"))
 
 
 def axis_offset(ctx: Context, axes: Axes):
@@ -70,39 +90,58 @@ def resolve(ctx: Context, x: Sharded, axes: Axes | None = None) -> Sharded:
     axes = x.layout.partial if axes is None else tuple(a for a in x.layout.partial if a in axes)
     if not axes:
         return x
-    value = lax.psum(x.value, axes)
-    return dataclasses.replace(x, value=value, layout=x.layout.with_partial(
-        tuple(a for a in x.layout.partial if a not in axes)))
+    return memoized(ctx, ("psum", id(x.value), x.layout, axes), x.value, lambda: dataclasses.replace(
+        x, value=lax.psum(x.value, axes),
+        layout=x.layout.with_partial(tuple(a for a in x.layout.partial if a not in axes))))
+
+
+def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Sums the pending addends over `axes` and keeps this device's slice of the whole
+    dimension `dim`: one reduce-scatter, where all-reduce + slice would move twice the bytes."""
+    assert not x.layout.dims[dim] and set(axes) <= set(x.layout.partial)
+    name = axes if len(axes) > 1 else axes[0]
+    dims = list(x.layout.dims)
+    dims[dim] = tuple(axes)
+    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes))
+    return memoized(ctx, ("psum_scatter", id(x.value), x.layout, dim, axes), x.value, lambda: dataclasses.replace(
+        x, value=lax.psum_scatter(x.value, name, scatter_dimension=dim, tiled=True), layout=layout))
 
 
 def resolve_all(ctx: Context, xs) -> list[Sharded]:
     return [resolve(ctx, x) for x in xs]
 
 
-def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int):
+def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int, varying: bool):
     name = axes if len(axes) > 1 else axes[0]
     if x.param and set(axes) <= set(ctx.batch_axes):
         # ZeRO-3/FSDP: gathered again in the backward pass instead of keeping every gathered
         # weight alive until then; the gradient comes back reduce-scattered (the transpose).
         return jax.checkpoint(lambda v: lax.all_gather(v, name, axis=dim, tiled=True))(x.value)
+    if varying:  # the consumer varies over `axes` anyway: the transpose is one reduce-scatter
+        return lax.all_gather(x.value, name, axis=dim, tiled=True)
     # Once gathered, every device along `axes` holds the same values: say so (invariant), so
     # the rest of the program is not typed as varying over axes it does not vary over.
     return all_gather_invariant(x.value, name, axis=dim, tiled=True)
 
 
-def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None) -> Sharded:
+def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None, varying: bool = False) -> Sharded:
     """All-gathers dimension `dim` over `axes` (default: all its axes). Only minor (trailing)
-    axes can be gathered alone; otherwise the whole dimension is gathered."""
+    axes can be gathered alone; otherwise the whole dimension is gathered. `varying`: the
+    result is typed as varying over `axes` (for a consumer that varies over them: its
+    backward is then a reduce-scatter, not an all-reduce and a slice)."""
     have = x.layout.dims[dim]
     axes = have if axes is None else tuple(a for a in have if a in axes)
     if not axes:
         return x
     if have[len(have) - len(axes):] != axes:
         axes = have
-    value = _all_gather(ctx, x, axes, dim)
     dims = list(x.layout.dims)
     dims[dim] = have[: len(have) - len(axes)]
-    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+    gather = lambda: dataclasses.replace(x, value=_all_gather(ctx, x, axes, dim, varying),
+                                         layout=x.layout.with_dims(dims))
+    if x.param and set(axes) <= set(ctx.batch_axes):
+        return gather()  # ZeRO-3: one gather per use, none kept alive between uses
+    return memoized(ctx, ("all_gather", id(x.value), x.layout, dim, axes, varying), x.value, gather)
 
 
 def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
@@ -126,8 +165,12 @@ def replicate(ctx: Context, x: Sharded) -> Sharded:
 
 
 def relayout(ctx: Context, x: Sharded, target: Layout) -> Sharded:
-    """Moves `x` to `target`'s dims (partial sums resolved unless `target` keeps them)."""
+    """Moves `x` to `target`'s dims (partial sums resolved unless `target` keeps them; by a
+    reduce-scatter where `target` splits a whole dim over the pending axes)."""
     keep = set(target.partial)
+    for dim, want in enumerate(target.dims):
+        if want and not x.layout.dims[dim] and set(want) <= set(x.layout.partial) - keep:
+            x = scatter_partial(ctx, x, dim, want)
     x = resolve(ctx, x, tuple(a for a in x.layout.partial if a not in keep))
     for axis in target.partial:
         if axis not in x.layout.partial:  # a whole value as addends: all of it on device 0

@@ -32,6 +32,16 @@ def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], repeated=()) -> 
     """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values.
 
     `repeated`: layer_scan.RepeatedBlocks of this jaxpr, each emitted as one scan."""
+    # collectives.memoized reuses conversions within one jaxpr: a nested jaxpr may run in
+    # another trace (scan body), so its entries must neither leak out nor see the outer ones
+    outer_memo, ctx.memo = ctx.memo, {}
+    try:
+        return _run(ctx, jaxpr, consts, args, repeated)
+    finally:
+        ctx.memo = outer_memo
+
+
+def _run(ctx: Context, jaxpr, consts, args, repeated) -> list[Sharded]:
     from xtrain.lowering.explicit.rules import rule_for
     from xtrain.lowering.explicit.scan import emit_repeated_blocks
 

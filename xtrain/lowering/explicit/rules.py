@@ -25,16 +25,16 @@ def _out_avals(eqn):
     return [v.aval for v in eqn.outvars]
 
 
-def _same_vma(values):
+def _same_vma(ctx: Context, values):
     """Primitives need operands varying over the same mesh axes (the jnp layer would pcast)."""
     union = frozenset().union(*(C.vma(v) for v in values))
-    return [lax.pcast(v, tuple(sorted(union - C.vma(v))), to="varying")
+    return [C.pcast_varying(ctx, v, tuple(sorted(union - C.vma(v))))
             if hasattr(v, "shape") and union - C.vma(v) else v for v in values]
 
 
-def _bind(eqn, values, **overrides):
+def _bind(ctx: Context, eqn, values, **overrides):
     params = {**eqn.params, **overrides}
-    out = eqn.primitive.bind(*_same_vma(values), **params)
+    out = eqn.primitive.bind(*_same_vma(ctx, values), **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -56,7 +56,7 @@ def fallback(ctx: Context, eqn, args):
 def replicated(ctx: Context, eqn, args):
     """Ops that are always computed whole (RNG keys, iota): replicate inputs, bind as is."""
     args = [C.replicate(ctx, a) for a in args]
-    outs = _bind(eqn, [a.value for a in args])
+    outs = _bind(ctx, eqn, [a.value for a in args])
     return _wrap(eqn, outs, [Layout.replicated(len(a.shape)) for a in _out_avals(eqn)])
 
 
@@ -78,16 +78,18 @@ def _target_dims(args, out_shape: tuple) -> tuple:
     return tuple(dims)
 
 
-def _align(ctx: Context, args, out_shape: tuple) -> tuple[list[Sharded], tuple]:
-    """Brings operands to one dims layout (`_target_dims`); a partial sum over an axis that
-    the result is split on is resolved first (an addend's slice is not a slice's addend)."""
+def _align(ctx: Context, args, out_shape: tuple, keep: tuple | None = None) -> tuple[list[Sharded], tuple]:
+    """Brings operands to one dims layout (`_target_dims`). Pending sums are kept if in
+    `keep` (default: all) and the result is not split over their axis (an addend's slice is
+    not a slice's addend); the others are resolved, by reduce-scatter where the result splits
+    a dim over them."""
     dims = _target_dims(args, out_shape)
     split = {a for d in dims for a in d}
-    args = [C.resolve(ctx, a, tuple(set(a.layout.partial) & split)) for a in args]
     out = []
     for a in args:
         want = tuple(dims[d] if a.shape[d] == out_shape[d] else () for d in range(a.ndim))
-        out.append(a if not a.ndim or a.layout.dims == want else C.relayout(ctx, a, Layout(want, a.layout.partial)))
+        partial = tuple(p for p in a.layout.partial if p not in split and (keep is None or p in keep))
+        out.append(C.relayout(ctx, a, Layout(want, partial)))
     return out, tuple(dims)
 
 
@@ -112,10 +114,9 @@ def elementwise(ctx: Context, eqn, args):
     keep = _partial_after(str(eqn.primitive), args)
     out_shape = tuple(_out_avals(eqn)[0].shape)
     if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
-        args = C.resolve_all(ctx, args)
         keep = ()
-    args, dims = _align(ctx, args, out_shape)
-    outs = _bind(eqn, [a.value for a in args])
+    args, dims = _align(ctx, args, out_shape, keep)
+    outs = _bind(ctx, eqn, [a.value for a in args])
     return _wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in _out_avals(eqn)])
 
 
@@ -131,7 +132,7 @@ def broadcast_in_dim(ctx: Context, eqn, args):
     for i, d in enumerate(bdims):
         dims[d] = x.layout.dims[i]
     layout = Layout(tuple(dims), x.layout.partial)
-    out = _bind(eqn, [x.value, *[a.value for a in args[1:]]], shape=_local(shape, layout, ctx), sharding=None)
+    out = _bind(ctx, eqn, [x.value, *[a.value for a in args[1:]]], shape=_local(shape, layout, ctx), sharding=None)
     return _wrap(eqn, out, [layout])
 
 
@@ -177,7 +178,7 @@ def reshape(ctx: Context, eqn, args):
             continue
         dims[target] = x.layout.dims[gi[0]]
     layout = Layout(tuple(dims), x.layout.partial)
-    out = _bind(eqn, [x.value], new_sizes=_local(new_sizes, layout, ctx), sharding=None)
+    out = _bind(ctx, eqn, [x.value], new_sizes=_local(new_sizes, layout, ctx), sharding=None)
     return _wrap(eqn, out, [layout])
 
 
@@ -185,14 +186,14 @@ def transpose(ctx: Context, eqn, args):
     x = args[0]
     perm = eqn.params["permutation"]
     layout = Layout(tuple(x.layout.dims[p] for p in perm), x.layout.partial)
-    return _wrap(eqn, _bind(eqn, [x.value]), [layout])
+    return _wrap(eqn, _bind(ctx, eqn, [x.value]), [layout])
 
 
 def squeeze(ctx: Context, eqn, args):
     x = args[0]
     drop = set(d % x.ndim for d in eqn.params["dimensions"])
     layout = Layout(tuple(d for i, d in enumerate(x.layout.dims) if i not in drop), x.layout.partial)
-    return _wrap(eqn, _bind(eqn, [x.value]), [layout])
+    return _wrap(eqn, _bind(ctx, eqn, [x.value]), [layout])
 
 
 def expand_dims_like(ctx: Context, eqn, args):
@@ -207,7 +208,7 @@ def concatenate(ctx: Context, eqn, args):
         args = C.resolve_all(ctx, args)
     args, dims = _align(ctx, args, tuple(_out_avals(eqn)[0].shape))
     layout = Layout(dims, args[0].layout.partial)
-    return _wrap(eqn, _bind(eqn, [a.value for a in args]), [layout])
+    return _wrap(eqn, _bind(ctx, eqn, [a.value for a in args]), [layout])
 
 
 def _whole_dims_where(ctx: Context, x: Sharded, needs_whole) -> Sharded:
@@ -224,7 +225,7 @@ def slice_(ctx: Context, eqn, args):
     cut = lambda d: start[d] != 0 or limit[d] != x.shape[d] or (strides and strides[d] != 1)
     x = _whole_dims_where(ctx, x, cut)
     local_limit = tuple(lim // x.layout.factor(d, ctx.sizes) for d, lim in enumerate(limit))
-    return _wrap(eqn, _bind(eqn, [x.value], limit_indices=local_limit), [x.layout])
+    return _wrap(eqn, _bind(ctx, eqn, [x.value], limit_indices=local_limit), [x.layout])
 
 
 def pad(ctx: Context, eqn, args):
@@ -235,7 +236,7 @@ def pad(ctx: Context, eqn, args):
     if x.layout.partial and not zero_pad:
         x = C.resolve(ctx, x)
     value = C.resolve(ctx, value)
-    return _wrap(eqn, _bind(eqn, [x.value, value.value]), [x.layout])
+    return _wrap(eqn, _bind(ctx, eqn, [x.value, value.value]), [x.layout])
 
 
 def dynamic_slice(ctx: Context, eqn, args):
@@ -245,13 +246,13 @@ def dynamic_slice(ctx: Context, eqn, args):
     x = _whole_dims_where(ctx, x, lambda d: sizes[d] != x.shape[d])
     starts = [C.replicate(ctx, s) for s in starts]
     local = tuple(s // x.layout.factor(d, ctx.sizes) for d, s in enumerate(sizes))
-    out = _bind(eqn, [x.value, *[s.value for s in starts]], slice_sizes=local)
+    out = _bind(ctx, eqn, [x.value, *[s.value for s in starts]], slice_sizes=local)
     return _wrap(eqn, out, [x.layout])
 
 
 def split(ctx: Context, eqn, args):
     x = C.gather_dim(ctx, args[0], eqn.params["axis"])
-    outs = _bind(eqn, [x.value])
+    outs = _bind(ctx, eqn, [x.value])
     return _wrap(eqn, outs, [x.layout] * len(outs))
 
 
@@ -266,8 +267,8 @@ def reduce_sum(ctx: Context, eqn, args):
     axes = tuple(eqn.params["axes"])
     newly = tuple(a for d in axes for a in x.layout.dims[d])
     layout = Layout(_kept(x, axes), x.layout.partial + newly)
-    return _wrap(eqn, _bind(eqn, [x.value], out_sharding=None) if "out_sharding" in eqn.params
-                 else _bind(eqn, [x.value]), [layout])
+    return _wrap(eqn, _bind(ctx, eqn, [x.value], out_sharding=None) if "out_sharding" in eqn.params
+                 else _bind(ctx, eqn, [x.value]), [layout])
 
 
 _COMBINE = {"reduce_max": lambda x: x.max(0), "reduce_min": lambda x: x.min(0)}
@@ -279,7 +280,7 @@ def reduce_extremum(ctx: Context, eqn, args):
     x = C.resolve(ctx, args[0])
     axes = tuple(eqn.params["axes"])
     over = tuple(a for d in axes for a in x.layout.dims[d])
-    (out,) = _bind(eqn, [x.value])
+    (out,) = _bind(ctx, eqn, [x.value])
     if over:
         shards = C.all_gather_invariant(out[None], over if len(over) > 1 else over[0], axis=0, tiled=True)
         out = _COMBINE[str(eqn.primitive)](shards)
@@ -291,7 +292,7 @@ def reduce_whole(ctx: Context, eqn, args):
     axes = eqn.params.get("axes", (eqn.params.get("axis"),))
     x = C.resolve(ctx, args[0])
     x = _whole_dims_where(ctx, x, lambda d: d in axes)
-    outs = _bind(eqn, [x.value])
+    outs = _bind(ctx, eqn, [x.value])
     keep_shape = len(_out_avals(eqn)[0].shape) == x.ndim
     layout = x.layout if keep_shape else Layout(_kept(x, axes))
     return _wrap(eqn, outs, [layout] * len(outs))
@@ -304,6 +305,8 @@ def _match_pairs(ctx, lhs, rhs, pairs):
         a, b = lhs.layout.dims[l], rhs.layout.dims[r]
         if a == b:
             continue
+        if b and not a and _frees_axes_of_lhs(ctx, lhs, b):
+            lhs = _gather_axes(ctx, lhs, b)
         if a and not b and not set(a) & set(rhs.layout.split_axes() + rhs.layout.partial):
             rhs = C.split_dim(ctx, rhs, r, a)
         elif b and not a and not set(b) & set(lhs.layout.split_axes() + lhs.layout.partial):
@@ -313,12 +316,40 @@ def _match_pairs(ctx, lhs, rhs, pairs):
     return lhs, rhs
 
 
+def _frees_axes_of_lhs(ctx, lhs, axes) -> bool:
+    """Whether a clash over `axes` is resolved by gathering the lhs (the activation) rather
+    than the rhs (the weight): yes unless they are batch axes (ZeRO-3 gathers the weight,
+    never the batch) or the lhs holds a pending sum over them."""
+    return not set(axes) & set(ctx.batch_axes) and not set(axes) & set(lhs.layout.partial)
+
+
+def _gather_axes(ctx, x, axes) -> Sharded:
+    """Gathers the dims of `x` split over `axes` for a consumer that varies over them."""
+    for d in range(x.ndim):
+        if set(x.layout.dims[d]) & set(axes):
+            x = C.gather_dim(ctx, x, d, tuple(set(x.layout.dims[d]) & set(axes)), varying=True)
+    return x
+
+
 def _no_partial_clash(ctx, lhs, rhs):
     """An operand's pending sum over an axis the other operand is split on is resolved."""
     if set(lhs.layout.partial) & set(rhs.layout.split_axes()):
         lhs = C.resolve(ctx, lhs)
     if set(rhs.layout.partial) & set(lhs.layout.split_axes()):
         rhs = C.resolve(ctx, rhs)
+    return lhs, rhs
+
+
+def _free_dims_clash(ctx, lhs, rhs, lfree, rfree):
+    """One mesh axis cannot split two output dims: Megatron's sequence parallel gathers the
+    activation (lhs) before a column-parallel matmul; over batch axes the rhs is gathered."""
+    for d in rfree:
+        clash = set(rhs.layout.dims[d]) & set(lhs.layout.split_axes())
+        if clash and _frees_axes_of_lhs(ctx, lhs, clash):
+            lhs = _gather_axes(ctx, lhs, clash)
+        clash = set(rhs.layout.dims[d]) & set(lhs.layout.split_axes())
+        if clash:
+            rhs = C.gather_dim(ctx, rhs, d, tuple(clash))
     return lhs, rhs
 
 
@@ -334,14 +365,11 @@ def dot_general(ctx: Context, eqn, args):
     lhs, rhs = _no_partial_clash(ctx, lhs, rhs)
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    used = {a for d in list(lb) + list(lc) + lfree for a in lhs.layout.dims[d]}
-    for d in rfree:  # one mesh axis cannot split two output dims: gather only the clashing ones
-        if set(rhs.layout.dims[d]) & used:
-            rhs = C.gather_dim(ctx, rhs, d, tuple(set(rhs.layout.dims[d]) & used))
+    lhs, rhs = _free_dims_clash(ctx, lhs, rhs, lfree, rfree)
     dims = [lhs.layout.dims[d] for d in lb] + [lhs.layout.dims[d] for d in lfree] + [rhs.layout.dims[d] for d in rfree]
     partial = lhs.layout.partial + rhs.layout.partial + tuple(a for d in lc for a in lhs.layout.dims[d])
-    out = _bind(eqn, [lhs.value, rhs.value], out_sharding=None) if "out_sharding" in eqn.params \
-        else _bind(eqn, [lhs.value, rhs.value])
+    out = _bind(ctx, eqn, [lhs.value, rhs.value], out_sharding=None) if "out_sharding" in eqn.params \
+        else _bind(ctx, eqn, [lhs.value, rhs.value])
     return _wrap(eqn, out, [Layout(tuple(dims), partial)])
 
 
@@ -356,7 +384,7 @@ def conv(ctx: Context, eqn, args):
         lhs = C.gather_dim(ctx, lhs, batch_dim)
     dims = [()] * lhs.ndim
     dims[out_batch] = lhs.layout.dims[batch_dim]
-    return _wrap(eqn, _bind(eqn, [lhs.value, rhs.value]), [Layout(tuple(dims))])
+    return _wrap(eqn, _bind(ctx, eqn, [lhs.value, rhs.value]), [Layout(tuple(dims))])
 
 
 # -- indexing --------------------------------------------------------------------------------
@@ -375,8 +403,24 @@ def gather(ctx: Context, eqn, args):
     dims = [()] * out_ndim
     for out_d, idx_d in zip(batch_out, range(indices.ndim - 1)):
         dims[out_d] = indices.layout.dims[idx_d]
-    out = _bind(eqn, [operand.value, indices.value])
+    out = _bind(ctx, eqn, [operand.value, indices.value])
     return _wrap(eqn, out, [Layout(tuple(dims), operand.layout.partial)])
+
+
+# -- annotations -----------------------------------------------------------------------------
+def sharding_constraint(ctx: Context, eqn, args):
+    """xtrain.shard / with_sharding_constraint: move the value to the spec's layout, pending
+    sums resolved (by reduce-scatter onto the dims the spec splits over their axes)."""
+    (x,) = args
+    spec = tuple(eqn.params["sharding"].spec)
+    dims = tuple(_spec_axes(e) for e in spec) + ((),) * (x.ndim - len(spec))
+    return [C.relayout(ctx, x, Layout(dims))]
+
+
+def _spec_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 # -- calls -----------------------------------------------------------------------------------
@@ -464,6 +508,7 @@ _register(reduce_whole, "argmax", "argmin", "reduce_prod", "reduce_and", "reduce
 _register(dot_general, "dot_general")
 _register(conv, "conv_general_dilated")
 _register(gather, "gather")
+_register(sharding_constraint, "sharding_constraint")
 _register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
 _register(custom_jvp, "custom_jvp_call")
 _register(_scan, "scan")

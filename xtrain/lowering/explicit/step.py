@@ -24,6 +24,7 @@ from xtrain.lowering.explicit.interpreter import interpret, module_path
 from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
 from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
+from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.plan import Spec, _axes_of
 
 
@@ -59,7 +60,8 @@ class Program:
         def apply(params, buffers, key, batch):
             return self.model.apply(params, buffers, key, batch, training=training)
 
-        closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
+        with tracing_for(self.mesh):  # xtrain.shard calls in the model become sharding_constraint
+            closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
         layouts = self._input_layouts(*global_args)
         avals = jax.tree.leaves(global_args)
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
