@@ -146,10 +146,10 @@ def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
 
 def test_printed_plan_lists_rules_and_notes():
     text = str(plans.megatron(llama(), TP4))
-    assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis))"
+    assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis), zero=0)"
     assert "  model.layers.*.mlp.down_proj.weight     (None, 'tensor')" in text
     assert "  note: model.layers.*.self_attn: 2 key/value heads" in text
-    assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis))\n  (every parameter replicated)"
+    assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis), zero=0)\n  (every parameter replicated)"
 
 
 def test_a_preset_plan_is_an_editable_plan():

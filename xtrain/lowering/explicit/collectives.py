@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from jax import lax
 
@@ -109,6 +110,9 @@ def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
 
 def resolve_all(ctx: Context, xs) -> list[Sharded]:
     return [resolve(ctx, x) for x in xs]
+
+
+ZERO3_GATHER = "xtrain.zero3_gathered_param"
 
 
 def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int, varying: bool):

@@ -122,9 +122,12 @@ def elementwise(ctx: Context, eqn, args):
 
 # -- structure -------------------------------------------------------------------------------
 def broadcast_in_dim(ctx: Context, eqn, args):
-    """New dims whole; broadcast size-1 dims whole; operand dims keep their split."""
+    """New dims whole; broadcast size-1 dims whole; operand dims keep their split. A ZeRO-3
+    parameter (a bias) is gathered before it is broadcast: its use starts here."""
     x = args[0]
     shape, bdims = eqn.params["shape"], eqn.params["broadcast_dimensions"]
+    if x.param:
+        x = _whole_dims_where(ctx, x, lambda d: bool(set(x.layout.dims[d]) & set(ctx.batch_axes)))
     for i, d in enumerate(bdims):
         if x.layout.dims[i] and x.shape[i] != shape[d]:
             x = C.gather_dim(ctx, x, i)

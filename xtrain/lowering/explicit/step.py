@@ -97,6 +97,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
                  for n in param_specs}
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
                                 zero, tx)
+    zero3 = any(set(_axes_of(e)) & set(program.batch_axes) for spec in param_specs.values() for e in spec)
     # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
     sync_axes = {n: () if update.scatters(n) else a for n, a in grad_axes.items()}
 
@@ -113,6 +114,12 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
             def loss_of(params):
                 return forward({**params, **state.frozen}, state.buffers, key, batch)
+
+            if zero3:
+                # ZeRO-3: the backward pass gathers each weight again instead of keeping every
+                # gathered weight alive. Saving only matmul outputs is what achieves it: any
+                # other saveable op on a gathered weight (a transpose, a cast) would keep it.
+                loss_of = jax.checkpoint(loss_of, policy=jax.checkpoint_policies.dots_saveable)
 
             params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
                       for n, p in state.params.items()}
