@@ -1,4 +1,5 @@
-"""A real torchrun job (2 processes x 4 CPU devices) trains like one process with 8 devices."""
+"""Real torchrun jobs (2 processes x 4 CPU devices) train like one process with 8 devices, under
+data and tensor parallelism; a process that dies ends the job with an error instead of a hang."""
 import json
 import os
 import socket
@@ -45,9 +46,9 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(out: Path) -> dict:
+def run_torchrun(out: Path, *worker_args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", str(TESTS / "_mp_worker.py"), str(out), str(STEPS)]
+           f"--master_port={free_port()}", str(TESTS / "_mp_worker.py"), str(out), str(STEPS), *worker_args]
     try:
         proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
@@ -57,20 +58,43 @@ def run_torchrun(out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def single_process_losses() -> list[float]:
+def single_process_losses(mesh: xtrain.Mesh, plan=None) -> list[float]:
     torch.manual_seed(0)  # the same initial weights as every worker
     model = GPT()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    step = xtrain.compile(model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          plan=plan(model, mesh) if plan else None)
     return [step(*batch)["loss"] for batch in token_batches(n=STEPS)]
+
+
+def assert_layout(result: dict) -> None:
+    layout = {k: result[k] for k in ("device_count", "local_device_count", "process_count")}
+    assert layout == dict(device_count=8, local_device_count=4, process_count=2)
+    assert all(run["mesh_processes"] == [0, 1] for run in result["runs"])
+
+
+def assert_losses_match(run: dict, expected: list[float]) -> None:
+    assert len(run["losses"]) == STEPS
+    for step, (got, want) in enumerate(zip(run["losses"], expected)):
+        assert abs(got - want) <= 1e-5 * abs(want), (
+            f"{run['plan']} on Mesh({run['mesh']}), step {step}: torchrun loss {got} vs single process {want}\n"
+            f"torchrun {run['losses']}\nsingle process {expected}")
 
 
 def test_torchrun_two_processes_match_one_process(tmp_path):
     result = run_torchrun(tmp_path / "result.json")
-    layout = {k: result[k] for k in ("device_count", "local_device_count", "process_count", "mesh_processes")}
-    assert layout == dict(device_count=8, local_device_count=4, process_count=2, mesh_processes=[0, 1])
-    expected = single_process_losses()
-    assert len(result["losses"]) == STEPS
-    for step, (got, want) in enumerate(zip(result["losses"], expected)):
-        assert abs(got - want) <= 1e-5 * abs(want), (
-            f"step {step}: torchrun loss {got} vs single process {want}\n"
-            f"torchrun {result['losses']}\nsingle process {expected}")
+    assert_layout(result)
+    assert_losses_match(result["runs"][0], single_process_losses(xtrain.Mesh(data=8)))
+
+
+def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
+    # data=4, tensor=2: each tensor-parallel pair inside one process (the usual layout);
+    # tensor=2, data=4: each pair spans the two processes, so TP collectives cross gloo.
+    result = run_torchrun(tmp_path / "result.json", "--plan", "megatron",
+                          "--mesh", "data=4,tensor=2", "--mesh", "tensor=2,data=4")
+    assert_layout(result)
+    # One process: the mesh's axis order only moves devices around, not the arithmetic.
+    expected = single_process_losses(xtrain.Mesh(data=4, tensor=2), xtrain.plans.megatron)
+    assert [(run["mesh"], run["cross_process_axes"]) for run in result["runs"]] == [
+        ({"data": 4, "tensor": 2}, ["data"]), ({"tensor": 2, "data": 4}, ["tensor"])]
+    for run in result["runs"]:
+        assert_losses_match(run, expected)
