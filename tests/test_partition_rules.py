@@ -202,7 +202,31 @@ def case_sharding_constraint(rng):
     return (lambda x, y: jnp.tanh(_constraint(x @ y, target))), [normal(rng, (m, k)), normal(rng, (k, n))]
 
 
-CASES = {"loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
+@jax.custom_vjp
+def scaled_tanh(x, w):
+    """A custom_vjp op: tanh(x) * w with a hand-written backward."""
+    return jnp.tanh(x) * w
+
+
+def _scaled_tanh_fwd(x, w):
+    y = jnp.tanh(x)
+    return y * w, (y, w)
+
+
+def _scaled_tanh_bwd(res, g):
+    y, w = res
+    return g * w * (1 - y * y), (g * y).reshape(-1, w.shape[0]).sum(0)
+
+
+scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
+
+
+def case_custom_vjp(rng):
+    shape = rand_shape(rng, 2)
+    return (lambda x, w: scaled_tanh(x, w).sum(0)), [normal(rng, shape), normal(rng, shape[1:])]
+
+
+CASES = {"custom_vjp": case_custom_vjp, "loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
          "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
          "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call,
          "sharding_constraint": case_sharding_constraint}

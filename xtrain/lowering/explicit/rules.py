@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
@@ -470,6 +471,81 @@ def custom_jvp(ctx: Context, eqn, args):
     return _wrap(eqn, values, layouts)
 
 
+def _instantiate(cts, avals):
+    """bwd rules may return None / symbolic zeros for inputs without a cotangent."""
+    out = []
+    for ct, aval in zip(cts, avals):
+        if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+            ct = jnp.zeros(aval.shape, aval.dtype)
+        out.append(ct)
+    return out
+
+
+def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
+    """A cotangent in the primal's layout and type. A pending sum over an axis the primal
+    varies on stays pending: each device's addend is its own contribution, which autodiff
+    (or xtrain's gradient sync) sums later; summing it here would count it n times."""
+    keep = C.vma(primal.value)
+    ct = C.resolve(ctx, ct, tuple(a for a in ct.layout.partial if a not in keep))
+    ct = C.relayout(ctx, ct, primal.layout.with_partial(ct.layout.partial))
+    return _same_vma(ctx, [ct.value, primal.value])[0]
+
+
+def custom_vjp(ctx, eqn, args):
+    """Keeps the user's VJP: primal, fwd and bwd are all interpreted on shards. Outputs and
+    cotangents cross the boundary whole along pending sums (partial sums are resolved)."""
+    p = eqn.params
+    call, n_consts = p["call_jaxpr"], p["num_consts"]
+    if n_consts:
+        return fallback(ctx, eqn, args)
+    prims, n_out, path = args, len(eqn.outvars), ctx.path
+    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
+    # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
+    # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
+    _, res_tree, forwards = p["out_trees"]()
+    n_res = sum(f is None for f in forwards)
+    out_avals = [v.aval for v in eqn.outvars]
+    prim_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in prims]
+    with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
+    layouts: dict = {}
+
+    def resolved(outs):
+        return [C.resolve(ctx, o) for o in outs]
+
+    @jax.custom_vjp
+    def f(*vals):
+        ctx.path = path
+        outs = resolved(interpret(ctx, call.jaxpr, call.consts, with_values(prims, vals)))
+        layouts.setdefault("out", [o.layout for o in outs])
+        return [o.value for o in outs]
+
+    def f_fwd(*vals):
+        ctx.path = path
+        ins = with_values(prims, vals)
+        outs = interpret(ctx, fwd_jaxpr, fwd_consts, ins)
+        primal = resolved(outs[n_res:])
+        want = layouts.setdefault("out", [o.layout for o in primal])
+        primal = [C.relayout(ctx, o, l) for o, l in zip(primal, want)]
+        own = iter(outs[:n_res])
+        res = [next(own) if f is None else ins[f] for f in forwards]
+        layouts["res"] = res
+        return [o.value for o in primal], [r.value for r in res]
+
+    def f_bwd(res, cts):
+        ctx.path = path
+        res_structs = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in layouts["res"]]
+        bwd = jax.make_jaxpr(lambda *a: _instantiate(p["bwd"].call_wrapped(*a), prim_avals))(
+            *res_structs, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+        ins = ([dataclasses.replace(r, value=v) for r, v in zip(layouts["res"], res)]
+               + [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(cts, layouts["out"], out_avals)])
+        outs = interpret(ctx, bwd.jaxpr, bwd.consts, ins)
+        return tuple(_cotangent_for(ctx, o, x) for o, x in zip(outs, prims))
+
+    f.defvjp(f_fwd, f_bwd)
+    values = f(*[x.value for x in prims])
+    return _wrap(eqn, values, layouts["out"])
+
+
 RULES = {}
 
 
@@ -514,6 +590,7 @@ _register(gather, "gather")
 _register(sharding_constraint, "sharding_constraint")
 _register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
 _register(custom_jvp, "custom_jvp_call")
+_register(custom_vjp, "custom_vjp_call")
 _register(_scan, "scan")
 _register(_while, "while")
 _register(replicated, "iota", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
