@@ -1,11 +1,17 @@
 """Data-parallel gradient synchronisation, emitted by xtrain (not left to autodiff).
 
-Gradients are grouped into buckets of about `bucket_bytes`; each bucket is one all-reduce
-over a flat buffer (optionally cast to a narrower dtype for the wire, then cast back).
+Gradients are grouped into buckets of about `bucket_bytes`; each bucket is one flat buffer
+(optionally cast to a narrower dtype for the wire, then cast back), reduced either
+
+    flat          one all-reduce over every gradient axis, or
+    hierarchical  (2+ gradient axes, e.g. node x local) reduce-scatter over the inner axes,
+                  all-reduce of the 1/inner shard over the outer axes, all-gather over the
+                  inner axes: the slow outer links carry 1/inner of the bytes.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 import jax
@@ -21,16 +27,44 @@ class GradSync:
     Attributes:
         bucket_bytes: target payload of one all-reduce; None = one all-reduce per tensor.
         comm_dtype: dtype on the wire (e.g. "bfloat16" for fp32 gradients); None = as computed.
+        hierarchical: when gradients are reduced over 2+ mesh axes, reduce-scatter over the
+            inner axes, all-reduce over the outer ones, all-gather over the inner ones;
+            False = one flat all-reduce over all of them.
+        inner_axes: the fast (intra-node) axes of a hierarchical reduction; None = the last of
+            the gradient axes in the batch spec's order (`local` of batch=(("node", "local"),)).
     """
 
     bucket_bytes: int | None = 25 * 2**20
     comm_dtype: str | None = None
+    hierarchical: bool = True
+    inner_axes: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"GradSync.bucket_bytes={self.bucket_bytes} must be positive or None")
         if self.comm_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"GradSync.comm_dtype={self.comm_dtype!r} must be None, 'bfloat16', 'float16' or 'float32'")
+        if isinstance(self.inner_axes, str):
+            object.__setattr__(self, "inner_axes", (self.inner_axes,))
+        if self.inner_axes is not None and not self.inner_axes:
+            raise ValueError("GradSync.inner_axes=() names no axis; pass e.g. ('local',) or None for the last "
+                             "gradient axis")
+
+    def split(self, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(inner, outer) axes of a hierarchical reduction over `axes`; inner=() means flat."""
+        if not self.hierarchical or len(axes) < 2:
+            return (), axes
+        inner = axes[-1:] if self.inner_axes is None else tuple(a for a in axes if a in self.inner_axes)
+        outer = tuple(a for a in axes if a not in inner)
+        return (inner, outer) if inner and outer else ((), axes)
+
+
+def check_axes(config: GradSync, mesh_axes: Mapping[str, int]) -> None:
+    """Fails when `inner_axes` names an axis the mesh does not have."""
+    for axis in config.inner_axes or ():
+        if axis not in mesh_axes:
+            raise ValueError(f"GradSync.inner_axes={config.inner_axes!r}: the mesh "
+                             f"({', '.join(f'{k}={v}' for k, v in mesh_axes.items())}) has no axis {axis!r}")
 
 
 def buckets(sizes: Mapping[str, int], bucket_bytes: int | None) -> list[list[str]]:
@@ -47,10 +81,23 @@ def buckets(sizes: Mapping[str, int], bucket_bytes: int | None) -> list[list[str
     return out + ([current] if current else [])
 
 
-def _all_reduce(grads: list, axes: tuple[str, ...], comm_dtype) -> list:
-    dtype = grads[0].dtype if comm_dtype is None else comm_dtype
+def _hierarchical(flat, inner: tuple[str, ...], outer: tuple[str, ...]):
+    """psum of `flat` over inner + outer, the outer axes carrying 1/inner of the bytes."""
+    from xtrain.lowering.explicit.collectives import all_gather_invariant
+
+    n = math.prod(lax.axis_size(a) for a in inner)
+    size = flat.shape[0]
+    flat = jnp.pad(flat, (0, -size % n))  # reduce-scatter needs a multiple of the inner size
+    shard = lax.psum_scatter(flat, inner, scatter_dimension=0, tiled=True)  # (padded / n,)
+    shard = lax.psum(shard, outer)
+    return all_gather_invariant(shard, inner, axis=0, tiled=True)[:size]
+
+
+def _all_reduce(grads: list, axes: tuple[str, ...], config: GradSync) -> list:
+    dtype = grads[0].dtype if config.comm_dtype is None else config.comm_dtype
     flat = jnp.concatenate([g.astype(dtype).ravel() for g in grads])
-    flat = lax.psum(flat, axes)
+    inner, outer = config.split(axes)
+    flat = _hierarchical(flat, inner, outer) if inner else lax.psum(flat, axes)
     out, offset = [], 0
     for g in grads:
         out.append(flat[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
@@ -76,6 +123,6 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
     for (group_axes, _), sizes in by_axes.items():
         for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):
             with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
-                reduced = _all_reduce([grads[n] for n in bucket], group_axes, config.comm_dtype)
+                reduced = _all_reduce([grads[n] for n in bucket], group_axes, config)
             out.update(zip(bucket, reduced))
     return out

@@ -91,6 +91,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
           scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
+    gradient_sync.check_axes(sync, dict(mesh.shape))
     program = Program(model, mesh, param_specs, batch_spec, scan_layers)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
