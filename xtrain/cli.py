@@ -2,6 +2,7 @@
 
     xtrain env [--emulate trn1.32xlarge:2] [--instance-type T]   what xtrain detects and would do
     xtrain run [--nproc-per-node N] [--nnodes N] ... train.py [args]   torchrun with backend defaults
+    xtrain report train.py [args]                                  the step's report, no training
 
 `xtrain run` builds a torchrun command line (`launch_command`, a pure function) and execs it.
 Defaults: one process per GPU; on Trainium one process per node (`--layout process-per-core`:
@@ -246,7 +247,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
+    rep = sub.add_parser("report", help="print the compiled step's report (collectives, memory) for a script "
+                         "without training: its first step(...) call prints step.report() and exits")
+    rep.add_argument("script")
+    rep.add_argument("args", nargs=argparse.REMAINDER)
     return p
+
+
+def report(script: str, args: Sequence[str]) -> int:
+    """Runs `script` with XTRAIN_REPORT_ONLY=1: its first training step prints the report and
+    exits 0 instead of training. Returns the script's exit status."""
+    import subprocess
+
+    from xtrain.step import REPORT_ONLY
+
+    return subprocess.run([sys.executable, script, *args], env={**os.environ, REPORT_ONLY: "1"}).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "env":
             print(env_report(emulate=ns.emulate, instance=ns.instance_type, start=not ns.no_start))
             return 0
+        if ns.command == "report":
+            return report(ns.script, ns.args)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate)

@@ -1,6 +1,7 @@
 """The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -19,6 +20,8 @@ from xtrain.lowering.explicit.gradient_sync import GradSync
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding import zero as zero_mod
 from xtrain.sharding.plan import Plan, _axes_of
+
+REPORT_ONLY = "XTRAIN_REPORT_ONLY"  # set by `xtrain report`: print the first step's report, exit
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -71,11 +74,22 @@ class TrainStep:
         return data.shard_batch(batch, self.mesh, self.batch_spec)
 
     def __call__(self, *batch: Any) -> dict[str, float]:
-        """Runs one optimizer step on a global batch; returns {"loss": float}."""
+        """Runs one optimizer step on a global batch; returns {"loss": float}.
+
+        Under XTRAIN_REPORT_ONLY=1 (`xtrain report script.py`) the first call prints the
+        step's report instead and exits the process (status 0) without training."""
+        if os.environ.get(REPORT_ONLY, "") not in ("", "0"):
+            self._report_and_exit(batch)
         placed = self._place(batch)
         self._last_batch = placed
         self.state, loss = self._train(self.state, placed)
         return {"loss": float(loss)}
+
+    def _report_and_exit(self, batch: tuple) -> None:
+        text = str(self.report(*batch))
+        if jax.process_index() == 0:
+            print(text, flush=True)
+        raise SystemExit(0)
 
     def eval(self, *batch: Any) -> dict[str, float]:
         """The loss in eval mode (dropout off, running statistics); updates nothing."""
@@ -129,4 +143,11 @@ class TrainStep:
                 notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")
         else:
             found = report_mod.collectives_from_hlo(compiled.as_text(), sizes)
-        return report_mod.Report(self.lowering, sizes, found, report_mod.memory_of(compiled), notes)
+        from xtrain.plans import largest_replicated
+
+        # ZeRO-2 reduces gradients straight to the optimizer-state shards
+        grad_specs = self.optimizer_specs if self.plan.zero == 2 else self.param_specs
+        grads = {n: NamedSharding(self.mesh, PartitionSpec(*s)) for n, s in grad_specs.items()}
+        return report_mod.Report(self.lowering, sizes, found, report_mod.memory_of(compiled), notes,
+                                 report_mod.state_memory(self.state, grads), list(self.plan.notes),
+                                 largest_replicated(self))

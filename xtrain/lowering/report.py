@@ -113,6 +113,9 @@ class Report:
     collectives: list[Collective]
     memory: dict[str, int]
     notes: list[str] = dataclasses.field(default_factory=list)
+    state_memory: dict[str, int] = dataclasses.field(default_factory=dict)  # parameters, gradients, optimizer
+    plan_notes: list[str] = dataclasses.field(default_factory=list)         # the preset's choices
+    largest_replicated: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def bytes_per_axis(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -130,6 +133,13 @@ class Report:
                          f"{c.wire_bytes:>12.0f}  {c.source[-60:]}")
         lines.append("wire bytes per axis: " + ", ".join(f"{k}: {v:.0f}" for k, v in self.bytes_per_axis().items()))
         lines.append("memory per device (bytes): " + ", ".join(f"{k}={v}" for k, v in self.memory.items()))
+        if self.state_memory:
+            lines.append("training state per device (bytes): "
+                         + ", ".join(f"{k}={v}" for k, v in self.state_memory.items()))
+        if self.largest_replicated:
+            lines.append("largest tensors whole on every device: "
+                         + ", ".join(f"{n} {tuple(s)}" for n, s in self.largest_replicated))
+        lines += [f"plan: {n}" for n in self.plan_notes]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -140,3 +150,21 @@ def memory_of(compiled) -> dict[str, int]:
         return {}
     return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
             "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
+
+
+def _shard_bytes(x, sharding=None) -> int:
+    sharding = sharding or getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+
+def state_memory(state, grad_shardings: dict) -> dict[str, int]:
+    """Bytes per device of the parameters (trained and frozen), of the gradients the update
+    consumes (sharded like `grad_shardings`: the parameters', or ZeRO-2's optimizer shards)
+    and of the optimizer state, from the shardings of the placed TrainState."""
+    import jax
+
+    params = {**state.params, **state.frozen}
+    return {"parameters": sum(_shard_bytes(v) for v in params.values()),
+            "gradients": sum(_shard_bytes(v, grad_shardings.get(n)) for n, v in state.params.items()),
+            "optimizer": sum(_shard_bytes(v) for v in jax.tree.leaves(state.opt_state) if hasattr(v, "shape"))}

@@ -1,0 +1,21 @@
+"""`xtrain report script.py [args]`: the script's first step prints the report and exits 0."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--steps", "3", "--batch", "8", "--seq", "16", "--layers", "1", "--d-model", "32", "--heads", "2"]
+
+
+def test_report_prints_the_step_report_without_training():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               XTRAIN_CACHE_DIR="off")
+    env.pop("XTRAIN_REPORT_ONLY", None)
+    out = subprocess.run([sys.executable, "-m", "xtrain.cli", "report", "examples/train_gpt.py", *TINY],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "xtrain step report (explicit lowering, mesh data=8)" in out.stdout, out.stdout
+    assert "wire bytes per axis: data:" in out.stdout
+    assert "training state per device (bytes): parameters=" in out.stdout
+    assert "done:" not in out.stdout  # no training ran

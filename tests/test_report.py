@@ -1,0 +1,76 @@
+"""step.report(): training state per device, the plan's notes, the largest whole tensors."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import xtrain
+from xtrain import plans
+
+
+class Wide(nn.Module):
+    """Every dimension divisible by 8: every tensor splits evenly over data=8."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))), y)
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 16, generator=g), torch.randint(0, 8, (16,), generator=g)
+
+
+PARAM_BYTES = (16 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8) * 4
+
+
+@functools.cache
+def report(stage):
+    torch.manual_seed(0)
+    model = Wide()
+    plan = plans.fsdp(model, xtrain.Mesh(data=8), min_size=1) if stage == 3 else plans.zero(stage)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), plan=plan,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return step.report(*batch())
+
+
+def adam_state(param_bytes):
+    return 2 * param_bytes  # mu and nu; the step count is a few bytes more
+
+
+def test_ddp_holds_everything_whole():
+    state = report(0).state_memory
+    assert state["parameters"] == state["gradients"] == PARAM_BYTES
+    assert adam_state(PARAM_BYTES) <= state["optimizer"] <= adam_state(PARAM_BYTES) + 16
+
+
+@pytest.mark.parametrize("stage, params, grads", [(1, 1, 1), (2, 1, 1 / 8), (3, 1 / 8, 1 / 8)])
+def test_zero_stages_split_what_they_claim(stage, params, grads):
+    state = report(stage).state_memory
+    assert state["parameters"] == PARAM_BYTES * params
+    assert state["gradients"] == PARAM_BYTES * grads
+    assert adam_state(PARAM_BYTES) / 8 <= state["optimizer"] <= adam_state(PARAM_BYTES) / 8 + 16
+
+
+def test_report_lists_plan_notes_and_largest_whole_tensors():
+    ddp = report(0)
+    assert [n for n, _ in ddp.largest_replicated][:2] == ["fc2.weight", "fc1.weight"]
+    assert ddp.plan_notes == ["DDP: every parameter replicated, batch split over 'data'"]
+    text = str(ddp)
+    assert "training state per device (bytes): parameters=" in text
+    assert "largest tensors whole on every device: fc2.weight (64, 64)" in text
+    assert "plan: DDP: every parameter replicated" in text
+    fsdp = report(3)
+    assert fsdp.largest_replicated == []
+    assert any(n.startswith("FSDP: parameters split over data=8") for n in fsdp.plan_notes)
+
+
+def test_memory_analysis_sits_next_to_state_bytes():
+    rep = report(3)
+    assert {"arguments", "outputs", "temporaries"} <= set(rep.memory)
+    # the step's arguments hold at least the training state
+    assert rep.memory["arguments"] >= sum(rep.state_memory[k] for k in ("parameters", "optimizer"))
