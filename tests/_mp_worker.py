@@ -3,6 +3,7 @@ every process and, on rank 0, writes the losses and the device layout as JSON.
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 tests/_mp_worker.py OUT.json STEPS
            [--plan ddp|megatron] [--mesh data=4,tensor=2 ...] [--die-rank R --die-after S]
+           [--heartbeat-timeout SECONDS]
 
 Each --mesh is trained in turn (default: data=8) with the same plan preset. --die-rank R makes
 rank R leave abruptly (os._exit(1), no clean-up) after its step S: the others must not hang.
@@ -12,16 +13,13 @@ import json
 import os
 import sys
 
+import jax
+import numpy as np
+import torch
+
 import xtrain
-
-# Before any other JAX use: 8 emulated CPU devices in the job, split over the processes.
-xtrain.init(cpu_devices=8)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from models import GPT, token_batches  # noqa: E402  (tests/ is this script's directory)
+import xtrain.runtime.devices
+from models import GPT, token_batches  # tests/ is this script's directory
 
 PLANS = {"ddp": lambda model, mesh: None, "megatron": xtrain.plans.megatron}
 
@@ -66,7 +64,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--mesh", type=parse_mesh, action="append")
     p.add_argument("--die-rank", type=int)
     p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--heartbeat-timeout", type=int, default=xtrain.runtime.devices.HEARTBEAT_TIMEOUT_S)
     args = p.parse_args(argv)
+    # Before any other JAX use: 8 emulated CPU devices in the job, split over the processes.
+    xtrain.init(cpu_devices=8, heartbeat_timeout_s=args.heartbeat_timeout)
     die = None if args.die_rank is None else (args.die_rank, args.die_after)
     runs = [train(args.steps, args.plan, axes, die) for axes in args.mesh or [{"data": 8}]]
     if jax.process_index() == 0:

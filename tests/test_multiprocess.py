@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -87,14 +88,66 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
 
 
 def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
-    # data=4, tensor=2: each tensor-parallel pair inside one process (the usual layout);
-    # tensor=2, data=4: each pair spans the two processes, so TP collectives cross gloo.
-    result = run_torchrun(tmp_path / "result.json", "--plan", "megatron",
-                          "--mesh", "data=4,tensor=2", "--mesh", "tensor=2,data=4")
+    # Each tensor-parallel pair inside one process (the usual layout), data parallel across them.
+    # `--mesh tensor=2,data=4` puts each pair across the two processes (TP collectives over gloo);
+    # it passes too, but costs another ~30 s of compilation, so it is not run every time.
+    result = run_torchrun(tmp_path / "result.json", "--plan", "megatron", "--mesh", "data=4,tensor=2")
     assert_layout(result)
-    # One process: the mesh's axis order only moves devices around, not the arithmetic.
-    expected = single_process_losses(xtrain.Mesh(data=4, tensor=2), xtrain.plans.megatron)
-    assert [(run["mesh"], run["cross_process_axes"]) for run in result["runs"]] == [
-        ({"data": 4, "tensor": 2}, ["data"]), ({"tensor": 2, "data": 4}, ["tensor"])]
-    for run in result["runs"]:
-        assert_losses_match(run, expected)
+    [run] = result["runs"]
+    assert (run["mesh"], run["cross_process_axes"]) == ({"data": 4, "tensor": 2}, ["data"])
+    assert_losses_match(run, single_process_losses(xtrain.Mesh(data=4, tensor=2), xtrain.plans.megatron))
+
+
+# A process that dies must end the job within this bound, not hang in a collective.
+DEATH_BOUND_S = 120
+
+
+def test_torchrun_ends_the_job_when_a_process_dies(tmp_path):
+    # torchrun sees rank 1 exit and stops rank 0 with SIGTERM, which must end it at once: JAX's
+    # preemption service would catch the signal and leave rank 0 waiting for a peer that is gone
+    # until torchrun's SIGKILL, 30 s later (xtrain turns that service off).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(TESTS / "_mp_worker.py"), str(tmp_path / "out.json"), str(STEPS), "--die-rank", "1", "--die-after", "1"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=DEATH_BOUND_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "rank 1 exits abruptly after step 1" in output
+    assert "rank 0 step 2" not in output  # rank 0 never finished a step without its peer
+    died = output.index("rank 1 exits abruptly")
+    root_cause = output[output.index("Root Cause"):]
+    assert "rank      : 1" in root_cause and "exitcode  : 1" in root_cause, output[died:]
+    assert "(SIGTERM)" in output[died:] and "SIGKILL" not in output[died:], output[died:]
+    print(f"torchrun job ended {time.monotonic() - start:.1f} s after it started")
+
+
+def launch_by_hand(tmp_path: Path, heartbeat_s: int) -> list[subprocess.Popen]:
+    """Both processes of a job with torchrun's variables but no torchrun agent watching them:
+    like srun without --kill-on-bad-exit, nobody stops the survivor of a dead process."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(worker_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(TESTS / "_mp_worker.py"), str(tmp_path / "out.json"), str(STEPS),
+               "--die-rank", "1", "--die-after", "1", "--heartbeat-timeout", str(heartbeat_s)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_without_a_launcher_watching_the_survivor_aborts_on_missed_heartbeats(tmp_path):
+    heartbeat_s = 10
+    procs = launch_by_hand(tmp_path, heartbeat_s)
+    try:
+        start = time.monotonic()
+        rank0, _ = procs[0].communicate(timeout=DEATH_BOUND_S)
+        elapsed = time.monotonic() - start
+    finally:
+        for proc in procs:
+            proc.kill()
+        procs[1].communicate()
+    assert procs[0].returncode != 0, rank0
+    assert "rank 0 step 1" in rank0 and "rank 0 step 2" not in rank0, rank0
+    assert "JAX distributed service detected fatal errors" in rank0, rank0[-3000:]
+    assert "another task died" in rank0, rank0[-3000:]
+    print(f"rank 0 ended {elapsed:.1f} s after it started (heartbeat timeout {heartbeat_s} s)")

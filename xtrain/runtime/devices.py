@@ -9,6 +9,15 @@ defaults otherwise). The order inside `init` is fixed:
   4. size the CPU device pool (explicit, or the emulated cluster's)
   5. turn on the persistent compilation cache
   6. start jax.distributed for multi-process jobs
+
+When a process of a multi-process job dies, the others end instead of waiting forever in a
+collective whose peer is gone: a launcher that watches its children (torchrun, mpirun) stops
+them with SIGTERM at once, and otherwise (srun without --kill-on-bad-exit, a node whose peer
+node failed) jax.distributed's coordinator misses the dead process's heartbeats and aborts every
+process with "Terminating process because the JAX distributed service detected fatal errors"
+after `heartbeat_timeout_s`. Gloo's own timeout (XLA's xla_cpu_collective_timeout_seconds, 30
+min) is no bound worth having, and cannot be shortened safely: a peer still compiling its step
+legitimately keeps the others waiting in their first collective for minutes.
 """
 from __future__ import annotations
 
@@ -24,6 +33,9 @@ log = logging.getLogger(__name__)
 # Preference order: Trainium's PJRT plugin, then CUDA, then the host CPU.
 BACKEND_ORDER = backends.BACKEND_ORDER
 EMULATE_ENV = "XTRAIN_EMULATE"
+# Seconds without a heartbeat after which jax.distributed declares a process dead and aborts
+# the others (JAX's own default).
+HEARTBEAT_TIMEOUT_S = 100
 
 _state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}}
 
@@ -83,7 +95,7 @@ def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
 
 
 def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
-         emulate: str | None = None) -> ProcessEnv:
+         emulate: str | None = None, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> ProcessEnv:
     """Sets up devices and, under a multi-process launcher, jax.distributed. Idempotent.
 
     Args:
@@ -93,6 +105,8 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
         emulate: a cluster to fly on CPU, e.g. "trn1.32xlarge:2" (also XTRAIN_EMULATE): as
             many CPU devices as the real cluster has, or `cpu_devices` of them scaled down
             (see neuron_support.emulate). Ignored off CPU.
+        heartbeat_timeout_s: in a multi-process job, how long a process may go silent before
+            jax.distributed declares it dead and ends every other process with an error.
 
     Returns:
         The ProcessEnv this process runs in.
@@ -113,7 +127,7 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
         _request_cpu_devices(cpu_devices // env.num_processes)
     _enable_cache()
     if env.is_multi_process:
-        _init_distributed(env, platform)
+        _init_distributed(env, platform, heartbeat_timeout_s)
     _state.update(initialized=True, process_env=env, cluster=cluster, backend_env=applied)
     return env
 
@@ -134,7 +148,19 @@ def local_device_ids(env: ProcessEnv, platform: str) -> list[int] | None:
     return list(range(env.local_rank * per, (env.local_rank + 1) * per))
 
 
-def _init_distributed(env: ProcessEnv, platform: str) -> None:
+def _disable_preemption_service() -> None:
+    """JAX's preemption service catches SIGTERM so that a job can checkpoint at a sync point
+    (multihost_utils.reached_preemption_sync_point, which xtrain does not use). But SIGTERM is
+    how launchers stop the survivors of a failed process (torchrun, then SIGKILL 30 s later;
+    Slurm's scancel): caught, they stay blocked in a collective whose peer is gone. Off unless
+    the user turned it on (JAX_ENABLE_PREEMPTION_SERVICE)."""
+    import jax
+
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ and "jax_enable_preemption_service" in jax.config.values:
+        jax.config.update("jax_enable_preemption_service", False)
+
+
+def _init_distributed(env: ProcessEnv, platform: str, heartbeat_timeout_s: int) -> None:
     import jax
 
     if _backends_started():
@@ -147,6 +173,9 @@ def _init_distributed(env: ProcessEnv, platform: str) -> None:
         # Without this, jax re-reads Slurm/Open MPI variables and pins each process to the GPU
         # of SLURM_LOCALID, which is 0 for every torchrun child of a one-task-per-node srun.
         kwargs["cluster_detection_method"] = "deactivate"
+    if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_s
+    _disable_preemption_service()
     log.info("jax.distributed.initialize(%s, %d, %d, %s)", env.coordinator, env.num_processes, env.process_id, kwargs)
     jax.distributed.initialize(
         coordinator_address=env.coordinator,
