@@ -485,7 +485,8 @@ def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
     """A cotangent in the primal's layout and type. A pending sum over an axis the primal
     varies on stays pending: each device's addend is its own contribution, which autodiff
     (or xtrain's gradient sync) sums later; summing it here would count it n times."""
-    keep = C.vma(primal.value)
+    # (an axis the primal is split on is summed: a shard's cotangent is a slice of the sum)
+    keep = C.vma(primal.value) - set(primal.layout.split_axes())
     ct = C.resolve(ctx, ct, tuple(a for a in ct.layout.partial if a not in keep))
     ct = C.relayout(ctx, ct, primal.layout.with_partial(ct.layout.partial))
     return _same_vma(ctx, [ct.value, primal.value])[0]
