@@ -1,4 +1,8 @@
-"""Backend detection before JAX starts, device counts, per-backend variables, GPU pinning."""
+"""Backend detection before JAX starts, device counts, per-backend variables and XLA flags, GPU pinning."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from xtrain.runtime import backends
@@ -62,3 +66,60 @@ def test_gpu_pinning_per_process():
     assert local_device_ids(env(1, 2, dpp=4), "cuda") == [4, 5, 6, 7]
     assert local_device_ids(env(0, 1), "cuda") is None         # one process owns the node
     assert local_device_ids(env(1, 2), "cpu") is None
+
+
+# -- XLA flags per backend, checked against the installed XLA ------------------------------------
+
+def test_probe_rejects_unknown_flags_and_values_and_accepts_gpu_flags_on_cpu():
+    # XLA parses GPU flags on a CPU start too, so this machine can vet them for a GPU one.
+    assert backends.probe_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=true"])
+    assert not backends.probe_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_no_such_flag=1"])
+    assert not backends.probe_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=maybe"])
+
+
+def test_cuda_flags_are_latency_hiding_and_combining_up_to_one_gradient_bucket():
+    from xtrain.lowering.explicit.gradient_sync import GradSync
+
+    assert backends.GPU_COMBINE_THRESHOLD_BYTES == GradSync().bucket_bytes
+    assert backends.default_xla_flags("cuda") == (
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=26214400",
+        "--xla_gpu_all_gather_combine_threshold_bytes=26214400",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400")
+    assert backends.default_xla_flags("neuron") == ()
+    user = "--xla_gpu_all_reduce_combine_threshold_bytes=1 --xla_dump_to=/tmp/d"
+    merged = backends.merge_xla_flags(user, backends.cuda_xla_flags()).split()
+    assert merged[:2] == user.split() and "--xla_gpu_all_reduce_combine_threshold_bytes=26214400" not in merged
+    assert len(merged) == 5
+
+
+def test_supported_flags_probe_once_per_jaxlib_version(tmp_path):
+    calls = []
+
+    def probe(flags):
+        calls.append(list(flags))
+        return not any("bogus" in f for f in flags)
+
+    cache = tmp_path / "xla_flags.json"
+    flags = ("--xla_a=1", "--xla_bogus=1", "--xla_b=2")
+    assert backends.supported_xla_flags(flags, probe=probe, cache_file=cache, version="1.0") == ("--xla_a=1", "--xla_b=2")
+    assert calls == [list(flags), ["--xla_a=1"], ["--xla_bogus=1"], ["--xla_b=2"]]  # the set, then one by one
+    calls.clear()
+    assert backends.supported_xla_flags(flags, probe=probe, cache_file=cache, version="1.0") == ("--xla_a=1", "--xla_b=2")
+    assert calls == []                                                              # cached
+    backends.supported_xla_flags(flags[:1], probe=probe, cache_file=cache, version="2.0")
+    assert calls == [["--xla_a=1"]]                                                 # new jaxlib, new probe
+
+
+def test_init_on_cuda_adds_the_flags_xla_accepts_and_keeps_the_users(tmp_path):
+    # In a child: this process's JAX has started, and init sets flags only before it starts.
+    code = ("import os; from xtrain.runtime import devices; from xtrain.runtime.launch import ProcessEnv; "
+            "print(devices._apply_backend_env('cuda', ProcessEnv())['XLA_FLAGS'])")
+    env = dict(os.environ, XTRAIN_CACHE_DIR=str(tmp_path), XLA_FLAGS="--xla_gpu_all_gather_combine_threshold_bytes=7")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["--xla_gpu_all_gather_combine_threshold_bytes=7",
+                                  "--xla_gpu_enable_latency_hiding_scheduler=true",
+                                  "--xla_gpu_all_reduce_combine_threshold_bytes=26214400",
+                                  "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400"]
+    assert "jaxlib " in (tmp_path / "xla_flags.json").read_text()  # probes recorded in xtrain's cache

@@ -114,3 +114,13 @@ def test_run_emulated_trn1_cluster_across_processes():
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = {"processes": 2, "devices": 4, "local_devices": 2, "axes": {"node": 2, "chip": 1, "core": 2}}
     assert ranks(proc.stdout) == [{"rank": r, **expected} for r in (0, 1)]
+
+
+def test_env_shows_the_xla_flags_for_cuda_without_a_gpu():
+    proc = cli("env", "--no-start", env={"XTRAIN_BACKEND": "cuda",
+                                         "XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "backend: cuda" in proc.stdout and "XLA flags xtrain adds on cuda" in proc.stdout
+    assert "  --xla_gpu_enable_latency_hiding_scheduler=true\n" in proc.stdout
+    assert ("--xla_gpu_all_reduce_combine_threshold_bytes=26214400  (not added: XLA_FLAGS has "
+            "--xla_gpu_all_reduce_combine_threshold_bytes=1)") in proc.stdout

@@ -202,13 +202,30 @@ def _env_lines(backend: str, process: ProcessEnv, instance: str | None, emulate:
         process = ProcessEnv(num_processes=nodes, num_nodes=nodes, master_addr="<node-0>",
                              coordinator=f"<node-0>:{DEFAULT_MASTER_PORT + COORDINATOR_PORT_OFFSET}")
     root = cache.jax_cache_dir()
-    lines = [f"JAX compilation cache: {root if root else 'off (XTRAIN_CACHE_DIR=off)'}"]
+    lines = [f"JAX compilation cache: {root if root else 'off (XTRAIN_CACHE_DIR=off)'}"] + _xla_flag_lines(backend)
     on_neuron = backend == "neuron" or (target and topology_instance(target).compiler_target)
     if on_neuron:
         note = "" if backend == "neuron" else f" (on a real {emulate or target}, node 0)"
         wanted = backends.backend_env("neuron", process, instance=target, compile_cache=cache.neuron_cache_url())
         lines.append(f"environment xtrain sets{note}:")
         lines += [f"  {k}={v}" for k, v in wanted.items()]
+    return lines
+
+
+def _xla_flag_lines(backend: str) -> list[str]:
+    """The XLA flags xtrain adds on this backend; on CUDA only those the installed XLA accepts."""
+    wanted = backends.default_xla_flags(backend)
+    if not wanted:
+        return []
+    usable = backends.supported_xla_flags(wanted) if backend == "cuda" else wanted
+    # After devices.init, XLA_FLAGS holds xtrain's own flags too: only a different value is the user's.
+    user = {f.split("=")[0]: f for f in os.environ.get("XLA_FLAGS", "").split()}
+    lines = [f"XLA flags xtrain adds on {backend} (jaxlib {backends.jaxlib_version()}; your XLA_FLAGS win):"]
+    for flag in wanted:
+        mine = user.get(flag.split("=")[0], flag)
+        note = f"  (not added: XLA_FLAGS has {mine})" if mine != flag else \
+            "" if flag in usable else "  (left out: unknown to this XLA)"
+        lines.append(f"  {flag}{note}")
     return lines
 
 

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
+import logging
 import os
 import re
-from typing import Callable, Mapping
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
 
 from xtrain.runtime.launch import ProcessEnv
+
+log = logging.getLogger(__name__)
 
 BACKEND_ORDER = ("neuron", "cuda", "cpu")
 NEURON_PLUGIN_MODULES = ("libneuronxla", "jax_neuronx")
@@ -135,13 +142,107 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
 CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 
 
+# xtrain buckets gradients itself (GradSync.bucket_bytes, 25 MiB by default) so that the
+# latency-hiding scheduler can overlap each bucket's all-reduce with the rest of the backward
+# pass. XLA's combiners may merge smaller collectives up to one bucket, not beyond: a larger
+# threshold would fuse the buckets back into a few big transfers that overlap nothing.
+GPU_COMBINE_THRESHOLD_BYTES = 25 * 2**20
+
+
+def cuda_xla_flags(combine_threshold_bytes: int = GPU_COMBINE_THRESHOLD_BYTES) -> tuple[str, ...]:
+    """The XLA flags xtrain wants on CUDA: overlap collectives with compute (XLA's latency-hiding
+    scheduler, off by default) and combine collectives up to one gradient bucket."""
+    return ("--xla_gpu_enable_latency_hiding_scheduler=true",
+            *(f"--xla_gpu_{kind}_combine_threshold_bytes={combine_threshold_bytes}"
+              for kind in ("all_reduce", "all_gather", "reduce_scatter")))
+
+
+def default_xla_flags(backend: str) -> tuple[str, ...]:
+    """xtrain's XLA flags for a backend, before checking them against the installed XLA."""
+    return {"cpu": CPU_XLA_FLAGS, "cuda": cuda_xla_flags()}.get(backend, ())
+
+
+def _flag_name(flag: str) -> str:
+    return flag.split("=")[0]
+
+
+def merge_xla_flags(xla_flags: str, defaults: Iterable[str]) -> str:
+    """XLA_FLAGS with `defaults` added; a flag the user already set keeps the user's value."""
+    flags = xla_flags.split()
+    names = {_flag_name(f) for f in flags}
+    return " ".join(flags + [f for f in defaults if _flag_name(f) not in names])
+
+
 def with_cpu_xla_flags(xla_flags: str) -> str:
     """XLA_FLAGS with xtrain's CPU flags added (a flag the user already set is left alone)."""
-    flags = xla_flags.split()
-    for flag in CPU_XLA_FLAGS:
-        if not any(f.split("=")[0] == flag.split("=")[0] for f in flags):
-            flags.append(flag)
-    return " ".join(flags)
+    return merge_xla_flags(xla_flags, CPU_XLA_FLAGS)
+
+
+# XLA parses every flag of XLA_FLAGS (GPU ones too) when the first backend starts, and aborts the
+# process on one it does not know or cannot parse. So a CPU start in a child process tells
+# whether this XLA accepts a set of flags, on any machine and without taking an accelerator.
+_PROBE = "import jax; jax.devices('cpu')"
+PROBE_TIMEOUT_S = 120
+
+
+def probe_xla_flags(flags: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the installed XLA starts with `flags` in XLA_FLAGS (checked in a subprocess)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+def jaxlib_version() -> str:
+    from importlib.metadata import version
+
+    return version("jaxlib")
+
+
+def _read_probe_cache(path: Path | None, key: str) -> dict[str, bool]:
+    try:
+        return json.loads(path.read_text()).get(key, {}) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_probe_cache(path: Path | None, key: str, known: dict[str, bool]) -> None:
+    if path is None:
+        return
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[key] = known
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    except (OSError, ValueError) as err:  # a read-only cache costs a probe next time, nothing else
+        log.warning("could not record XLA flag probes in %s: %s", path, err)
+
+
+def supported_xla_flags(flags: Sequence[str], *, probe: Callable[[Sequence[str]], bool] = probe_xla_flags,
+                        cache_file: Path | None = None, version: str | None = None) -> tuple[str, ...]:
+    """The flags of `flags` that the installed XLA accepts, in order.
+
+    One probe for the whole set, then one per flag only when the set fails. Results are kept
+    in `cache_file` (xtrain's cache, `xla_flags.json`, by default) per jaxlib version.
+    """
+    if cache_file is None:
+        from xtrain.runtime.cache import cache_root
+
+        root = cache_root()
+        cache_file = root / "xla_flags.json" if root else None
+    key = f"jaxlib {version or jaxlib_version()}"
+    known = _read_probe_cache(cache_file, key)
+    todo = [f for f in flags if f not in known]
+    if todo:
+        known.update(dict.fromkeys(todo, True) if probe(todo) else {f: probe([f]) for f in todo})
+        _write_probe_cache(cache_file, key, known)
+    for flag in flags:
+        if not known[flag]:
+            log.warning("XLA flag %s is not accepted by the installed XLA (%s); xtrain leaves it out", flag, key)
+    return tuple(f for f in flags if known[f])
 
 
 def neuron_layout(process: ProcessEnv) -> str:

@@ -80,6 +80,12 @@ def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
         flags = backends.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = flags
         return {"XLA_FLAGS": flags}
+    if platform == "cuda" and not _backends_started():
+        # Only flags this XLA knows: an unknown one would abort the process (probed in a child).
+        wanted = backends.supported_xla_flags(backends.default_xla_flags("cuda"))
+        flags = backends.merge_xla_flags(os.environ.get("XLA_FLAGS", ""), wanted)
+        os.environ["XLA_FLAGS"] = flags
+        return {"XLA_FLAGS": flags}
     if platform != "neuron":
         return {}
     wanted = backends.backend_env(platform, env, instance=backends.instance_type() or env.instance_type,
