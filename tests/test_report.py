@@ -74,3 +74,12 @@ def test_memory_analysis_sits_next_to_state_bytes():
     assert {"arguments", "outputs", "temporaries"} <= set(rep.memory)
     # the step's arguments hold at least the training state
     assert rep.memory["arguments"] >= sum(rep.state_memory[k] for k in ("parameters", "optimizer"))
+
+
+def test_hlo_tuple_all_reduce_counts_every_operand():
+    from xtrain.lowering.report import collectives_from_hlo
+
+    line = ("  %all-reduce.1 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, /*index=5*/f32[8,2]{1,0}) "
+            "all-reduce(%a, %b, %c, %d, %e, %f), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add")
+    [found] = collectives_from_hlo(line, {"data": 8})
+    assert (found.kind, found.axes, found.payload_bytes) == ("all-reduce", ("data",), (5 * 4 + 16) * 4)

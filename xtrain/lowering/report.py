@@ -16,6 +16,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _LINE = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ def collectives_from_hlo(hlo_text: str, mesh_shape: dict[str, int]) -> list[Coll
     """Every collective in an HLO module's text, with the mesh axes it runs over."""
     found = []
     for line in hlo_text.splitlines():
+        line = _COMMENT.sub("", line)  # tuple shapes carry `/*index=5*/` markers
         match = _LINE.search(line)
         if not match or "-done" in line.split("=")[0]:
             continue
