@@ -416,7 +416,8 @@ def sharding_constraint(ctx: Context, eqn, args):
     """xtrain.shard / with_sharding_constraint: move the value to the spec's layout, pending
     sums resolved (by reduce-scatter onto the dims the spec splits over their axes)."""
     (x,) = args
-    spec = tuple(eqn.params["sharding"].spec)
+    sharding = eqn.params["sharding"] if "sharding" in eqn.params else eqn.params["dst_sharding"]
+    spec = tuple(getattr(sharding, "spec", sharding))
     dims = tuple(_spec_axes(e) for e in spec) + ((),) * (x.ndim - len(spec))
     return [C.relayout(ctx, x, Layout(dims))]
 
@@ -588,7 +589,7 @@ _register(reduce_whole, "argmax", "argmin", "reduce_prod", "reduce_and", "reduce
 _register(dot_general, "dot_general")
 _register(conv, "conv_general_dilated")
 _register(gather, "gather")
-_register(sharding_constraint, "sharding_constraint")
+_register(sharding_constraint, "sharding_constraint", "reshard")
 _register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
 _register(custom_jvp, "custom_jvp_call")
 _register(custom_vjp, "custom_vjp_call")
