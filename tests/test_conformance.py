@@ -217,3 +217,22 @@ def test_conformance_error_lists_findings():
     with pytest.raises(conformance.ConformanceError, match=r"does not fit trn1.32xlarge \(1 findings\)"):
         conformance.assert_conforms(text, TRN1)
     assert conformance.assert_conforms(text, TRN1, allow=["conditional"]) == conformance.check(text, TRN1)
+
+
+@pytest.fixture(scope="module", params=["explicit", "xla"])
+def tensor_parallel_step(request):
+    from xtrain import plans
+
+    torch.manual_seed(0)
+    model = GPT()
+    mesh = xtrain.Mesh(data=4, tensor=2)
+    step = xtrain.compile(model, mesh, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          plan=plans.megatron(model, dict(data=4, tensor=2)), lowering=request.param)
+    return step, token_batches(n=1)[0]
+
+
+def test_xtrain_tensor_parallel_gpt_step_conforms(tensor_parallel_step):
+    """Megatron TP2 x DP4: tensor pairs are adjacent cores (groups of 2 at even offsets), data
+    groups strided by 2 inside an aligned block of 8: both allowed within a trn1 node."""
+    step, batch = tensor_parallel_step
+    assert emulate.check_step(step, *batch, cluster=emulate.virtual_cluster("trn1.32xlarge")) == []
