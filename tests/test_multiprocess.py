@@ -2,7 +2,6 @@
 data and tensor parallelism; a process that dies ends the job with an error instead of a hang."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,32 +10,13 @@ from pathlib import Path
 import torch
 
 import xtrain
-from xtrain.runtime.launch import COORDINATOR_PORT_OFFSET
+from xtrain.cli import free_port_pair
 
 from models import GPT, token_batches
 
 STEPS = 4
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A port free for torchrun's store whose jax.distributed coordinator port is free too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + COORDINATOR_PORT_OFFSET < 65536 and _port_is_free(port + COORDINATOR_PORT_OFFSET):
-            return port
 
 
 def worker_env() -> dict[str, str]:
@@ -49,7 +29,7 @@ def worker_env() -> dict[str, str]:
 
 def run_torchrun(out: Path, *worker_args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", str(TESTS / "_mp_worker.py"), str(out), str(STEPS), *worker_args]
+           f"--master_port={free_port_pair()}", str(TESTS / "_mp_worker.py"), str(out), str(STEPS), *worker_args]
     try:
         proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
@@ -106,7 +86,7 @@ def test_torchrun_ends_the_job_when_a_process_dies(tmp_path):
     # torchrun sees rank 1 exit and stops rank 0 with SIGTERM, which must end it at once: JAX's
     # preemption service would catch the signal and leave rank 0 waiting for a peer that is gone
     # until torchrun's SIGKILL, 30 s later (xtrain turns that service off).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port_pair()}",
            str(TESTS / "_mp_worker.py"), str(tmp_path / "out.json"), str(STEPS), "--die-rank", "1", "--die-after", "1"]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=DEATH_BOUND_S)
@@ -124,7 +104,7 @@ def test_torchrun_ends_the_job_when_a_process_dies(tmp_path):
 def launch_by_hand(tmp_path: Path, heartbeat_s: int) -> list[subprocess.Popen]:
     """Both processes of a job with torchrun's variables but no torchrun agent watching them:
     like srun without --kill-on-bad-exit, nobody stops the survivor of a dead process."""
-    port = free_port()
+    port = free_port_pair()
     procs = []
     for rank in (0, 1):
         env = dict(worker_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

@@ -139,7 +139,11 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
 # layer's weights in the backward scan next to a gradient reduce-scatter) can start in a
 # different order on different emulated devices, and the rendezvous then deadlocks (XLA
 # aborts after 40 s). The default scheduler keeps one order on every device.
-CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+# Emulated devices time-share the host's cores: on a loaded 2-core machine one device's thread
+# can reach a collective more than 40 s after the others, and XLA then aborts the process
+# although nothing is wrong. Wait up to 10 minutes before calling a rendezvous stuck.
+CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",
+                 "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 
 # xtrain buckets gradients itself (GradSync.bucket_bytes, 25 MiB by default) so that the

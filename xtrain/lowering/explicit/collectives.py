@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from jax import lax
 
@@ -112,15 +111,12 @@ def resolve_all(ctx: Context, xs) -> list[Sharded]:
     return [resolve(ctx, x) for x in xs]
 
 
-ZERO3_GATHER = "xtrain.zero3_gathered_param"
-
-
 def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int, varying: bool):
     name = axes if len(axes) > 1 else axes[0]
     if x.param and set(axes) <= set(ctx.batch_axes):
-        # ZeRO-3/FSDP: gathered again in the backward pass instead of keeping every gathered
-        # weight alive until then; the gradient comes back reduce-scattered (the transpose).
-        return jax.checkpoint(lambda v: lax.all_gather(v, name, axis=dim, tiled=True))(x.value)
+        # ZeRO-3/FSDP: varying, so the gradient comes back reduce-scattered (the transpose);
+        # the step's remat policy (explicit/step.py) gathers it again in the backward pass.
+        return lax.all_gather(x.value, name, axis=dim, tiled=True)
     if varying:  # the consumer varies over `axes` anyway: the transpose is one reduce-scatter
         return lax.all_gather(x.value, name, axis=dim, tiled=True)
     # Once gathered, every device along `axes` holds the same values: say so (invariant), so

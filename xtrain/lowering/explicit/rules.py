@@ -8,11 +8,9 @@ A primitive without a rule runs replicated (`fallback`) and is reported by name 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend import core as jcore
 
 from xtrain.lowering.explicit import collectives as C
@@ -500,7 +498,7 @@ def custom_vjp(ctx, eqn, args):
     call, n_consts = p["call_jaxpr"], p["num_consts"]
     if n_consts:
         return fallback(ctx, eqn, args)
-    prims, n_out, path = args, len(eqn.outvars), ctx.path
+    prims, path = args, ctx.path
     fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
     # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
     # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)

@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import optax
@@ -87,6 +87,12 @@ class Program:
         return self.repeated
 
 
+def _global_args(state: TrainState, batch: tuple):
+    """Global shapes of the model function's arguments: (params, buffers, key, batch)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+
+
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
           scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None):
@@ -106,8 +112,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
 
     def train_step(state: TrainState, batch: tuple):
-        global_args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                   ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+        global_args = _global_args(state, batch)
         forward = program.forward(True, global_args)
 
         def per_device(state: TrainState, batch):
@@ -135,8 +140,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         return mapped(state, batch)
 
     def eval_step(state: TrainState, batch: tuple):
-        global_args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                   ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+        global_args = _global_args(state, batch)
         forward = program.forward(False, global_args)
 
         def per_device(state: TrainState, batch):
