@@ -35,7 +35,8 @@ def _jax_model(fn, params, optimizer):
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
-            lowering: str = "explicit", grad_sync=None, scan_layers: bool = True):
+            lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
+            zero3_regather: bool | None = None):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -53,6 +54,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         lowering: "explicit" (xtrain's partitioner: every collective chosen and counted by
             xtrain) or "xla" (XLA's SPMD partitioner on the same plan, for comparison).
         grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering.
+        zero3_regather: ZeRO-3 gathers each weight again in the backward pass instead of keeping
+            it from the forward pass (default: on, except on CPU where XLA's runtime deadlocks
+            on it inside the layer scan).
         scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
             (explicit lowering); compile time then stays flat in depth.
 
@@ -75,4 +79,5 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
     return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
-                     lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers)
+                     lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
+                     zero3_regather=zero3_regather)

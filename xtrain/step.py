@@ -30,12 +30,22 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _regather_default() -> bool:
+    """ZeRO-3 re-gathers weights in the backward pass (remat) except on XLA's CPU runtime: there
+    the re-gather inside the layer scan deadlocks its collective rendezvous (seen with jax
+    0.10.2 on 8 emulated devices; the weights are then kept from the forward pass)."""
+    from xtrain.runtime import backend
+
+    return backend() != "cpu"
+
+
 class TrainStep:
     """A model compiled for a mesh and plan. Call it with one global batch per step."""
 
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
-                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True):
+                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True,
+                 zero3_regather: bool | None = None):
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
         self.lowering = lowering
         mesh_axes = dict(mesh.shape)
@@ -53,7 +63,8 @@ class TrainStep:
         if lowering == "explicit":
             self._train, self._eval, self._program = explicit_step.build(
                 model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
-                scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs)
+                scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
+                regather=_regather_default() if zero3_regather is None else zero3_regather)
         else:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None

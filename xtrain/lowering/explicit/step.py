@@ -95,7 +95,8 @@ def _global_args(state: TrainState, batch: tuple):
 
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
-          scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None):
+          scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None,
+          regather: bool = True):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
     gradient_sync.check_axes(sync, dict(mesh.shape))
     program = Program(model, mesh, param_specs, batch_spec, scan_layers)
@@ -121,7 +122,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             def loss_of(params):
                 return forward({**params, **state.frozen}, state.buffers, key, batch)
 
-            if zero3:
+            if zero3 and regather:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
                 # gathered weight alive. Saving only matmul outputs is what achieves it: any
                 # other saveable op on a gathered weight (a transpose, a cast) would keep it.
