@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from packaging.requirements import Requirement
 
 from test_pins import requirement
 
