@@ -211,10 +211,28 @@ def test_hybrid_parity_replica2_data4():
 
 def test_tp2_fsdp4_parity_and_lowerings_agree():
     model = case("gpt")[0]
-    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2, vocab_parallel=False))
+    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))  # vocab split over tensor x data
     explicit = parity("gpt", TP2, plan)
     xla = parity("gpt", TP2, plan, lowering="xla")
     np.testing.assert_allclose(explicit.losses, xla.losses, rtol=1e-5)
+
+
+def test_vocab_parallel_moves_activations_not_the_table():
+    """Embedding lookup and the cross-entropy's target pick run on the local vocab shard (a
+    masked lookup whose partial sum is all-reduced); FSDP's data split of the table is gathered
+    alone, not the whole table. The only tensor-axis all-gather left is the softmax's shard maxima."""
+    model, batches, _, _ = case("gpt")
+    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))
+    step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()), plan=plan)
+    found = step.report(*batches[0]).collectives
+    table = model.tok.weight.numel() * 4
+    lookups = [c for c in found if ("embedding" in c.source or "nll_loss" in c.source) and "tensor" in c.axes]
+    assert lookups and all(c.kind == "all-reduce" for c in lookups), lookups
+    gathers = [c for c in found if c.kind == "all-gather" and "tensor" in c.axes]
+    tokens = batches[0][0].numel() // TP2["data"]
+    assert all(c.payload_bytes <= tokens * 4 * TP2["tensor"] for c in gathers), gathers
+    tied = [c for c in found if c.source.startswith("tok") and c.kind == "all-gather"]
+    assert tied and all(c.axes == ("data",) and c.payload_bytes == table // TP2["tensor"] for c in tied), tied
 
 
 # -- randomised plans -----------------------------------------------------------------------
