@@ -118,7 +118,7 @@ def mesh_and_plan(name: str, model):
     return xtrain.Mesh(**sizes), plan
 
 
-def measure(model_name: str, plan_name: str, lowering: str, args) -> Measure:
+def _compile(model_name: str, plan_name: str, lowering: str):
     import torch
 
     import xtrain
@@ -126,18 +126,28 @@ def measure(model_name: str, plan_name: str, lowering: str, args) -> Measure:
     torch.manual_seed(0)
     model = gpt_model() if model_name == "gpt" else llama_model()
     mesh, plan = mesh_and_plan(plan_name, model)
-    step = xtrain.compile(model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan,
+    return xtrain.compile(model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan,
                           lowering=lowering, loss_fn=None if model_name == "gpt" else lm_loss)
+
+
+def measure_pair(model_name: str, plan_name: str, args) -> tuple[Measure, Measure]:
+    """Both lowerings of one (model, plan), their timed steps interleaved so that load from
+    other processes on the host hits both alike."""
+    steps = [_compile(model_name, plan_name, lowering) for lowering in ("explicit", "xla")]
     data = batches(args.warmup + args.steps, args.batch, args.seq, model_name)
-    losses, seconds = [], []
+    losses, seconds = ([[], []] for _ in range(2))
     for batch in data:
-        start = time.perf_counter()
-        losses.append(step(*batch)["loss"])
-        seconds.append(time.perf_counter() - start)
-    rep = step.report()
-    return Measure(wire_bytes=sum(c.wire_bytes for c in rep.collectives), count=len(rep.collectives),
-                   memory=rep.memory.get("arguments", 0) + rep.memory.get("temporaries", 0),
-                   step_ms=1e3 * statistics.median(seconds[args.warmup:]), first_loss=losses[0])
+        for i, step in enumerate(steps):
+            start = time.perf_counter()
+            losses[i].append(step(*batch)["loss"])
+            seconds[i].append(time.perf_counter() - start)
+    out = []
+    for i, step in enumerate(steps):
+        rep = step.report()
+        out.append(Measure(wire_bytes=sum(c.wire_bytes for c in rep.collectives), count=len(rep.collectives),
+                           memory=rep.memory.get("arguments", 0) + rep.memory.get("temporaries", 0),
+                           step_ms=1e3 * statistics.median(seconds[i][args.warmup:]), first_loss=losses[i][0]))
+    return out[0], out[1]
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -180,7 +190,8 @@ def header(args, seconds: float) -> list[str]:
         "- wire bytes: per device per step, ring algorithms (all-reduce 2(n-1)/n, gather/scatter (n-1)/n of the "
         "payload); explicit: counted on the emitted program; xla: parsed from XLA's optimized HLO",
         "- memory: compiled memory analysis, arguments + temporaries per device",
-        f"- step: median of {args.steps} timed steps after {args.warmup} warm-up steps; the 8 devices share "
+        f"- step: median of {args.steps} timed steps after {args.warmup} warm-up steps, the two lowerings' steps "
+        f"interleaved; the 8 devices share "
         f"{os.cpu_count()} cores, so times are noisy and include all devices' compute",
         f"- ratios: explicit / xla (below 1: explicit moves fewer bytes or is faster); total run {seconds:.0f} s",
         f"- command: python benchmarks/plans_explicit_vs_xla.py {' '.join(sys.argv[1:])}".rstrip(),
@@ -199,7 +210,7 @@ def main(argv=None) -> None:
     rows = []
     for model in args.models:
         for plan in args.plans:
-            e, x = (measure(model, plan, lowering, args) for lowering in ("explicit", "xla"))
+            e, x = measure_pair(model, plan, args)
             rows.append((model, plan, e, x))
             print(table(rows)[-1], flush=True)
             jax.clear_caches()
