@@ -83,3 +83,35 @@ def test_hlo_tuple_all_reduce_counts_every_operand():
             "all-reduce(%a, %b, %c, %d, %e, %f), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add")
     [found] = collectives_from_hlo(line, {"data": 8})
     assert (found.kind, found.axes, found.payload_bytes) == ("all-reduce", ("data",), (5 * 4 + 16) * 4)
+
+
+def test_overlap_counts_only_independent_matmuls():
+    """A collective overlaps the matmuls that neither feed it nor consume its result."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from xtrain.lowering.explicit import accounting
+
+    mesh = jax.make_mesh((8,), ("data",))
+    specs = [P("data"), P(), P(), P()]
+
+    def per_device(x, w1, w2, w3):
+        reduced = jax.lax.psum(x @ w1, "data")  # fed by x @ w1 (8x16x32 -> 2*8*16*32 FLOPs)
+        side = x @ w2                           # independent: 2*8*16*64 FLOPs
+        return (reduced @ w3).sum() + side.sum()  # reduced @ w3 consumes it
+
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=P(),
+                      check_vma=False)
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=jax.sharding.NamedSharding(mesh, p))
+              for s, p in zip([(64, 16), (16, 32), (16, 64), (32, 4)], specs)]
+    (found,) = accounting.collectives(jax.make_jaxpr(f)(*shapes), {"data": 8})
+    assert found.kind == "all-reduce" and found.overlap_flops == 2 * 8 * 16 * 64
+
+
+def test_fsdp_gathers_can_hide_behind_other_layers_matmuls():
+    rep = report(3)
+    assert "overlap MFLOP" in str(rep)
+    gathers = [c for c in rep.collectives if c.kind == "all-gather" and "fc2" in c.source]
+    # fc2's weight gather needs nothing from fc1's matmul (batch 2 per device: 2*2*16*64 FLOPs)
+    assert gathers and all(c.overlap_flops >= 2 * 2 * 16 * 64 for c in gathers), gathers

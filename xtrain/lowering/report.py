@@ -39,6 +39,9 @@ class Collective:
         return factor * self.payload_bytes
 
     group_size: int = 1
+    # matmul FLOPs (per device) of the compute in its program region that neither feeds nor
+    # consumes it: what a scheduler can hide it behind (explicit lowering; None for XLA's HLO)
+    overlap_flops: float | None = None
 
 
 def _bytes_of(shape_text: str) -> int:
@@ -129,10 +132,11 @@ class Report:
     def __str__(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"xtrain step report ({self.lowering} lowering, mesh {mesh})",
-                 f"{'collective':<20}{'axes':<14}{'payload B':>12}{'wire B':>12}  source"]
+                 f"{'collective':<20}{'axes':<14}{'payload B':>12}{'wire B':>12}{'overlap MFLOP':>15}  source"]
         for c in self.collectives:
+            overlap = "-" if c.overlap_flops is None else f"{c.overlap_flops / 1e6:.1f}"
             lines.append(f"{c.kind:<20}{'x'.join(c.axes) or '-':<14}{c.payload_bytes:>12}"
-                         f"{c.wire_bytes:>12.0f}  {c.source[-60:]}")
+                         f"{c.wire_bytes:>12.0f}{overlap:>15}  {c.source[-60:]}")
         lines.append("wire bytes per axis: " + ", ".join(f"{k}: {v:.0f}" for k, v in self.bytes_per_axis().items()))
         lines.append("memory per device (bytes): " + ", ".join(f"{k}={v}" for k, v in self.memory.items()))
         if self.state_memory:

@@ -8,6 +8,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.lowering.explicit.overlap import Region
 from xtrain.lowering.report import Collective
 
 _KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",
@@ -39,7 +40,8 @@ def collectives(closed, sizes: dict[str, int], module_paths=frozenset()) -> list
 
 
 def _walk(jaxpr, sizes, module_paths, times, found):
-    for eqn in jaxpr.eqns:
+    region = Region(jaxpr) if any(str(e.primitive) in _KIND for e in jaxpr.eqns) else None
+    for i, eqn in enumerate(jaxpr.eqns):
         name = str(eqn.primitive)
         if name in _KIND:
             axes = _axes(eqn.params)
@@ -47,8 +49,9 @@ def _walk(jaxpr, sizes, module_paths, times, found):
             payload = _bytes([v.aval for v in eqn.invars])
             if _KIND[name] == "all-gather":
                 payload *= n
+            overlap = region.overlap(i)
             for _ in range(times):
-                found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n))
+                found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, overlap))
         repeat = times * eqn.params["length"] if name == "scan" else times
         for sub in jcore.jaxprs_in_params(eqn.params):
             _walk(sub, sizes, module_paths, repeat, found)
