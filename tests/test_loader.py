@@ -98,6 +98,42 @@ def test_loader_refuses_a_position_its_source_cannot_reach():
         next(iter(loader))
     with pytest.raises(ValueError, match="a Loader cannot resume from a 'ShardedLoader' position"):
         loader.load_state_dict({"kind": "ShardedLoader", "step": 1})
+    one_shot = Loader(iter(rank_coded(3)))
+    one_shot.load_state_dict({"kind": "Loader", "epoch": 1, "batch": 0})
+    with pytest.raises(ValueError, match="cannot resume at epoch 1: the source is a one-shot iterator"):
+        next(iter(one_shot))
+
+
+def test_loader_resumes_a_generator_and_continues_where_it_stopped():
+    want = [as_host(b) for b in Loader(iter(rank_coded(6)))]  # a one-shot iterator: one pass
+    first = Loader(iter(rank_coded(6)), prefetch=2)
+    head = take(first, 2) + take(first, 1)  # a second iteration continues the first
+    resumed = Loader(iter(rank_coded(6)))  # the new process makes its generator again
+    resumed.load_state_dict(first.state_dict())
+    assert_same_stream(head + [as_host(b) for b in resumed], want)
+
+
+def test_placement_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"batch_spec=\('batch',\) names mesh axes \['batch'\] that the mesh"):
+        Loader([], mesh=xtrain.Mesh(data=8), batch_spec=("batch",))
+    with pytest.raises(ValueError, match="ShardedLoader needs step=<compiled step> or mesh="):
+        ShardedLoader(Samples(), batch_size=8)
+    with pytest.raises(ValueError, match="the dataset has 50 samples, fewer than one global batch of 64"):
+        ShardedLoader(Samples(), batch_size=64, mesh=xtrain.Mesh(data=8))
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by mesh axis data=8"):
+        ShardedLoader(Samples(), batch_size=12, mesh=xtrain.Mesh(data=8))
+
+
+def test_the_step_takes_placed_batches_as_they_are_and_re_places_others():
+    from xtrain.data import shard_batch
+
+    mesh = xtrain.Mesh(data=8).build()
+    placed = Loader(rank_coded(1), mesh=mesh, prefetch=0).place(rank_coded(1)[0])
+    again = shard_batch(placed, mesh, ("data",))
+    assert all(a is b for a, b in zip(again, placed))  # no copy of a batch the loader placed
+    on_one_device = jax.device_put(np.arange(16.0), jax.devices()[3])
+    [moved] = shard_batch((on_one_device,), mesh, ("data",))
+    assert moved.sharding.spec == PartitionSpec("data") and np.array_equal(np.asarray(moved), np.arange(16.0))
 
 
 # -- per-process loading ---------------------------------------------------------------------

@@ -49,7 +49,8 @@ def test_mfu_arithmetic_and_peaks():
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
     assert peak_flops("NVIDIA H200", "bfloat16") == 989e12
-    assert peak_flops("trn1", "bfloat16") == 95e12  # one NeuronCore-v2: half a chip's 190
+    assert peak_flops("NC_v2", "bfloat16") == 95e12  # one trn1 NeuronCore: half a chip's 190
+    assert peak_flops("NC_v3d", "bfloat16") == 2 * peak_flops("NC_v3", "bfloat16") == 667e12 / 4
     assert peak_flops("cpu", "float32") is None and peak_flops("TFRT_CPU_0", "bfloat16") is None
     assert "MFU=50.0%" in format_postfix({"loss": 1.0, "step_time_s": 0.5, "tflops_s": 4.0, "mfu": 0.5})
     assert "4.000 TFLOP/s" in format_postfix({"loss": 1.0, "step_time_s": 0.5, "tflops_s": 4.0, "mfu": None})

@@ -89,19 +89,33 @@ def prefetched(items: Iterator, depth: int) -> Iterator:
 
 
 class _Resumable:
-    """Position bookkeeping and prefetch shared by both loaders; subclasses produce batches."""
+    """Position bookkeeping and prefetch shared by both loaders; subclasses produce batches.
+
+    One pipeline (producer + prefetch thread) serves every iteration until the position is
+    reset, so a loop that stops and a later loop that continues see one unbroken stream, and no
+    prefetched batch is lost, whatever the source."""
 
     def __init__(self, prefetch: int):
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch}: give the number of batches to prepare ahead (0 = none)")
         self.prefetch = prefetch
+        self._pipeline: Iterator | None = None
 
     def __iter__(self) -> Iterator[tuple]:
         """Placed global batches from the current position on; the position advances as each
-        batch is handed out (batches prefetched but not consumed do not count)."""
-        for position, batch in prefetched(self._produce(), self.prefetch):
+        batch is handed out (batches prefetched but not consumed do not count), so iterating
+        again continues where the last iteration stopped."""
+        if self._pipeline is None:
+            self._pipeline = prefetched(self._produce(), self.prefetch)
+        for position, batch in self._pipeline:
             self._position = position
             yield batch
+
+    def _restart(self) -> None:
+        """A new position: the running pipeline (and what it prefetched) is dropped."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
 
     def _produce(self) -> Iterator[tuple[Any, tuple]]:
         raise NotImplementedError
@@ -117,7 +131,7 @@ class Loader(_Resumable):
             and `batch_spec`; with neither, batches stay on the host as numpy).
         buckets: pad variable-length batches to these shapes (xtrain.buckets.Buckets).
         prefetch: batches prepared ahead by a background thread (0: none).
-        epochs: passes over the source (None: repeat until the training loop stops).
+        epochs: passes over the source in all (None: repeat until the training loop stops).
     """
 
     def __init__(self, source: Iterable | Callable[[int], Iterable], *, step=None, mesh=None,
@@ -136,24 +150,26 @@ class Loader(_Resumable):
         """Resume at a saved position: the next iteration starts with the batch after it."""
         if state.get("kind") != "Loader":
             raise ValueError(f"a Loader cannot resume from a {state.get('kind')!r} position {state}")
+        self._restart()
         self._position = (int(state["epoch"]), int(state["batch"]))
 
+    def _per_epoch_function(self) -> bool:
+        return callable(self.source) and not hasattr(self.source, "__iter__")
+
     def _epoch(self, epoch: int) -> Iterator:
-        if callable(self.source) and not hasattr(self.source, "__iter__"):
-            return iter(self.source(epoch))
-        return iter(self.source)
+        return iter(self.source(epoch)) if self._per_epoch_function() else iter(self.source)
 
     def _produce(self) -> Iterator[tuple[tuple[int, int], tuple]]:
-        start_epoch, skip = self._position
-        if not callable(self.source) or hasattr(self.source, "__iter__"):
-            self._replay(start_epoch)
-        epoch = start_epoch
+        epoch, skip = self._position
+        if not self._per_epoch_function():
+            self._replay(epoch)
         while self.epochs is None or epoch < self.epochs:
             batches = self._epoch(epoch)
-            consumed = self._skip(batches, skip, epoch) if skip else 0
-            for consumed, batch in enumerate(batches, start=consumed + 1):
-                yield (epoch, consumed), self.place(batch)
-            if consumed == 0 or batches is self.source:  # an empty epoch, or a one-shot iterator
+            count = self._skip(batches, skip, epoch)
+            for batch in batches:
+                count += 1
+                yield (epoch, count), self.place(batch)
+            if count == 0 or batches is self.source:  # an empty epoch, or a one-shot iterator
                 return
             epoch, skip = epoch + 1, 0
 
@@ -234,6 +250,7 @@ class ShardedLoader(_Resumable):
             raise ValueError("the saved data position was taken with a different loader: "
                              + ", ".join(f"{k} saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
                              + "; resume with the same dataset, seed, shuffle and batch_size")
+        self._restart()
         self._position = int(state["step"])
 
     def global_indices(self, t: int) -> np.ndarray:

@@ -114,7 +114,8 @@ class Monitor:
         step: the compiled xtrain step (for its FLOPs and device count), or None.
         total_steps: the progress bar's length.
         flops_per_step: model FLOPs of one step; default: `model_flops(step)` after the first step.
-        dtype: the compute dtype whose peak MFU is measured against ("float32", "bfloat16", ...).
+        dtype: the compute dtype whose peak MFU is measured against ("float32", "bfloat16",
+            "tfloat32": XLA runs float32 matmuls on A100/H100 tensor cores as TF32 by default).
         metrics: path of the JSONL log (one object per step), or None; rewritten by a run that
             starts at step 0, appended to by a resumed one (`start` > 0).
         tensorboard: directory for TensorBoard event files, or None (needs `tensorboard` installed).

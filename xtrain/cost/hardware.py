@@ -11,8 +11,8 @@ Neuron PJRT plugin exposes it. Sources:
 - Trainium1 (trn1): AWS Neuron docs, "Trainium Architecture": a chip (2 NeuronCore-v2)
   delivers 190 FP16/BF16/TF32 TFLOPS and 47.5 FP32 -> 95 and 23.75 per NeuronCore.
 - Trainium2 (trn2): AWS Neuron docs, "Trainium2 Architecture": a chip (8 NeuronCore-v3)
-  delivers 667 BF16/FP16/TF32 TFLOPS and 181 FP32 -> 83.4 and 22.6 per physical core; a JAX
-  device is a logical core of 2 physical cores under trn2's default LNC=2 -> 166.75 and 45.25.
+  delivers 667 BF16/FP16/TF32 TFLOPS and 181 FP32 -> 83.375 and 22.625 per physical core; a
+  JAX device is a logical core of 2 physical cores under trn2's default LNC=2 -> 166.75 and 45.25.
 """
 from __future__ import annotations
 
@@ -27,12 +27,11 @@ _PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
     ("h200 nvl", {"bfloat16": 835 * T, "float16": 835 * T, "tfloat32": 418 * T, "float32": 60 * T}),
     ("h100", {"bfloat16": 989 * T, "float16": 989 * T, "tfloat32": 495 * T, "float32": 67 * T}),
     ("h200", {"bfloat16": 989 * T, "float16": 989 * T, "tfloat32": 495 * T, "float32": 67 * T}),
-    ("trn1", {"bfloat16": 95 * T, "float16": 95 * T, "tfloat32": 95 * T, "float32": 23.75 * T}),
-    ("trainium1", {"bfloat16": 95 * T, "float16": 95 * T, "tfloat32": 95 * T, "float32": 23.75 * T}),
-    ("neuroncore-v2", {"bfloat16": 95 * T, "float16": 95 * T, "tfloat32": 95 * T, "float32": 23.75 * T}),
-    ("trn2", {"bfloat16": 166.75 * T, "float16": 166.75 * T, "tfloat32": 166.75 * T, "float32": 45.25 * T}),
-    ("trainium2", {"bfloat16": 166.75 * T, "float16": 166.75 * T, "tfloat32": 166.75 * T, "float32": 45.25 * T}),
-    ("neuroncore-v3", {"bfloat16": 166.75 * T, "float16": 166.75 * T, "tfloat32": 166.75 * T, "float32": 45.25 * T}),
+    # Neuron PJRT device kinds: NC_v2 = a trn1 NeuronCore; NC_v3d = a trn2 logical core of two
+    # physical cores (LNC=2, trn2's default); NC_v3 = one trn2 physical core (LNC=1).
+    ("nc_v2", {"bfloat16": 95 * T, "float16": 95 * T, "tfloat32": 95 * T, "float32": 23.75 * T}),
+    ("nc_v3d", {"bfloat16": 166.75 * T, "float16": 166.75 * T, "tfloat32": 166.75 * T, "float32": 45.25 * T}),
+    ("nc_v3", {"bfloat16": 83.375 * T, "float16": 83.375 * T, "tfloat32": 83.375 * T, "float32": 22.625 * T}),
 )
 
 
