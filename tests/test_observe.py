@@ -114,3 +114,21 @@ def test_tensorboard_is_optional_and_asked_for_by_name(step, tmp_path):
         rec["loss"] = step(np.ones((B, D), np.float32))["loss"]
     monitor.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_model_flops_of_a_gpt_are_three_forward_passes():
+    """Every matmul of a GPT has two differentiable inputs (weights, or activations that depend
+    on them), so forward + backward = 3 x the forward matmuls, which are counted by hand here."""
+    import torch
+
+    from models import GPT
+
+    b, t, d, vocab, layers = 16, 8, 32, 64, 2
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, d=d, layers=layers, seq=t)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens = torch.randint(0, vocab, (b, t + 1))
+    step(tokens[:, :-1], tokens[:, 1:])
+    per_layer = 4 * (2 * b * t * d * d) + 2 * (2 * b * t * d * 4 * d) + 2 * (2 * b * t * t * d)  # qkvo, mlp, attention
+    forward = layers * per_layer + 2 * b * t * d * vocab  # + the tied head
+    assert model_flops(step) == 3 * forward
