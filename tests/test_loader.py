@@ -116,6 +116,8 @@ def test_loader_resumes_a_generator_and_continues_where_it_stopped():
 def test_placement_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"batch_spec=\('batch',\) names mesh axes \['batch'\] that the mesh"):
         Loader([], mesh=xtrain.Mesh(data=8), batch_spec=("batch",))
+    with pytest.raises(TypeError, match=r"got a dict with keys \['input_ids', 'labels'\]; give the Loader e.g."):
+        next(iter(Loader([{"labels": np.zeros(8), "input_ids": np.zeros(8)}], prefetch=0)))
     with pytest.raises(ValueError, match="ShardedLoader needs step=<compiled step> or mesh="):
         ShardedLoader(Samples(), batch_size=8)
     with pytest.raises(ValueError, match="the dataset has 50 samples, fewer than one global batch of 64"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -193,6 +193,9 @@ class Loader(_Resumable):
 
     def place(self, batch: Any) -> tuple:
         """Pads (buckets) and places one global batch on the mesh."""
+        if isinstance(batch, Mapping):
+            raise TypeError(f"a batch is a tuple of the step's positional arguments, got a dict with keys "
+                            f"{sorted(batch)}; give the Loader e.g. ((b['input_ids'], b['labels']) for b in source)")
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         if self.buckets is not None:
             batch = self.buckets.pad(batch)
