@@ -2,20 +2,21 @@
 
     python examples/train_gpt.py                          # 8 emulated CPU devices, one process
     torchrun --nproc_per_node=2 examples/train_gpt.py     # the same script, 2 processes x 4 devices
+    python examples/train_gpt.py --profile-steps 5:7      # also a jax.profiler trace of steps 5-7
 
 The model (gpt_model.py) is plain PyTorch; xtrain traces it to JAX and compiles one training
 step for the whole mesh. Every process builds the same model (same seed) and passes the same
-global batch; xtrain feeds each process's devices their slices.
+global batch; xtrain feeds each process's devices their slices. A background thread places
+the next batches on the devices while a step runs (xtrain.Loader); xtrain.Monitor shows loss,
+tokens/s, step time and MFU, logs them as JSONL and the script plots them to a PNG at the end.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import xtrain
 from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus
@@ -37,22 +38,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulate", default=None, metavar="INSTANCE[:NODES]",
                    help="fly a virtual cluster on CPU, e.g. trn1.32xlarge or p4d.24xlarge:2, and check "
                         "the compiled step against that hardware's rules")
+    p.add_argument("--metrics", default="runs/train_gpt/metrics.jsonl",
+                   help="JSONL log of loss, step time, tokens/s, MFU per step ('' for none)")
+    p.add_argument("--plot", default="runs/train_gpt/train.png",
+                   help="PNG of loss and throughput over steps, written at the end ('' for none)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log to TensorBoard in DIR (needs the tensorboard package)")
+    p.add_argument("--profile-steps", default=None, type=step_range, metavar="A:B",
+                   help="trace steps A..B (inclusive) with jax.profiler into --profile-dir")
+    p.add_argument("--profile-dir", default="runs/train_gpt/profile", help="where the profiler trace goes")
     return p.parse_args(argv)
 
 
-def train(step, tokens: np.ndarray, args, show: bool) -> tuple[list[float], list[float]]:
-    """Runs `args.steps` steps; returns (losses, seconds per step)."""
-    rng = np.random.default_rng(args.seed)  # same stream in every process: same global batch
-    losses, seconds = [], []
-    bar = tqdm(range(args.steps), disable=not show, desc="train", unit="step")
-    for _ in bar:
-        x, y = sample_batch(tokens, rng, args.batch, args.seq)
-        start = time.perf_counter()
-        loss = step(x, y)["loss"]  # a python float: the step has finished
-        seconds.append(time.perf_counter() - start)
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{args.batch * args.seq / seconds[-1]:,.0f}")
-    return losses, seconds
+def step_range(text: str) -> tuple[int, int]:
+    """'5:7' -> (5, 7)."""
+    first, _, last = text.partition(":")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile-steps {text!r}: give A:B, e.g. 5:7") from None
+
+
+def batches(tokens: np.ndarray, args):
+    """Endless random windows; the same stream in every process (same seed): same global batch."""
+    rng = np.random.default_rng(args.seed)
+    while True:
+        yield sample_batch(tokens, rng, args.batch, args.seq)
+
+
+def train(step, tokens: np.ndarray, args, show: bool) -> list[dict]:
+    """Runs `args.steps` steps; returns one record per step (loss, step_time_s, tokens_per_s, ...)."""
+    loader = xtrain.Loader(lambda epoch: batches(tokens, args), step=step, prefetch=2)
+    monitor = xtrain.Monitor(step, total_steps=args.steps, metrics=args.metrics or None,
+                             tensorboard=args.tensorboard, progress=show,
+                             profile_steps=args.profile_steps, profile_dir=args.profile_dir)
+    for _, (x, y) in zip(range(args.steps), loader):
+        with monitor.step(tokens=args.batch * args.seq, lr=args.lr) as rec:
+            rec["loss"] = step(x, y)["loss"]  # a python float: the step has finished
+    monitor.close()
+    return monitor.history
 
 
 def report_conformance(step, tokens, args, show: bool) -> None:
@@ -89,7 +113,8 @@ def main(argv=None) -> None:
 
     if args.emulate:
         report_conformance(step, train_tokens, args, show)
-    losses, seconds = train(step, train_tokens, args, show)
+    history = train(step, train_tokens, args, show)
+    losses, seconds = [r["loss"] for r in history], [r["step_time_s"] for r in history]
     x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
     eval_loss = step.eval(x, y)["loss"]
     timed = seconds[1:] or seconds  # the first step includes compilation
@@ -98,6 +123,10 @@ def main(argv=None) -> None:
         print(f"done: steps={args.steps} first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
               f"eval_loss={eval_loss:.4f} tokens_per_s={tokens_per_s:.0f} "
               f"compile_s={seconds[0]:.1f} median_step_ms={1e3 * statistics.median(timed):.1f}", flush=True)
+        if args.plot:
+            path = xtrain.observe.plot(history, args.plot, title=f"GPT {model.num_params() / 1e6:.2f}M, "
+                                       f"{jax.device_count()} {jax.devices()[0].platform} devices")
+            print(f"plot: {path}" + (f"  metrics: {args.metrics}" if args.metrics else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The main example (examples/train_gpt.py) runs end to end and its loss falls."""
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--batch", "16", "--seq", "32", "--lr", "1e-2"]
@@ -18,17 +21,23 @@ def final_line(stdout: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([-+.\deE]+)", lines[-1])}
 
 
-def test_train_gpt_runs_and_loss_falls():
+def test_train_gpt_runs_and_loss_falls(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *TINY], env=env, capture_output=True,
-                          text=True, timeout=180)
+    metrics, png = tmp_path / "metrics.jsonl", tmp_path / "train.png"
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--metrics", str(metrics), "--plot", str(png)],
+                          env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     done = final_line(proc.stdout)
     assert done["steps"] == 8
     assert done["last_loss"] < done["first_loss"] - 0.5, done
     assert done["eval_loss"] < done["first_loss"], done
     assert done["tokens_per_s"] > 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(8))
+    assert records[0]["loss"] == pytest.approx(done["first_loss"], abs=1e-4)
+    assert all(r["tokens_per_s"] > 0 and r["tflops_s"] > 0 and r["lr"] == 1e-2 for r in records)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_gpt_on_an_emulated_trn1_reports_conformance():

@@ -10,7 +10,12 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans", "shard"]
+__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans", "shard", "Loader", "ShardedLoader", "Buckets",
+           "Monitor", "observe"]
+
+# lazily imported public names -> their module
+_LAZY = {"Loader": "xtrain.loader", "ShardedLoader": "xtrain.loader", "Buckets": "xtrain.buckets",
+         "Monitor": "xtrain.observe"}
 
 
 def __getattr__(name):
@@ -30,6 +35,14 @@ def __getattr__(name):
         from xtrain.sharding.annotate import shard
 
         return shard
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "observe":
+        import xtrain.observe
+
+        return xtrain.observe
     if name == "init":
         from xtrain.runtime.devices import init
 

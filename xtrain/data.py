@@ -1,7 +1,9 @@
 """Global batches (torch tensors or numpy) -> arrays sharded over the mesh.
 
 Every process passes the same global batch; each process materialises only the slices of its
-own devices (`jax.make_array_from_callback` asks for addressable shards only).
+own devices (`jax.make_array_from_callback` asks for addressable shards only). Arrays already
+placed with the batch's sharding (by `xtrain.loader`'s prefetch or per-process loading) pass
+through untouched.
 """
 from __future__ import annotations
 
@@ -42,12 +44,36 @@ def check_divisible(index: int, shape: tuple[int, ...], spec: Spec, mesh: jax.sh
                 f"divisible by mesh axis {axes}; use a {what} that is a multiple of {size}")
 
 
+def process_rows(global_shape: tuple[int, ...], sharding: NamedSharding) -> list[int]:
+    """The global-batch rows (dimension 0) that this process's devices hold, in order."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        rows.update(range(*index[0].indices(global_shape[0])) if index else range(global_shape[0]))
+    return sorted(rows)
+
+
+def _placed(index: int, x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A jax.Array argument: kept if already laid out as the batch spec says, else re-placed."""
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    if not x.is_fully_addressable:
+        raise ValueError(
+            f"batch argument {index} is a multi-process jax.Array of shape {tuple(x.shape)} laid out as "
+            f"{x.sharding}, but the step's batch layout is {sharding.spec}; place it with "
+            f"xtrain.loader (or jax.make_array_from_process_local_data) under the step's batch sharding")
+    return jax.device_put(x, sharding)
+
+
 def shard_batch(batch: Sequence[Any], mesh: jax.sharding.Mesh, spec: Spec) -> tuple:
     """Places each array-like batch argument on the mesh, split by `spec` (others pass through)."""
     out = []
     for index, x in enumerate(batch):
         if x is None or isinstance(x, (bool, int, float, str)):
             out.append(x)
+            continue
+        if isinstance(x, jax.Array) and x.ndim:
+            check_divisible(index, x.shape, spec, mesh)
+            out.append(_placed(index, x, batch_sharding(mesh, spec, x.ndim)))
             continue
         arr = to_numpy(x)
         if arr.ndim == 0:

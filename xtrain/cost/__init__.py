@@ -1,0 +1,1 @@
+"""Costs of a training step: hardware peaks (hardware.py)."""
