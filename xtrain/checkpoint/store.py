@@ -4,6 +4,7 @@
     <path>/shards-00000.safetensors  the pieces process 0 holds (one per distinct shard)
     <path>/index-00000.json         what process 0 wrote (written after its shards are on disk)
     <path>/COMMITTED                written last: the checkpoint is complete
+    <path>/begin.json               written first: how many processes write (names what is missing)
 
 A save writes into `<path>.partial`, waits for every process, and only then process 0 writes
 the manifest and the marker and renames the directory to `<path>`. A crash at any point leaves
@@ -28,7 +29,7 @@ from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, name
 
 FORMAT = "xtrain-checkpoint"
 VERSION = 1
-MANIFEST, MARKER, PARTIAL = "manifest.json", "COMMITTED", ".partial"
+MANIFEST, MARKER, PARTIAL, BEGIN = "manifest.json", "COMMITTED", ".partial", "begin.json"
 BARRIER_TIMEOUT_MS = 30 * 60 * 1000  # a slow filesystem may take long; a dead peer fails the job sooner
 _barriers = itertools.count()
 
@@ -141,6 +142,7 @@ def _write(path: Path, arrays: dict, pieces: dict, tensors: dict, meta: dict, ta
     if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        _fsync_write(tmp / BEGIN, json.dumps({"processes": jax.process_count(), "step": meta["step"]}))
     _barrier(f"{tag}-begin")
     save_file(arrays, str(tmp / _shard_file(me)))
     with open(tmp / _shard_file(me), "rb+") as f:
@@ -180,12 +182,14 @@ def _commit(path: Path, tmp: Path, meta: dict) -> None:
 
 # -- reading ---------------------------------------------------------------------------------
 def _missing_parts(path: Path) -> list[str]:
-    missing = [n for n in (MANIFEST, MARKER) if not (path / n).exists()]
-    shards = sorted(p.name for p in path.glob("shards-*.safetensors"))
-    unfinished = [s for s in shards if not (path / _index_file(int(s[7:12]))).exists()]
-    if unfinished:
-        missing.append(f"the index of {', '.join(unfinished)} (its process did not finish writing it)")
-    return missing
+    if not (path / BEGIN).exists():
+        return [f"{BEGIN} (not written by xtrain, or the save died at once)"]
+    missing = []
+    for p in range(json.loads((path / BEGIN).read_text())["processes"]):
+        lacking = [f for f in (_shard_file(p), _index_file(p)) if not (path / f).exists()]
+        if lacking:
+            missing.append(f"{' and '.join(lacking)} (process {p} did not finish writing its shards)")
+    return missing + [n for n in (MANIFEST, MARKER) if not (path / n).exists()]
 
 
 def check_complete(path: str | os.PathLike) -> Path:
