@@ -73,7 +73,8 @@ def killed(args) -> None:
 
 def run(args) -> None:
     step = build(args.mesh)
-    manager = CheckpointManager(args.ckpt, CheckpointOptions(keep=2, save_every=args.save_every))
+    manager = CheckpointManager(args.ckpt, CheckpointOptions(keep=2, save_every=args.save_every,
+                                                            sigterm_grace_s=args.grace))
     resumed = manager.latest()
     extra = manager.restore(step) or {"next_batch": 0}
     manager.stop_on_sigterm()
@@ -101,6 +102,7 @@ def main(argv: list[str]) -> None:
                    default={"data": 8})
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--grace", type=float, default=20.0)
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-after", type=int, default=-1)
     args = p.parse_args(argv)

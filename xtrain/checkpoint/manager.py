@@ -7,9 +7,9 @@ import os
 import re
 import shutil
 import signal
+import sys
+import threading
 from pathlib import Path
-from typing import Callable
-
 import jax
 import numpy as np
 
@@ -29,10 +29,16 @@ class CheckpointOptions:
     """`maybe_save` saves when the step count is a multiple of this (0: only explicit saves)."""
     async_save: bool = False
     """Write files in a background thread; the next save (or `wait()`) waits for it."""
+    sigterm_grace_s: float = 20.0
+    """After SIGTERM, seconds to wait for the current step to end (and the save to start)
+    before exiting without a checkpoint: a step whose peer process is gone never ends, and
+    torchrun kills its workers 30 s after its own SIGTERM."""
 
     def __post_init__(self):
         if self.keep < 0:
             raise ValueError(f"CheckpointOptions.keep={self.keep} must be >= 0 (0 keeps every checkpoint)")
+        if self.sigterm_grace_s <= 0:
+            raise ValueError(f"CheckpointOptions.sigterm_grace_s={self.sigterm_grace_s} must be > 0")
         if self.save_every < 0:
             raise ValueError(f"CheckpointOptions.save_every={self.save_every} must be >= 0 (0: no periodic saves)")
 
@@ -53,6 +59,7 @@ class CheckpointManager:
         self.options = options or CheckpointOptions()
         self._pending: SaveHandle | None = None
         self._sigterm = self._watching = False
+        self._saving = threading.Event()
 
     # -- finding -----------------------------------------------------------------------------
     def path_for(self, step_count: int) -> Path:
@@ -109,6 +116,8 @@ class CheckpointManager:
         `exit_after_sigterm`). Call it after each step, with the data position in `extra`."""
         every = self.options.save_every
         stopping = self._stop_agreed()
+        if stopping:
+            self._saving.set()  # the watchdog stands down: the step ended, the save may take long
         if stopping or (every and step.step_count % every == 0):
             if self.path_for(step.step_count) not in self.complete():
                 self.save(step, extra)
@@ -125,17 +134,31 @@ class CheckpointManager:
         latest = self.latest()
         return None if latest is None else step.load(latest)
 
-    def stop_on_sigterm(self, handler: Callable[[], None] | None = None) -> None:
-        """After SIGTERM, the next `maybe_save` saves and exits cleanly. The signal only sets a
-        flag: saving inside the handler could interrupt a step halfway (and every process must
-        save at the same step)."""
-        def on_term(signum, frame):
-            self._sigterm = True
-            if handler is not None:
-                handler()
+    def stop_on_sigterm(self) -> None:
+        """After SIGTERM, the next `maybe_save` saves and exits cleanly (status 0).
 
+        The signal only sets a flag: saving inside the handler could interrupt a step halfway,
+        and every process must save at the same step. A step blocked in a collective whose peer
+        died never returns to Python, so a watchdog thread (woken through the signal wakeup fd,
+        which works while the main thread is blocked) exits the process with status 143 if no
+        step ends within `sigterm_grace_s`."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self._watching = True
-        signal.signal(signal.SIGTERM, on_term)
+        threading.Thread(target=self._watchdog, args=(read,), name="xtrain-sigterm-watchdog", daemon=True).start()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+
+    def _watchdog(self, fd: int) -> None:
+        while signal.SIGTERM not in os.read(fd, 64):
+            pass
+        if not self._saving.wait(self.options.sigterm_grace_s):
+            print(f"xtrain: SIGTERM: no step ended within {self.options.sigterm_grace_s} s (a peer process is "
+                  "gone?); exiting without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGTERM)
 
     def _stop_agreed(self) -> bool:
         """Whether any process got SIGTERM; agreed by all so that every process saves at the
