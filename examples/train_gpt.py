@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                          # 8 emulated CPU devices, one process
     torchrun --nproc_per_node=2 examples/train_gpt.py     # the same script, 2 processes x 4 devices
+    torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir ckpt --save-every 50
+                                                          # resumes from ckpt/ after a restart or SIGTERM
 
 The model (gpt_model.py) is plain PyTorch; xtrain traces it to JAX and compiles one training
 step for the whole mesh. Every process builds the same model (same seed) and passes the same
@@ -37,14 +39,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulate", default=None, metavar="INSTANCE[:NODES]",
                    help="fly a virtual cluster on CPU, e.g. trn1.32xlarge or p4d.24xlarge:2, and check "
                         "the compiled step against that hardware's rules")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory: resume from its latest complete "
+                   "checkpoint, save every --save-every steps and on SIGTERM")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (with --ckpt-dir)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (with --ckpt-dir)")
     return p.parse_args(argv)
 
 
-def train(step, tokens: np.ndarray, args, show: bool) -> tuple[list[float], list[float]]:
-    """Runs `args.steps` steps; returns (losses, seconds per step)."""
+def checkpoints(step, args):
+    """(manager, data position) with --ckpt-dir: resumed from the latest complete checkpoint."""
+    if args.ckpt_dir is None:
+        return None, None
+    from xtrain.checkpoint import CheckpointManager, CheckpointOptions
+
+    manager = CheckpointManager(args.ckpt_dir, CheckpointOptions(keep=args.keep, save_every=args.save_every))
+    extra = manager.restore(step)
+    manager.stop_on_sigterm()  # saves at the end of the current step, then exits 0
+    return manager, (extra or {}).get("rng")
+
+
+def train(step, tokens: np.ndarray, args, show: bool, manager=None, rng_state=None) -> tuple[list[float], list[float]]:
+    """Runs the steps from `step.step_count` to `args.steps`; returns (losses, seconds per step)."""
     rng = np.random.default_rng(args.seed)  # same stream in every process: same global batch
+    if rng_state is not None:  # the data position of a resumed run
+        rng.bit_generator.state = rng_state
     losses, seconds = [], []
-    bar = tqdm(range(args.steps), disable=not show, desc="train", unit="step")
+    bar = tqdm(range(step.step_count, args.steps), disable=not show, desc="train", unit="step")
     for _ in bar:
         x, y = sample_batch(tokens, rng, args.batch, args.seq)
         start = time.perf_counter()
@@ -52,6 +72,8 @@ def train(step, tokens: np.ndarray, args, show: bool) -> tuple[list[float], list
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{args.batch * args.seq / seconds[-1]:,.0f}")
+        if manager is not None:
+            manager.maybe_save(step, extra={"rng": rng.bit_generator.state})
     return losses, seconds
 
 
@@ -89,7 +111,12 @@ def main(argv=None) -> None:
 
     if args.emulate:
         report_conformance(step, train_tokens, args, show)
-    losses, seconds = train(step, train_tokens, args, show)
+    manager, rng_state = checkpoints(step, args)
+    losses, seconds = train(step, train_tokens, args, show, manager, rng_state)
+    if not losses:
+        if show:
+            print(f"nothing to train: resumed at step {step.step_count} >= --steps {args.steps}", flush=True)
+        return
     x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
     eval_loss = step.eval(x, y)["loss"]
     timed = seconds[1:] or seconds  # the first step includes compilation

@@ -2,6 +2,7 @@
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -40,3 +41,20 @@ def test_train_gpt_on_an_emulated_trn1_reports_conformance():
     assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "32 cpu devices" in proc.stdout and "conformance (trn1.32xlarge): the program conforms" in proc.stdout
     assert final_line(proc.stdout)["steps"] == 2
+
+
+def test_train_gpt_resumes_from_its_checkpoint_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parents[1]), env.get("PYTHONPATH", "")])
+    run = lambda *extra: subprocess.run([sys.executable, str(EXAMPLE), *TINY[2:], *extra], env=env,
+                                        capture_output=True, text=True, timeout=180)
+    whole = run("--steps", "6", "--ckpt-dir", str(tmp_path), "--save-every", "3")
+    assert whole.returncode == 0, whole.stdout + whole.stderr[-4000:]
+    assert (tmp_path / "step_00000003" / "COMMITTED").exists()
+    shutil.rmtree(tmp_path / "step_00000006")  # as if the job had died after step 5
+    resumed = run("--steps", "6", "--ckpt-dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-4000:]
+    # the resumed run trains steps 3-5 on the same batches (data position restored) to the same loss
+    assert final_line(resumed.stdout)["last_loss"] == final_line(whole.stdout)["last_loss"]
+    assert final_line(resumed.stdout)["first_loss"] != final_line(whole.stdout)["first_loss"]
