@@ -10,7 +10,7 @@ Modes:
   run        train --steps steps with a CheckpointManager on CKPT_DIR: resume from the latest
              complete checkpoint, save every --save-every steps, save and exit on SIGTERM;
              --die-rank R --die-after S: on the first attempt (TORCHELASTIC_RESTART_COUNT 0)
-             rank R exits abruptly after step S
+             rank R exits abruptly after step S; --plan fsdp: ZeRO-3 (each process saves its shards)
 Every process builds the same GPT (seed 0) and the same global batches (tests/models.py).
 """
 import argparse
@@ -32,10 +32,12 @@ from xtrain.checkpoint import CheckpointManager, CheckpointOptions
 BATCHES = 8
 
 
-def build(mesh: dict):
+def build(mesh: dict, plan: str = "ddp"):
     torch.manual_seed(0)
     model = GPT()
-    return xtrain.compile(model, xtrain.Mesh(**mesh), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    chosen = xtrain.plans.fsdp(model, mesh) if plan == "fsdp" else None
+    return xtrain.compile(model, xtrain.Mesh(**mesh), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          plan=chosen)
 
 
 def write(out: Path, step, losses: list[float], **info) -> None:
@@ -72,7 +74,7 @@ def killed(args) -> None:
 
 
 def run(args) -> None:
-    step = build(args.mesh)
+    step = build(args.mesh, args.plan)
     manager = CheckpointManager(args.ckpt, CheckpointOptions(keep=2, save_every=args.save_every,
                                                             sigterm_grace_s=args.grace))
     resumed = manager.latest()
@@ -100,6 +102,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mesh", type=lambda t: {k: int(v) for k, v in (i.split("=") for i in t.split(","))},
                    default={"data": 8})
+    p.add_argument("--plan", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--grace", type=float, default=20.0)

@@ -1,5 +1,6 @@
 """Restarts: SIGTERM saves a checkpoint and exits cleanly; a real torchrun job
-(`--max-restarts 1`) whose worker dies restarts and resumes from the latest complete checkpoint."""
+(`--max-restarts 1`, ZeRO-3 over 2 processes) whose worker dies restarts and resumes from the latest
+complete checkpoint."""
 import json
 import signal
 import subprocess
@@ -57,7 +58,7 @@ def test_torchrun_restarts_a_dead_worker_and_resumes_from_the_latest_checkpoint(
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
            f"--master_port={free_port_pair()}", str(TESTS / "_ckpt_worker.py"), "run", str(tmp_path / "ckpt"),
-           str(out), "--steps", str(STEPS), "--save-every", "1", "--grace", "3", "--die-rank", "1",
+           str(out), "--steps", str(STEPS), "--plan", "fsdp", "--save-every", "1", "--grace", "3", "--die-rank", "1",
            "--die-after", "2"]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -65,6 +66,8 @@ def test_torchrun_restarts_a_dead_worker_and_resumes_from_the_latest_checkpoint(
     assert proc.returncode == 0, output
     assert "rank 1 exits abruptly after step 2" in output and "rank 0 attempt 1 step 3" in output, output
     assert "attempt 1 step 2 " not in output  # the restart did not redo a checkpointed step
+    # rank 0 was blocked in step 3's collectives when torchrun sent it SIGTERM: the watchdog ended it
+    assert "xtrain: SIGTERM: no step ended within 3.0 s" in output, output
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and result["first"] == 3
     assert result["resumed_from"].endswith("step_00000003")
@@ -74,6 +77,9 @@ def test_torchrun_restarts_a_dead_worker_and_resumes_from_the_latest_checkpoint(
     resumed = load_file(str(out.with_suffix(".safetensors")))
     worst = max(float((resumed[k] - state[k]).abs().max()) for k in state)
     assert worst <= 5e-5, worst
-    kept = [p.name for p in CheckpointManager(tmp_path / "ckpt").complete()]
-    assert kept == ["step_00000005", "step_00000006"]  # keep=2
+    kept = CheckpointManager(tmp_path / "ckpt").complete()
+    assert [p.name for p in kept] == ["step_00000005", "step_00000006"]  # keep=2
+    # ZeRO-3: each process wrote the shards it holds, nothing twice
+    pieces = read_manifest(kept[-1])["tensors"]["opt_state/0/mu/blocks.0.mlp.0.weight"]["pieces"]
+    assert sorted(p["file"] for p in pieces) == ["shards-00000.safetensors"] * 4 + ["shards-00001.safetensors"] * 4
     print(f"torchrun job with one restart took {time.monotonic() - start:.1f} s")
