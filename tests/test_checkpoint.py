@@ -1,7 +1,6 @@
 """Checkpoints: resume in a new process bit-identically, restore onto other meshes and plans
 (continuing under the parity standard), atomic saves (a save killed mid-write), async saves,
 keep-last-N, export to torch, and the errors a wrong checkpoint gives."""
-import copy
 import functools
 import json
 import os
@@ -187,3 +186,16 @@ def test_extra_must_be_json(saved, tmp_path):
     with pytest.raises(ValueError, match="checkpoint extra must be JSON-serialisable"):
         saved[1].save(tmp_path / "x", extra={"loader": object()})
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+
+
+def test_a_tensor_the_pieces_do_not_cover_is_named(saved, tmp_path):
+    import shutil
+
+    copy_ = tmp_path / "cut"
+    shutil.copytree(saved[0], copy_)
+    manifest = json.loads((copy_ / "manifest.json").read_text())
+    manifest["tensors"]["params/pos.weight"]["pieces"][0]["region"][0] = [0, 8]  # rows 8-15 lost
+    (copy_ / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"the stored pieces of params/pos.weight cover 256 of the 512 "
+                                              r"elements .* the checkpoint is missing part of this tensor"):
+        saved[1].load(copy_)

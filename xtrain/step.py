@@ -159,10 +159,9 @@ class TrainStep:
         under logical names and global shapes and are resharded on load: each process reads
         only the regions its devices hold). Returns the `extra` dict saved with it."""
         from xtrain import checkpoint
-
-        values, manifest = checkpoint.restore(path, self.state)
         from xtrain.checkpoint.layout import rebuild
 
+        values, manifest = checkpoint.restore(path, self.state)
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 

@@ -51,7 +51,7 @@ def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
 
 def _overlap(a: Region, b: Region) -> Region | None:
     out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return None if any(lo >= hi for lo, hi in out) and out else out
+    return None if any(lo >= hi for lo, hi in out) else out  # a scalar's () always overlaps
 
 
 def _size(region: Region) -> int:

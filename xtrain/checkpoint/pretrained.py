@@ -77,11 +77,13 @@ def load_sharded(source: str | os.PathLike, shapes: Mapping[str, jax.ShapeDtypeS
         if shape != tuple(want.shape):
             raise CheckpointError(f"{file}: tensor {key!r} has shape {list(shape)} but the model's {name} has "
                                   f"{list(want.shape)}")
-        dtype = jnp.dtype(want.dtype)
-        read = (lambda file, key, dtype: lambda region: read_slice(str(file), key, region).astype(dtype, copy=False))(
-            file, key, dtype)
-        out[name] = make_array(name, shape, dtype, shardings[name], read)
+        out[name] = make_array(name, shape, jnp.dtype(want.dtype), shardings[name],
+                               _region_reader(file, key, jnp.dtype(want.dtype)))
     return out
+
+
+def _region_reader(file: Path, key: str, dtype: np.dtype):
+    return lambda region: read_slice(str(file), key, region).astype(dtype, copy=False)
 
 
 def export(state: Mapping[str, "object"], path: str | os.PathLike) -> Path:

@@ -237,11 +237,12 @@ def restore(path: str | os.PathLike, target: Any) -> tuple[dict[str, jax.Array],
     manifest = read_manifest(path)
     leaves = named_leaves(target)
     _check_fits(path, manifest, leaves)
-    out = {}
-    for name, leaf in leaves.items():
-        info = manifest["tensors"][name]
-        read = lambda piece, local: read_slice(str(path / piece["file"]), piece["key"], local)
-        region_reader = (lambda info, name: lambda want: assemble(
-            name, want, jnp.dtype(info["dtype"]), info["pieces"], read))(info, name)
-        out[name] = make_array(name, tuple(info["shape"]), jnp.dtype(info["dtype"]), leaf.sharding, region_reader)
-    return out, manifest
+    return {name: _read_tensor(path, name, manifest["tensors"][name], leaf.sharding)
+            for name, leaf in leaves.items()}, manifest
+
+
+def _read_tensor(path: Path, name: str, info: dict, sharding: jax.sharding.Sharding) -> jax.Array:
+    dtype = jnp.dtype(info["dtype"])
+    read_piece = lambda piece, local: read_slice(str(path / piece["file"]), piece["key"], local)
+    read_region = lambda want: assemble(name, want, dtype, info["pieces"], read_piece)
+    return make_array(name, tuple(info["shape"]), dtype, sharding, read_region)
