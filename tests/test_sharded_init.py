@@ -14,7 +14,7 @@ from xtrain.cli import free_port_pair
 
 from models import Stack, stack_batch
 from test_checkpoint import TESTS, TIMEOUT_S, worker_env
-from test_hf_models import gpt2, lm_batches, lm_loss
+from test_hf_models import gpt2, llama, lm_batches, lm_loss
 
 
 def test_meta_model_loads_zero3_shards_within_a_fraction_of_its_size_per_process(tmp_path):
@@ -41,24 +41,45 @@ def test_meta_model_loads_zero3_shards_within_a_fraction_of_its_size_per_process
           f"model {model_bytes // 2**20} MiB")
 
 
-def test_hf_checkpoint_loads_into_a_meta_model_and_trains_like_torch(tmp_path):
+def meta_model(model, how: str):
+    if how == "meta device":
+        with torch.device("meta"):
+            return type(model)(model.config)
+    with xtrain.checkpoint.meta_params():
+        return type(model)(model.config)
+
+
+@pytest.mark.parametrize("name,how,mesh,plan", [
+    ("gpt2", "meta device", dict(data=8), xtrain.plans.fsdp),
+    ("llama", "meta_params", dict(data=4, tensor=2), xtrain.plans.megatron)])
+def test_hf_checkpoint_loads_into_a_meta_model_and_trains_like_torch(tmp_path, name, how, mesh, plan):
     torch.manual_seed(0)
-    model = gpt2()
-    model.save_pretrained(tmp_path)  # HF stores the tied lm_head.weight once, as transformer.wte.weight
-    batches = lm_batches()
-    with torch.device("meta"):
-        meta = type(model)(model.config)
-    mesh = xtrain.Mesh(data=8)
-    step = xtrain.compile(meta, mesh, optimizer=torch.optim.SGD(meta.parameters(), lr=0.1),
-                          plan=xtrain.plans.fsdp(meta, mesh), loss_fn=lm_loss, init_from=tmp_path)
+    model = {"gpt2": gpt2, "llama": llama}[name]()
+    model.save_pretrained(tmp_path)  # HF stores the tied lm_head.weight of GPT-2 once, as transformer.wte.weight
+    meta = meta_model(model, how)
+    assert all(p.is_meta for p in meta.parameters())
+    step = xtrain.compile(meta, xtrain.Mesh(**mesh), optimizer=torch.optim.SGD(meta.parameters(), lr=0.1),
+                          plan=plan(meta, mesh), loss_fn=lm_loss, init_from=tmp_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for batch in batches:
+    for batch in lm_batches():
         optimizer.zero_grad()
         loss = lm_loss(model, *batch)
         loss.backward()
         optimizer.step()
         got = step(*batch)["loss"]
         assert abs(got - loss.item()) <= 1e-5 * loss.item(), (got, loss.item())
+
+
+def test_a_buffer_left_on_the_meta_device_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    model.save_pretrained(tmp_path)  # the rotary tables are non-persistent buffers: not in the file
+    meta = meta_model(model, "meta device")
+    with pytest.raises(ValueError, match=r"buffer 'model.rotary_emb.inv_freq' of LlamaForCausalLM is on the meta "
+                                         r"device and not in .*: build the model under `with "
+                                         r"xtrain.checkpoint.meta_params\(\):`"):
+        xtrain.compile(meta, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(meta.parameters(), lr=0.1),
+                       loss_fn=lm_loss, init_from=tmp_path)
 
 
 def test_missing_or_misshapen_tensors_are_named(tmp_path):

@@ -10,7 +10,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans", "shard"]
+__all__ = ["Mesh", "Plan", "GradSync", "checkpoint", "compile", "init", "plans", "shard"]
 
 
 def __getattr__(name):
@@ -26,6 +26,10 @@ def __getattr__(name):
         import xtrain.plans
 
         return xtrain.plans
+    if name == "checkpoint":
+        import xtrain.checkpoint
+
+        return xtrain.checkpoint
     if name == "shard":
         from xtrain.sharding.annotate import shard
 

@@ -7,6 +7,7 @@ torch meta device can be trained without ever being materialised whole in one pr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -105,3 +106,30 @@ def export(state: Mapping[str, "object"], path: str | os.PathLike) -> Path:
     else:
         raise ValueError(f"export path {path} must end in .safetensors (safetensors) or .pt/.pth/.bin (torch.save)")
     return path
+
+
+@contextlib.contextmanager
+def meta_params():
+    """Builds modules whose parameters live on the meta device (no memory) while buffers keep
+    real values: rotary tables and masks are small, computed in `__init__`, and often not in
+    checkpoints (non-persistent), so a model built wholly under `torch.device("meta")` has none.
+
+        with xtrain.checkpoint.meta_params():
+            model = LlamaForCausalLM(config)
+        step = xtrain.compile(model, mesh, ..., init_from="checkpoint_dir")
+
+    Each parameter exists on the host only while its own module is constructed."""
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original

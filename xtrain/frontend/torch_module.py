@@ -170,8 +170,9 @@ class TorchModel(Model):
             if n in stored:
                 out[n] = stored[n].astype(_np_dtype(named[n].dtype))
             elif named[n].is_meta:
-                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in {source}: "
-                                 "give it a value (e.g. module.to_empty(device='cpu') and reset it) or store it there")
+                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in {source}: build the "
+                                 "model under `with xtrain.checkpoint.meta_params():` (parameters on meta, buffers "
+                                 "real) instead of torch.device('meta'), or store the buffer in the file")
             else:
                 out[n] = _to_numpy(named[n])
         return out
