@@ -10,7 +10,8 @@ Modes:
   run        train --steps steps with a CheckpointManager on CKPT_DIR: resume from the latest
              complete checkpoint, save every --save-every steps, save and exit on SIGTERM;
              --die-rank R --die-after S: on the first attempt (TORCHELASTIC_RESTART_COUNT 0)
-             rank R exits abruptly after step S; --plan fsdp: ZeRO-3 (each process saves its shards)
+             rank R exits abruptly after step S (once that step's checkpoint is committed);
+             --async-save: periodic saves written in the background; --plan fsdp: ZeRO-3 (each process saves its shards)
 Every process builds the same GPT (seed 0) and the same global batches (tests/models.py).
 """
 import argparse
@@ -76,7 +77,7 @@ def killed(args) -> None:
 def run(args) -> None:
     step = build(args.mesh, args.plan)
     manager = CheckpointManager(args.ckpt, CheckpointOptions(keep=2, save_every=args.save_every,
-                                                            sigterm_grace_s=args.grace))
+                                                            sigterm_grace_s=args.grace, async_save=args.async_save))
     resumed = manager.latest()
     extra = manager.restore(step) or {"next_batch": 0}
     manager.stop_on_sigterm()
@@ -88,8 +89,10 @@ def run(args) -> None:
         time.sleep(args.sleep)
         manager.maybe_save(step, extra={"next_batch": i + 1})
         if (rank, i, attempt) == (args.die_rank, args.die_after, 0):
+            manager.wait()  # dies once its (async) checkpoint of this step is committed
             print(f"rank {rank} exits abruptly after step {i}", flush=True)
             os._exit(1)
+    manager.wait()
     write(args.out, step, [losses[i] for i in sorted(losses)], first=min(losses, default=args.steps),
           resumed_from=str(resumed) if resumed else None, processes=jax.process_count())
 
@@ -105,6 +108,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--plan", choices=["ddp", "fsdp"], default="ddp")
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--async-save", action="store_true")
     p.add_argument("--grace", type=float, default=20.0)
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-after", type=int, default=-1)

@@ -1,5 +1,5 @@
 """Restarts: SIGTERM saves a checkpoint and exits cleanly; a real torchrun job
-(`--max-restarts 1`, ZeRO-3 over 2 processes) whose worker dies restarts and resumes from the latest
+(`--max-restarts 1`, ZeRO-3 over 2 processes, async saves) whose worker dies restarts and resumes from the latest
 complete checkpoint."""
 import json
 import signal
@@ -58,7 +58,7 @@ def test_torchrun_restarts_a_dead_worker_and_resumes_from_the_latest_checkpoint(
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
            f"--master_port={free_port_pair()}", str(TESTS / "_ckpt_worker.py"), "run", str(tmp_path / "ckpt"),
-           str(out), "--steps", str(STEPS), "--plan", "fsdp", "--save-every", "1", "--grace", "3", "--die-rank", "1",
+           str(out), "--steps", str(STEPS), "--plan", "fsdp", "--save-every", "1", "--async-save", "--grace", "3", "--die-rank", "1",
            "--die-after", "2"]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=TIMEOUT_S)

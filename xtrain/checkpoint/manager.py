@@ -113,14 +113,17 @@ class CheckpointManager:
 
     def maybe_save(self, step, extra: dict | None = None, *, exit_after_sigterm: bool = True) -> bool:
         """Saves every `save_every` steps, and after a SIGTERM (then exits with status 0 when
-        `exit_after_sigterm`). Call it after each step, with the data position in `extra`."""
+        `exit_after_sigterm`). Call it after each step, with the data position in `extra`.
+        With `async_save` the periodic save is written while training goes on."""
         every = self.options.save_every
         stopping = self._stop_agreed()
         if stopping:
             self._saving.set()  # the watchdog stands down: the step ended, the save may take long
         if stopping or (every and step.step_count % every == 0):
+            self.wait()  # after it every process sees the same committed checkpoints
             if self.path_for(step.step_count) not in self.complete():
                 self.save(step, extra)
+        if stopping:
             self.wait()
         if stopping and exit_after_sigterm:
             if jax.process_index() == 0:
