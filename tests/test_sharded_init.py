@@ -68,6 +68,14 @@ def test_hf_checkpoint_loads_into_a_meta_model_and_trains_like_torch(tmp_path, n
         optimizer.step()
         got = step(*batch)["loss"]
         assert abs(got - loss.item()) <= 1e-5 * loss.item(), (got, loss.item())
+    # and back: the exported weights load with HF's from_pretrained and score like xtrain
+    model.config.save_pretrained(tmp_path / "export")
+    step.export(tmp_path / "export" / "model.safetensors")
+    reloaded = type(model).from_pretrained(tmp_path / "export")
+    with torch.no_grad():
+        want = lm_loss(reloaded.eval(), *lm_batches(seed=9)[0]).item()
+    got = step.eval(*lm_batches(seed=9)[0])["loss"]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
 def test_a_buffer_left_on_the_meta_device_is_named(tmp_path):
