@@ -52,7 +52,7 @@ def _barrier(tag: str) -> None:
     collective, so that it also works from the background thread of an async save)."""
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
+    from jax._src import distributed  # the key-value client has no public name in jax 0.10
 
     distributed.global_state.client.wait_at_barrier(f"xtrain-ckpt-{tag}", BARRIER_TIMEOUT_MS)
 
@@ -157,6 +157,10 @@ def _write(path: Path, arrays: dict, pieces: dict, tensors: dict, meta: dict, ta
 def _commit(path: Path, tmp: Path, meta: dict) -> None:
     tensors, placed = {}, {}
     for p in range(jax.process_count()):
+        if not (tmp / _index_file(p)).exists():
+            raise CheckpointError(
+                f"process {p} wrote {_index_file(p)} into {tmp} but process 0 cannot see it: the checkpoint "
+                "directory must be on a filesystem every process shares (NFS, EFS, FSx for Lustre)")
         index = json.loads((tmp / _index_file(p)).read_text())
         tensors.update(index["tensors"])
         for key, piece in index["pieces"].items():
