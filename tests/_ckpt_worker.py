@@ -7,6 +7,8 @@ Modes:
              state dict (OUT.json + OUT.safetensors)
   killed     train 2 steps and save CKPT_DIR/step_2, then lower this process's file-size limit
              and save again after 2 more steps: the kernel kills the process mid-write (SIGXFSZ)
+  save-loop  train 2 steps, then save that state again and again (step_00000000, step_00000001, ...)
+             until killed: the test stops it, checks that it is mid-save, and kills it
   run        train --steps steps with a CheckpointManager on CKPT_DIR: resume from the latest
              complete checkpoint, save every --save-every steps, save and exit on SIGTERM;
              --die-rank R --die-after S: on the first attempt (TORCHELASTIC_RESTART_COUNT 0)
@@ -15,6 +17,7 @@ Modes:
 Every process builds the same GPT (seed 0) and the same global batches (tests/models.py).
 """
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -74,6 +77,14 @@ def killed(args) -> None:
     print("the save of step 4 was not killed", flush=True)
 
 
+def save_loop(args) -> None:
+    step, batches = build({"data": 8}), token_batches(n=BATCHES)
+    for b in batches[:2]:
+        step(*b)
+    for n in itertools.count():
+        step.save(args.ckpt / f"step_{n:08d}", extra={"next_batch": 2})
+
+
 def run(args) -> None:
     step = build(args.mesh, args.plan)
     manager = CheckpointManager(args.ckpt, CheckpointOptions(keep=2, save_every=args.save_every,
@@ -99,7 +110,7 @@ def run(args) -> None:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["resume", "killed", "run"])
+    p.add_argument("mode", choices=["resume", "killed", "save-loop", "run"])
     p.add_argument("ckpt", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=2)
@@ -114,7 +125,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--die-after", type=int, default=-1)
     args = p.parse_args(argv)
     xtrain.init(cpu_devices=8)
-    {"resume": resume, "killed": killed, "run": run}[args.mode](args)
+    {"resume": resume, "killed": killed, "save-loop": save_loop, "run": run}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,42 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
         read_manifest(tmp_path / "step_00000004")
     _, step = compile_gpt({"data": 8})
     assert manager.restore(step) == {"next_batch": 2} and step.step_count == 2
+
+
+def stop_mid_save(proc: subprocess.Popen, root: Path) -> Path:
+    """Stops `proc` (SIGSTOP) at a moment when a save has started and not committed; returns
+    the partial directory. Running saves back to back, it is mid-save most of the time."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (root / "step_00000001" / "COMMITTED").exists():
+            proc.send_signal(signal.SIGSTOP)
+            partial = [p for p in root.glob("*.partial") if any(p.glob("shards-*"))]
+            if partial:
+                return partial[0]
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    raise AssertionError(f"never caught the saving process mid-save: {proc.communicate()}")
+
+
+def test_a_save_killed_by_the_test_is_rejected_and_the_last_complete_one_loads(saved, tmp_path):
+    cmd = [sys.executable, str(TESTS / "_ckpt_worker.py"), "save-loop", str(tmp_path), str(tmp_path / "unused.json")]
+    proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        partial = stop_mid_save(proc, tmp_path)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.communicate()
+    with pytest.raises(CheckpointError, match=rf"{partial.name} is a partial checkpoint .* missing "):
+        read_manifest(partial)
+    latest = CheckpointManager(tmp_path).latest()
+    assert latest is not None and latest.name < partial.name
+    step = saved[1]
+    step.load(saved[0])
+    expected = step.state_dict()
+    assert step.load(latest) == {"next_batch": 2} and step.step_count == 2
+    got = step.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_async_save_and_keep_last_n(tmp_path):

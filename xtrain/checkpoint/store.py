@@ -203,6 +203,8 @@ def check_complete(path: str | os.PathLike) -> Path:
         hint = f"; an unfinished save of it is at {partial_of(path)}" if partial_of(path).exists() else ""
         raise CheckpointError(f"no checkpoint at {path}{hint}")
     missing = _missing_parts(path)
+    if path.name.endswith(PARTIAL) and not missing:  # the rename to the final name is the commit
+        missing = [f"the rename to {path.name[:-len(PARTIAL)]} that commits it"]
     if missing:
         raise CheckpointError(
             f"{path} is a partial checkpoint (a save that did not finish, e.g. killed mid-write): missing "
