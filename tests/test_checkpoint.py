@@ -236,3 +236,12 @@ def test_a_tensor_the_pieces_do_not_cover_is_named(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"the stored pieces of params/pos.weight cover 256 of the 512 "
                                               r"elements .* the checkpoint is missing part of this tensor"):
         saved[1].load(copy_)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("keep", -1, "CheckpointOptions.keep=-1 must be >= 0"),
+    ("save_every", -5, "CheckpointOptions.save_every=-5 must be >= 0"),
+    ("sigterm_grace_s", 0, "CheckpointOptions.sigterm_grace_s=0 must be > 0")])
+def test_checkpoint_options_name_the_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointOptions(**{field: value})

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
 import jax
 import numpy as np
 
