@@ -146,6 +146,8 @@ class CheckpointManager:
         died never returns to Python, so a watchdog thread (woken through the signal wakeup fd,
         which works while the main thread is blocked) exits the process with status 143 if no
         step ends within `sigterm_grace_s`."""
+        if self._watching:
+            return
         read, write = os.pipe()
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write)
