@@ -3,6 +3,8 @@
     python examples/train_gpt.py                          # 8 emulated CPU devices, one process
     torchrun --nproc_per_node=2 examples/train_gpt.py     # the same script, 2 processes x 4 devices
     python examples/train_gpt.py --profile-steps 5:7      # also a jax.profiler trace of steps 5-7
+    torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir ckpt --save-every 50
+                                                          # resumes from ckpt/ after a restart or SIGTERM
 
 The model (gpt_model.py) is plain PyTorch; xtrain traces it to JAX and compiles one training
 step for the whole mesh. Every process builds the same model (same seed) and passes the same
@@ -47,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", default=None, type=step_range, metavar="A:B",
                    help="trace steps A..B (inclusive) with jax.profiler into --profile-dir")
     p.add_argument("--profile-dir", default="runs/train_gpt/profile", help="where the profiler trace goes")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory: resume from its latest complete "
+                   "checkpoint, save every --save-every steps and on SIGTERM")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (with --ckpt-dir)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (with --ckpt-dir)")
     return p.parse_args(argv)
 
 
@@ -66,15 +72,34 @@ def batches(tokens: np.ndarray, args):
         yield sample_batch(tokens, rng, args.batch, args.seq)
 
 
+def checkpoints(step, loader, args):
+    """With --ckpt-dir: a checkpoint manager, the step and the data position resumed from its
+    latest complete checkpoint."""
+    if args.ckpt_dir is None:
+        return None
+    from xtrain.checkpoint import CheckpointManager, CheckpointOptions
+
+    manager = CheckpointManager(args.ckpt_dir, CheckpointOptions(keep=args.keep, save_every=args.save_every))
+    extra = manager.restore(step)
+    if extra:
+        loader.load_state_dict(extra["data"])
+    manager.stop_on_sigterm()  # saves at the end of the current step, then exits 0
+    return manager
+
+
 def train(step, tokens: np.ndarray, args, show: bool) -> list[dict]:
-    """Runs `args.steps` steps; returns one record per step (loss, step_time_s, tokens_per_s, ...)."""
+    """Runs the steps from `step.step_count` to `args.steps`; returns one record per step
+    (loss, step_time_s, tokens_per_s, ...)."""
     loader = xtrain.Loader(lambda epoch: batches(tokens, args), step=step, prefetch=2)
-    monitor = xtrain.Monitor(step, total_steps=args.steps, metrics=args.metrics or None,
+    manager = checkpoints(step, loader, args)
+    monitor = xtrain.Monitor(step, total_steps=args.steps - step.step_count, metrics=args.metrics or None,
                              tensorboard=args.tensorboard, progress=show,
                              profile_steps=args.profile_steps, profile_dir=args.profile_dir)
-    for _, (x, y) in zip(range(args.steps), loader):
+    for _, (x, y) in zip(range(step.step_count, args.steps), loader):
         with monitor.step(tokens=args.batch * args.seq, lr=args.lr) as rec:
             rec["loss"] = step(x, y)["loss"]  # a python float: the step has finished
+        if manager is not None:
+            manager.maybe_save(step, extra={"data": loader.state_dict()})
     monitor.close()
     return monitor.history
 
@@ -114,6 +139,10 @@ def main(argv=None) -> None:
     if args.emulate:
         report_conformance(step, train_tokens, args, show)
     history = train(step, train_tokens, args, show)
+    if not history:
+        if show:
+            print(f"nothing to train: resumed at step {step.step_count} >= --steps {args.steps}", flush=True)
+        return
     losses, seconds = [r["loss"] for r in history], [r["step_time_s"] for r in history]
     x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
     eval_loss = step.eval(x, y)["loss"]

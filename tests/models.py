@@ -107,3 +107,21 @@ def token_batches(n=5, batch=16, seq=16, vocab=64, seed=3):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
+
+
+class Stack(nn.Module):
+    """A deep stack of wide linear layers (16 x 2048 x 2048, 268 MB in fp32): large enough to
+    see in a process's memory, cheap to run on a small batch."""
+
+    def __init__(self, d=2048, layers=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return (x * x).mean()
+
+
+def stack_batch(batch=8, d=2048, seed=4):
+    return (torch.randn(batch, d, generator=torch.Generator().manual_seed(seed)),)

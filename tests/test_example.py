@@ -3,6 +3,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,14 @@ TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--batch", "16", "--
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def child_env(drop=()) -> dict[str, str]:
+    """A clean environment for the example: no launcher variables, CPU, this checkout first."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + tuple(drop)}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
 def final_line(stdout: str) -> dict[str, float]:
     """{"first_loss": ..., "last_loss": ..., ...} from the example's closing `done: k=v ...` line."""
     lines = [line for line in stdout.splitlines() if line.startswith("done:")]
@@ -22,8 +31,7 @@ def final_line(stdout: str) -> dict[str, float]:
 
 
 def test_train_gpt_runs_and_loss_falls(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env()
     metrics, png = tmp_path / "metrics.jsonl", tmp_path / "train.png"
     proc = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--metrics", str(metrics), "--plot", str(png)],
                           env=env, capture_output=True, text=True, timeout=180)
@@ -41,11 +49,26 @@ def test_train_gpt_runs_and_loss_falls(tmp_path):
 
 
 def test_train_gpt_on_an_emulated_trn1_reports_conformance():
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + ("JAX_NUM_CPU_DEVICES",)}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(drop=("JAX_NUM_CPU_DEVICES",))
     args = ["--steps", "2", "--layers", "1", "--d-model", "32", "--batch", "32", "--seq", "16",
-            "--emulate", "trn1.32xlarge"]
+            "--emulate", "trn1.32xlarge", "--metrics", "", "--plot", ""]
     proc = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "32 cpu devices" in proc.stdout and "conformance (trn1.32xlarge): the program conforms" in proc.stdout
     assert final_line(proc.stdout)["steps"] == 2
+
+
+def test_train_gpt_resumes_from_its_checkpoint_directory(tmp_path):
+    env = child_env()
+    quiet = ["--metrics", "", "--plot", ""]
+    run = lambda *extra: subprocess.run([sys.executable, str(EXAMPLE), *TINY[2:], *quiet, *extra], env=env,
+                                        capture_output=True, text=True, timeout=180)
+    whole = run("--steps", "6", "--ckpt-dir", str(tmp_path), "--save-every", "3")
+    assert whole.returncode == 0, whole.stdout + whole.stderr[-4000:]
+    assert (tmp_path / "step_00000003" / "COMMITTED").exists()
+    shutil.rmtree(tmp_path / "step_00000006")  # as if the job had died after step 5
+    resumed = run("--steps", "6", "--ckpt-dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-4000:]
+    # the resumed run trains steps 3-5 on the same batches (data position restored) to the same loss
+    assert final_line(resumed.stdout)["last_loss"] == final_line(whole.stdout)["last_loss"]
+    assert final_line(resumed.stdout)["first_loss"] != final_line(whole.stdout)["first_loss"]

@@ -6,45 +6,33 @@
 
 Heavy modules (jax, torch, torchax) load on first use, not on import.
 """
+import importlib
+
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans", "shard", "Loader", "ShardedLoader", "Buckets",
-           "Monitor", "observe"]
 
-# lazily imported public names -> their module
-_LAZY = {"Loader": "xtrain.loader", "ShardedLoader": "xtrain.loader", "Buckets": "xtrain.buckets",
-         "Monitor": "xtrain.observe"}
+# lazily imported public names -> (module, attribute; None: the module itself)
+_LAZY = {
+    "compile": ("xtrain.api", "compile"),
+    "GradSync": ("xtrain.lowering.explicit.gradient_sync", "GradSync"),
+    "init": ("xtrain.runtime.devices", "init"),
+    "shard": ("xtrain.sharding.annotate", "shard"),
+    "plans": ("xtrain.plans", None),
+    "checkpoint": ("xtrain.checkpoint", None),
+    "observe": ("xtrain.observe", None),
+    "Loader": ("xtrain.loader", "Loader"),
+    "ShardedLoader": ("xtrain.loader", "ShardedLoader"),
+    "Buckets": ("xtrain.buckets", "Buckets"),
+    "Monitor": ("xtrain.observe", "Monitor"),
+}
+__all__ = ["Mesh", "Plan", *_LAZY]
 
 
 def __getattr__(name):
-    if name == "compile":
-        from xtrain.api import compile
-
-        return compile
-    if name == "GradSync":
-        from xtrain.lowering.explicit.gradient_sync import GradSync
-
-        return GradSync
-    if name == "plans":
-        import xtrain.plans
-
-        return xtrain.plans
-    if name == "shard":
-        from xtrain.sharding.annotate import shard
-
-        return shard
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "observe":
-        import xtrain.observe
-
-        return xtrain.observe
-    if name == "init":
-        from xtrain.runtime.devices import init
-
-        return init
-    raise AttributeError(f"module 'xtrain' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'xtrain' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    loaded = importlib.import_module(module)
+    return loaded if attribute is None else getattr(loaded, attribute)

@@ -36,7 +36,7 @@ def _jax_model(fn, params, optimizer):
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
             lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
-            zero3_regather: bool | None = None):
+            zero3_regather: bool | None = None, init_from: str | None = None):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -57,6 +57,10 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         zero3_regather: ZeRO-3 gathers each weight again in the backward pass instead of keeping
             it from the forward pass (default: on, except on CPU where XLA's runtime deadlocks
             on it inside the layer scan).
+        init_from: initial parameters from a safetensors file (or an HF `*.index.json` / a
+            directory of them), under the module's own names, read shard by shard: each process
+            reads only the regions its devices hold, so the model may be built on the meta
+            device (`with torch.device("meta"): model = ...`) and never exist whole in memory.
         scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
             (explicit lowering); compile time then stays flat in depth.
 
@@ -80,4 +84,4 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
     return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
                      lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
-                     zero3_regather=zero3_regather)
+                     zero3_regather=zero3_regather, init_from=init_from)

@@ -45,18 +45,22 @@ class TrainStep:
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
                  lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True,
-                 zero3_regather: bool | None = None):
+                 zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None):
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
         self.lowering = lowering
         mesh_axes = dict(mesh.shape)
-        params = model.initial_params()
-        shapes = {n: p.shape for n, p in params.items()}
+        abstract = model.param_shapes()
+        shapes = {n: p.shape for n, p in abstract.items()}
         self.batch_spec = plan.batch_spec(mesh_axes)
         data_axes = tuple(a for e in self.batch_spec for a in _axes_of(e))
         self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
             shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
         named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
-        state = self._initial_state(params, optimized, seed)
+        if init_from is None:
+            params, buffers = model.initial_params(), model.initial_buffers()
+        else:  # sharded init: each process reads only its devices' regions of the file
+            params, buffers = self._load_initial(init_from, abstract, named(self.param_specs))
+        state = self._initial_state(params, buffers, optimized, seed)
         self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
@@ -69,12 +73,21 @@ class TrainStep:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None
 
-    def _initial_state(self, params: dict, optimized: set[str], seed: int) -> TrainState:
+    def _load_initial(self, source, abstract: dict, shardings: dict) -> tuple[dict, dict]:
+        from xtrain import checkpoint
+
+        aliases: dict[str, list[str]] = {}
+        for alias, name in getattr(self.model, "param_aliases", {}).items():
+            aliases.setdefault(name, []).append(alias)
+        params = checkpoint.load_sharded(source, abstract, shardings, aliases)
+        return params, self.model.initial_buffers(source)
+
+    def _initial_state(self, params: dict, buffers: dict, optimized: set[str], seed: int) -> TrainState:
         opt_params = {n: v for n, v in params.items() if n in optimized}
         return TrainState(
             params=opt_params,
             frozen={n: v for n, v in params.items() if n not in optimized},
-            buffers=self.model.initial_buffers(),
+            buffers=buffers,
             opt_state=jax.jit(self.tx.init)(opt_params),
             step=np.int32(0),
             key=jax.random.key_data(jax.random.key(seed)),
@@ -120,6 +133,46 @@ class TrainStep:
         buffers = {n: _to_host(v) for n, v in self.state.buffers.items()}
         out = self.model.export_state(params, buffers)
         return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
+
+    # -- checkpoints (xtrain.checkpoint) -------------------------------------------------------
+    def save(self, path: str | os.PathLike, extra: dict | None = None, *, blocking: bool = True):
+        """Saves the whole training state (parameters, frozen parameters, buffers, optimizer
+        state, step count, RNG key: every field of the TrainState) to the directory `path`.
+        Every process calls it and writes only its own shards. The save is atomic: `path`
+        appears only once every process has finished.
+
+        Args:
+            extra: JSON-serialisable data stored alongside (e.g. the data position); `load`
+                returns it.
+            blocking: False copies the state to host now and writes it in a background thread;
+                call `.wait()` on the returned handle (or save again) before relying on it.
+
+        Returns:
+            An `xtrain.checkpoint.SaveHandle`; `.wait()` returns the committed path.
+        """
+        from xtrain import checkpoint
+
+        return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking)
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
+        under logical names and global shapes and are resharded on load: each process reads
+        only the regions its devices hold). Returns the `extra` dict saved with it."""
+        from xtrain import checkpoint
+        from xtrain.checkpoint.layout import rebuild
+
+        values, manifest = checkpoint.restore(path, self.state)
+        self.state = rebuild(self.state, values)
+        return manifest["extra"]
+
+    def export(self, path: str | os.PathLike):
+        """Writes `state_dict()` (full tensors under the torch module's own names) to `path`:
+        `.safetensors`, or `.pt`/`.pth`/`.bin` for torch.save. Every process calls it (the
+        tensors are gathered); process 0 writes. Loads with `module.load_state_dict` or, written
+        as `model.safetensors` next to an HF config, with `from_pretrained`."""
+        from xtrain import checkpoint
+
+        return checkpoint.export(self.state_dict(), path)
 
     # -- explanation -----------------------------------------------------------------------
     def _shapes(self, batch: tuple) -> tuple:

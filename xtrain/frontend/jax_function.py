@@ -27,7 +27,7 @@ class JaxModel(Model):
     def initial_params(self) -> dict[str, np.ndarray]:
         return dict(self._initial)
 
-    def initial_buffers(self) -> dict[str, np.ndarray]:
+    def initial_buffers(self, source=None) -> dict[str, np.ndarray]:
         return {}
 
     def trainable(self) -> dict[str, bool]:

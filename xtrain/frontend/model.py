@@ -26,8 +26,15 @@ class Model(abc.ABC):
         """Initial value of every unique parameter, trainable or frozen."""
 
     @abc.abstractmethod
-    def initial_buffers(self) -> dict[str, np.ndarray]:
-        """Initial value of every buffer (empty for JAX functions)."""
+    def initial_buffers(self, source: Any = None) -> dict[str, np.ndarray]:
+        """Initial value of every buffer (empty for JAX functions); `source`: a safetensors
+        file that may hold them (sharded init, where the model itself holds no values)."""
+
+    def param_shapes(self) -> dict[str, Any]:
+        """Global shape and dtype (jax.ShapeDtypeStruct) of every parameter, without values."""
+        import jax
+
+        return {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self.initial_params().items()}
 
     @abc.abstractmethod
     def trainable(self) -> dict[str, bool]:

@@ -48,6 +48,21 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype == torch.bfloat16:
+        return np.dtype(jax.numpy.bfloat16)
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _stored_buffers(source, names: list[str]) -> dict[str, np.ndarray]:
+    """Buffers (small: replicated) that a safetensors checkpoint holds."""
+    from xtrain.checkpoint.layout import read_slice
+    from xtrain.checkpoint.pretrained import tensor_locations
+
+    where = tensor_locations(source)
+    return {n: read_slice(str(where[n][0]), n, ()) for n in names if n in where}
+
+
 class _ModuleScopes:
     """Forward hooks that open a jax.named_scope per torch module, so every traced equation
     carries the module path it came from, and keep the current path for error messages."""
@@ -140,9 +155,27 @@ class TorchModel(Model):
         named = dict(self.module.named_parameters())
         return {n: _to_numpy(named[n]) for n in self.param_names}
 
-    def initial_buffers(self) -> dict[str, np.ndarray]:
+    def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        # from shapes alone: works for a module built on the meta device
+        named = dict(self.module.named_parameters())
+        return {n: jax.ShapeDtypeStruct(tuple(named[n].shape), _np_dtype(named[n].dtype)) for n in self.param_names}
+
+    def initial_buffers(self, source=None) -> dict[str, np.ndarray]:
+        """The module's buffers; with `source` (a safetensors file, for sharded init) those
+        stored there are read from it, and a buffer left on the meta device is an error."""
         named = dict(self.module.named_buffers())
-        return {n: _to_numpy(named[n]) for n in self.buffer_names}
+        stored = _stored_buffers(source, self.buffer_names) if source is not None else {}
+        out = {}
+        for n in self.buffer_names:
+            if n in stored:
+                out[n] = stored[n].astype(_np_dtype(named[n].dtype))
+            elif named[n].is_meta:
+                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in {source}: build the "
+                                 "model under `with xtrain.checkpoint.meta_params():` (parameters on meta, buffers "
+                                 "real) instead of torch.device('meta'), or store the buffer in the file")
+            else:
+                out[n] = _to_numpy(named[n])
+        return out
 
     def trainable(self) -> dict[str, bool]:
         return {n: n not in self._frozen for n in self.param_names}

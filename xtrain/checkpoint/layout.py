@@ -1,0 +1,108 @@
+"""Logical names and regions: how a sharded array maps onto checkpoint files and back.
+
+Every array is stored under a logical name (its key path in the TrainState) with its global
+shape; each stored piece records the region (start/stop per dimension) of the global array it
+holds. A checkpoint is therefore independent of the mesh and plan it was written under: a
+reader assembles any region it needs from the pieces that overlap it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the global array
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or does not fit the step loading it."""
+
+
+def _entry_name(entry: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    raise TypeError(f"unexpected pytree key {entry!r}")
+
+
+def leaf_name(path: Sequence[Any]) -> str:
+    """'opt_state/0/mu/blocks.0.attn.q.weight': stable across meshes, plans and processes."""
+    return "/".join(_entry_name(e) for e in path)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """{logical name: leaf} of a pytree (a TrainState, or any nested dict of arrays)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {leaf_name(path): leaf for path, leaf in flat}
+
+
+def rebuild(tree: Any, values: dict[str, Any]) -> Any:
+    """`tree` with each leaf replaced by `values[its logical name]`."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [values[leaf_name(p)] for p, _ in flat])
+
+
+def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    """A device's index (slices, possibly open) as explicit (start, stop) pairs."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index):])
+
+
+def _overlap(a: Region, b: Region) -> Region | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out  # a scalar's () always overlaps
+
+
+def _size(region: Region) -> int:
+    return int(np.prod([hi - lo for lo, hi in region], dtype=np.int64))
+
+
+def read_slice(file: str, key: str, region: Region) -> np.ndarray:
+    """Reads only `region` of tensor `key` from a safetensors file. The file is opened per read,
+    so at most one region of it is mapped at a time (host memory stays bounded)."""
+    with safe_open(file, framework="np") as f:
+        if not region:
+            return np.asarray(f.get_tensor(key))
+        return np.asarray(f.get_slice(key)[tuple(slice(lo, hi) for lo, hi in region)])
+
+
+def assemble(name: str, want: Region, dtype: np.dtype, pieces: Iterable[dict],
+             read: Callable[[dict, Region], np.ndarray]) -> np.ndarray:
+    """The `want` region of tensor `name` from the stored pieces overlapping it.
+
+    Each piece is {"region": [[start, stop], ...], ...}; `read(piece, local_region)` returns the
+    part of that piece at `local_region` (relative to the piece's own origin)."""
+    out = np.empty([hi - lo for lo, hi in want], dtype=dtype)
+    filled = 0
+    for piece in pieces:
+        have = tuple(tuple(r) for r in piece["region"])
+        both = _overlap(want, have)
+        if both is None:
+            continue
+        local = tuple((lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(both, have))
+        dest = tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(both, want))
+        out[dest] = read(piece, local)
+        filled += _size(both)
+    if filled != _size(want):
+        raise CheckpointError(f"the stored pieces of {name} cover {filled} of the {_size(want)} elements of "
+                              f"region {want}: the checkpoint is missing part of this tensor")
+    return out
+
+
+def make_array(name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+               read_region: Callable[[Region], np.ndarray]) -> jax.Array:
+    """A global array on `sharding` whose local shards are read region by region (each distinct
+    region once, even when devices hold replicas)."""
+    cache: dict[Region, np.ndarray] = {}
+
+    def shard(index):
+        region = region_of(index, shape)
+        if region not in cache:
+            cache[region] = read_region(region)
+        return cache[region]
+
+    try:
+        return jax.make_array_from_callback(shape, sharding, shard)
+    finally:
+        cache.clear()

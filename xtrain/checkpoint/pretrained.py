@@ -1,0 +1,135 @@
+"""Plain state dicts: export a step's weights under the module's own names, and load an
+HF-style safetensors checkpoint straight into the shards each process holds (sharded init).
+
+Sharded loading never builds a whole tensor on the host: for each parameter, every process
+reads only the regions its devices hold (`safe_open(...).get_slice`), so a model built on the
+torch meta device can be trained without ever being materialised whole in one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from xtrain.checkpoint.layout import CheckpointError, make_array, read_slice
+
+INDEX_SUFFIX = ".index.json"  # HF's sharded checkpoints: model.safetensors.index.json
+
+
+def _files(source: str | os.PathLike) -> list[Path]:
+    """The safetensors files of `source`: a file, an HF index file, or a directory with either."""
+    source = Path(source)
+    if source.is_dir():
+        index = sorted(source.glob(f"*.safetensors{INDEX_SUFFIX}"))
+        found = index or sorted(source.glob("*.safetensors"))
+        if not found:
+            raise FileNotFoundError(f"no *.safetensors file in {source}")
+        return _files(found[0]) if index else found
+    if source.name.endswith(INDEX_SUFFIX):
+        shards = sorted(set(json.loads(source.read_text())["weight_map"].values()))
+        return [source.parent / s for s in shards]
+    if not source.exists():
+        raise FileNotFoundError(f"no safetensors file at {source}")
+    return [source]
+
+
+def tensor_locations(source: str | os.PathLike) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """{tensor name: (file, shape, safetensors dtype)} from the files' headers only."""
+    out = {}
+    for file in _files(source):
+        with safe_open(str(file), framework="np") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                out[key] = (file, tuple(piece.get_shape()), piece.get_dtype())
+    return out
+
+
+def _find(name: str, aliases: list[str], where: dict, source) -> str:
+    for candidate in (name, *aliases):
+        if candidate in where:
+            return candidate
+    raise CheckpointError(f"{source} has no tensor {name!r}{f' (nor its tied names {aliases})' if aliases else ''}; "
+                          f"it has {len(where)} tensors, e.g. {sorted(where)[:6]}")
+
+
+def load_sharded(source: str | os.PathLike, shapes: Mapping[str, jax.ShapeDtypeStruct],
+                 shardings: Mapping[str, jax.sharding.Sharding],
+                 aliases: Mapping[str, list[str]] | None = None) -> dict[str, jax.Array]:
+    """Each named tensor of `source` placed on its sharding, read region by region.
+
+    Args:
+        source: a .safetensors file, an HF `*.safetensors.index.json`, or a directory of them.
+        shapes: the expected global shape and dtype per name (e.g. from a meta-device module).
+        shardings: where each tensor goes.
+        aliases: other names a tensor may be stored under (tied weights saved once).
+    """
+    where = tensor_locations(source)
+    out = {}
+    for name, want in shapes.items():
+        key = _find(name, list((aliases or {}).get(name, [])), where, source)
+        file, shape, _ = where[key]
+        if shape != tuple(want.shape):
+            raise CheckpointError(f"{file}: tensor {key!r} has shape {list(shape)} but the model's {name} has "
+                                  f"{list(want.shape)}")
+        out[name] = make_array(name, shape, jnp.dtype(want.dtype), shardings[name],
+                               _region_reader(file, key, jnp.dtype(want.dtype)))
+    return out
+
+
+def _region_reader(file: Path, key: str, dtype: np.dtype):
+    return lambda region: read_slice(str(file), key, region).astype(dtype, copy=False)
+
+
+def export(state: Mapping[str, "object"], path: str | os.PathLike) -> Path:
+    """Writes a full torch state dict (name -> tensor) as `.safetensors` or a torch file
+    (`.pt`/`.pth`/`.bin`), from process 0 only."""
+    import torch
+
+    path = Path(path)
+    if jax.process_index() != 0:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    elif path.suffix in (".pt", ".pth", ".bin"):
+        torch.save(tensors, path)
+    else:
+        raise ValueError(f"export path {path} must end in .safetensors (safetensors) or .pt/.pth/.bin (torch.save)")
+    return path
+
+
+@contextlib.contextmanager
+def meta_params():
+    """Builds modules whose parameters live on the meta device (no memory) while buffers keep
+    real values: rotary tables and masks are small, computed in `__init__`, and often not in
+    checkpoints (non-persistent), so a model built wholly under `torch.device("meta")` has none.
+
+        with xtrain.checkpoint.meta_params():
+            model = LlamaForCausalLM(config)
+        step = xtrain.compile(model, mesh, ..., init_from="checkpoint_dir")
+
+    Each parameter exists on the host only while its own module is constructed."""
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original

@@ -1,0 +1,254 @@
+"""The on-disk checkpoint: write (atomic, every process its own shards) and read (any layout).
+
+    <path>/manifest.json            tensors (logical name -> shape, dtype, stored pieces), step, extra
+    <path>/shards-00000.safetensors  the pieces process 0 holds (one per distinct shard)
+    <path>/index-00000.json         what process 0 wrote (written after its shards are on disk)
+    <path>/COMMITTED                written last: the checkpoint is complete
+    <path>/begin.json               written first: how many processes write (names what is missing)
+
+A save writes into `<path>.partial`, waits for every process, and only then process 0 writes
+the manifest and the marker and renames the directory to `<path>`. A crash at any point leaves
+at most a `.partial` directory, which loading rejects.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, named_leaves, read_slice, region_of
+
+FORMAT = "xtrain-checkpoint"
+VERSION = 1
+MANIFEST, MARKER, PARTIAL, BEGIN = "manifest.json", "COMMITTED", ".partial", "begin.json"
+BARRIER_TIMEOUT_MS = 30 * 60 * 1000  # a slow filesystem may take long; a dead peer fails the job sooner
+_barriers = itertools.count()
+
+
+def _shard_file(process: int) -> str:
+    return f"shards-{process:05d}.safetensors"
+
+
+def _index_file(process: int) -> str:
+    return f"index-{process:05d}.json"
+
+
+def partial_of(path: Path) -> Path:
+    return path.with_name(path.name + PARTIAL)
+
+
+# -- processes -------------------------------------------------------------------------------
+def _barrier(tag: str) -> None:
+    """Waits for every process (through the jax.distributed key-value service, not a device
+    collective, so that it also works from the background thread of an async save)."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the key-value client has no public name in jax 0.10
+
+    distributed.global_state.client.wait_at_barrier(f"xtrain-ckpt-{tag}", BARRIER_TIMEOUT_MS)
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- writing ---------------------------------------------------------------------------------
+def host_pieces(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, dict]]:
+    """Host copies of this process's pieces: one per distinct shard (replica 0 only), so each
+    element is written once in the whole job. Returns (arrays by key, piece index, tensor info)."""
+    arrays, pieces, tensors = {}, {}, {}
+    for name, leaf in named_leaves(tree).items():
+        leaf = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+        tensors[name] = {"shape": list(leaf.shape), "dtype": jnp.dtype(leaf.dtype).name}
+        for k, shard in enumerate(leaf.addressable_shards):
+            if shard.replica_id != 0:
+                continue
+            key = f"{name}#{k}"
+            # a copy: the step donates its state, so the device buffer is reused by the next step
+            arrays[key] = np.array(shard.data, copy=True)
+            pieces[key] = {"tensor": name, "region": [list(r) for r in region_of(shard.index, leaf.shape)]}
+    return arrays, pieces, tensors
+
+
+class SaveHandle:
+    """A save in progress (async) or done. `wait()` returns the committed path or raises."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None):
+        self.path, self._thread, self.error = path, thread, None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = None,
+         blocking: bool = True) -> SaveHandle:
+    """Writes `tree` (a TrainState) to `path` atomically; every process must call it.
+
+    The device-to-host copies happen now; with `blocking=False` the files are written by a
+    background thread (`handle.wait()` joins it)."""
+    path = Path(path).absolute()
+    try:
+        meta = json.dumps({"step": int(step), "extra": extra or {}})
+    except TypeError as err:
+        raise ValueError(f"checkpoint extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from None
+    arrays, pieces, tensors = host_pieces(tree)
+    tag = f"{next(_barriers)}-{path}"
+    handle = SaveHandle(path)
+    job = lambda: _write(path, arrays, pieces, tensors, json.loads(meta), tag)
+    if blocking:
+        job()
+        return handle
+
+    def run():
+        try:
+            job()
+        except BaseException as err:  # surfaced by wait()
+            handle.error = err
+
+    handle._thread = threading.Thread(target=run, name=f"xtrain-save-{path.name}", daemon=False)
+    handle._thread.start()
+    return handle
+
+
+def _write(path: Path, arrays: dict, pieces: dict, tensors: dict, meta: dict, tag: str) -> None:
+    me, tmp = jax.process_index(), partial_of(path)
+    if me == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _fsync_write(tmp / BEGIN, json.dumps({"processes": jax.process_count(), "step": meta["step"]}))
+    _barrier(f"{tag}-begin")
+    save_file(arrays, str(tmp / _shard_file(me)))
+    with open(tmp / _shard_file(me), "rb+") as f:
+        os.fsync(f.fileno())
+    _fsync_write(tmp / _index_file(me), json.dumps({"pieces": pieces, "tensors": tensors}))
+    _barrier(f"{tag}-written")
+    if me == 0:
+        _commit(path, tmp, meta)
+    _barrier(f"{tag}-committed")
+
+
+def _commit(path: Path, tmp: Path, meta: dict) -> None:
+    tensors, placed = {}, {}
+    for p in range(jax.process_count()):
+        if not (tmp / _index_file(p)).exists():
+            raise CheckpointError(
+                f"process {p} wrote {_index_file(p)} into {tmp} but process 0 cannot see it: the checkpoint "
+                "directory must be on a filesystem every process shares (NFS, EFS, FSx for Lustre)")
+        index = json.loads((tmp / _index_file(p)).read_text())
+        tensors.update(index["tensors"])
+        for key, piece in index["pieces"].items():
+            placed.setdefault(piece["tensor"], []).append({"file": _shard_file(p), "key": key,
+                                                           "region": piece["region"]})
+    for name, info in tensors.items():
+        info["pieces"] = placed.get(name, [])
+    manifest = {"format": FORMAT, "version": VERSION, "processes": jax.process_count(), **meta,
+                "tensors": tensors}
+    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    _fsync_write(tmp / MARKER, "")
+    _fsync_dir(tmp)
+    if path.exists():  # replacing a checkpoint of the same name: keep one complete copy at all times
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+    _fsync_dir(path.parent)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def _missing_parts(path: Path) -> list[str]:
+    if not (path / BEGIN).exists():
+        return [f"{BEGIN} (not written by xtrain, or the save died at once)"]
+    missing = []
+    for p in range(json.loads((path / BEGIN).read_text())["processes"]):
+        lacking = [f for f in (_shard_file(p), _index_file(p)) if not (path / f).exists()]
+        if lacking:
+            missing.append(f"{' and '.join(lacking)} (process {p} did not finish writing its shards)")
+    return missing + [n for n in (MANIFEST, MARKER) if not (path / n).exists()]
+
+
+def check_complete(path: str | os.PathLike) -> Path:
+    """`path` as a Path if it holds a complete checkpoint, else a CheckpointError saying why."""
+    path = Path(path)
+    if not path.is_dir():
+        hint = f"; an unfinished save of it is at {partial_of(path)}" if partial_of(path).exists() else ""
+        raise CheckpointError(f"no checkpoint at {path}{hint}")
+    missing = _missing_parts(path)
+    if path.name.endswith(PARTIAL) and not missing:  # the rename to the final name is the commit
+        missing = [f"the rename to {path.name[:-len(PARTIAL)]} that commits it"]
+    if missing:
+        raise CheckpointError(
+            f"{path} is a partial checkpoint (a save that did not finish, e.g. killed mid-write): missing "
+            f"{'; '.join(missing)}. Load the previous complete checkpoint instead "
+            "(CheckpointManager.latest() finds it)")
+    return path
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    path = check_complete(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST} is not an xtrain checkpoint manifest (format {manifest.get('format')!r})")
+    return manifest
+
+
+def _check_fits(path: Path, manifest: dict, target: dict[str, Any]) -> None:
+    saved = manifest["tensors"]
+    missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not hold this step's state: missing {missing[:8]}, unexpected "
+            f"{unexpected[:8]} (saved from a different model or optimizer?)")
+    for name, leaf in target.items():
+        shape, dtype = list(saved[name]["shape"]), saved[name]["dtype"]
+        if shape != list(leaf.shape) or dtype != jnp.dtype(leaf.dtype).name:
+            raise CheckpointError(f"checkpoint {path}: {name} was saved as {dtype}{shape} but this step "
+                                  f"holds {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
+
+
+def restore(path: str | os.PathLike, target: Any) -> tuple[dict[str, jax.Array], dict]:
+    """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
+    mesh and plan). Each process reads only the regions its devices hold. Returns
+    ({logical name: array}, manifest)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    leaves = named_leaves(target)
+    _check_fits(path, manifest, leaves)
+    return {name: _read_tensor(path, name, manifest["tensors"][name], leaf.sharding)
+            for name, leaf in leaves.items()}, manifest
+
+
+def _read_tensor(path: Path, name: str, info: dict, sharding: jax.sharding.Sharding) -> jax.Array:
+    dtype = jnp.dtype(info["dtype"])
+    read_piece = lambda piece, local: read_slice(str(path / piece["file"]), piece["key"], local)
+    read_region = lambda want: assemble(name, want, dtype, info["pieces"], read_piece)
+    return make_array(name, tuple(info["shape"]), dtype, sharding, read_region)
