@@ -10,7 +10,11 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import data
+from xtrain import data, precision, recompile
+from xtrain.lowering import accumulation, nan_check
+from xtrain.lowering.grad_transforms import GradTransforms
+from xtrain.optim import LearningRates
+from xtrain.step_options import StepOptions
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
@@ -45,9 +49,13 @@ class TrainStep:
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
                  lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True,
-                 zero3_regather: bool | None = None):
+                 zero3_regather: bool | None = None, options: StepOptions = StepOptions(),
+                 learning_rates: LearningRates | None = None):
+        model = precision.apply_policy(model, plan.precision)
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
-        self.lowering = lowering
+        self.lowering, self.options, self.learning_rates = lowering, options, learning_rates
+        grad_tx = GradTransforms(options.clip_grad_norm, learning_rates.groups if learning_rates else None,
+                                 options.detect_nan, plan.precision.loss_scale)
         mesh_axes = dict(mesh.shape)
         params = model.initial_params()
         shapes = {n: p.shape for n, p in params.items()}
@@ -62,12 +70,15 @@ class TrainStep:
         self.state: TrainState = jax.device_put(state, self.shardings)
         if lowering == "explicit":
             self._train, self._eval, self._program = explicit_step.build(
-                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
+                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
+                grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=_regather_default() if zero3_regather is None else zero3_regather)
+                regather=_regather_default() if zero3_regather is None else zero3_regather,
+                options=options, grad_tx=grad_tx)
         else:
-            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
+            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
+        self._compiled_for: recompile.Signature | None = None
 
     def _initial_state(self, params: dict, optimized: set[str], seed: int) -> TrainState:
         opt_params = {n: v for n, v in params.items() if n in optimized}
@@ -78,23 +89,63 @@ class TrainStep:
             opt_state=jax.jit(self.tx.init)(opt_params),
             step=np.int32(0),
             key=jax.random.key_data(jax.random.key(seed)),
+            loss_scale=precision.initial_state(self.plan.precision),
         )
 
     # -- running ---------------------------------------------------------------------------
     def _place(self, batch: tuple) -> tuple:
         return data.shard_batch(batch, self.mesh, self.batch_spec)
 
+    def _data_size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in _axes_of(self.batch_spec[0])])) if self.batch_spec else 1
+
+    def _lrs(self) -> np.ndarray:
+        """The current lr of every param group (a torch scheduler may have changed them)."""
+        return self.learning_rates.current() if self.learning_rates else np.zeros((0,), np.float32)
+
     def __call__(self, *batch: Any) -> dict[str, float]:
-        """Runs one optimizer step on a global batch; returns {"loss": float}.
+        """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
+        (before clipping) when clipping, and "skipped" / "loss_scale" under fp16.
 
         Under XTRAIN_REPORT_ONLY=1 (`xtrain report script.py`) the first call prints the
         step's report instead and exits the process (status 0) without training."""
         if os.environ.get(REPORT_ONLY, "") not in ("", "0"):
             self._report_and_exit(batch)
+        accumulation.check_divisible(batch, self.options.accumulate, self._data_size())
         placed = self._place(batch)
+        self._guard(placed)
         self._last_batch = placed
-        self.state, loss = self._train(self.state, placed)
-        return {"loss": float(loss)}
+        before = self._nan_evidence(placed)
+        self.state, out = self._train(self.state, placed, self._lrs())
+        if self.learning_rates:
+            self.learning_rates.mark_stepped()
+        out = {k: (bool(v) if k == "skipped" else float(v)) for k, v in out.items()}
+        if self.options.detect_nan and out.get("skipped"):
+            self._raise_nonfinite(out, before)
+        return out
+
+    def _guard(self, placed: tuple) -> None:
+        now = recompile.signature(placed)
+        if self._compiled_for is not None and not self.options.allow_recompile:
+            recompile.check(self._compiled_for, now)
+        self._compiled_for = self._compiled_for or now
+
+    def _nan_evidence(self, placed: tuple):
+        """detect_nan: what the forward reads this step (the state is donated to the step)."""
+        if not self.options.detect_nan:
+            return None
+        copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
+        key = jax.random.fold_in(self.state.key, self.state.step)
+        return copy({**self.state.params, **self.state.frozen}), copy(self.state.buffers), key, placed
+
+    def _raise_nonfinite(self, out: dict, evidence) -> None:
+        bad = nan_check.first_nonfinite(self.model, *evidence)
+        where = ("every forward tensor is finite; the backward pass produced the non-finite gradient"
+                 if bad is None else f"first non-finite tensor: output of {bad.primitive} (shape {bad.shape}) in "
+                 f"module {bad.module or '<top level>'!r}")
+        raise FloatingPointError(
+            f"step {self.step_count}: loss {out['loss']}, gradient norm {out.get('grad_norm')}; {where}. The update "
+            "was skipped: parameters and optimizer state are those before this step")
 
     def _report_and_exit(self, batch: tuple) -> None:
         text = str(self.report(*batch))
@@ -131,12 +182,12 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch))
+        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch), self._lrs())
 
     def compiled(self, *batch: Any):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
         last batch trained on. `.as_text()` gives the optimized HLO."""
-        return self._train.lower(self.state, self._shapes(batch)).compile()
+        return self._train.lower(self.state, self._shapes(batch), self._lrs()).compile()
 
     def report(self, *batch: Any) -> report_mod.Report:
         """Collectives and per-device memory of the compiled training step, for `batch`'s

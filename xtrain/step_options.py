@@ -1,0 +1,54 @@
+"""Options of the training step beyond the plan: clipping, accumulation, activation
+checkpointing, NaN detection and the recompilation guard (`xtrain.compile(..., **options)`)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Remat(enum.Enum):
+    """Activation checkpointing of each layer of the layer scan (explicit lowering).
+
+    off    keep every activation of the forward pass for the backward pass.
+    full   keep only each layer's input; recompute the layer in the backward pass.
+    dots   keep matmul outputs, recompute the rest (norms, activations, softmax).
+    """
+
+    OFF = "off"
+    FULL = "full"
+    DOTS = "dots"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How `step(*batch)` trains on one global batch.
+
+    Attributes:
+        clip_grad_norm: clip the global gradient norm to this value (torch's clip_grad_norm_
+            rule, across every shard); None: no clipping. The pre-clip norm is returned as
+            out["grad_norm"].
+        accumulate: micro-batches per optimizer step: the global batch is split into this many
+            (the mean of their losses and gradients is the large batch's; see
+            xtrain.lowering.accumulation for what that assumes).
+        remat: activation checkpointing per layer of the layer scan: "off", "full" or "dots".
+        detect_nan: check every step's loss and gradient norm; on a non-finite one, skip the
+            update and raise FloatingPointError naming the first module whose output is not finite.
+        allow_recompile: let a batch of another shape or dtype compile a new step; by default it
+            is an error naming the input that changed.
+    """
+
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
+    remat: Remat | str = Remat.OFF
+    detect_nan: bool = False
+    allow_recompile: bool = False
+
+    def __post_init__(self):
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive number or None")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate={self.accumulate!r} must be an integer >= 1 (micro-batches per step)")
+        try:
+            object.__setattr__(self, "remat", Remat(self.remat))
+        except ValueError:
+            raise ValueError(f"remat={self.remat!r} must be one of {[r.value for r in Remat]}") from None
