@@ -154,8 +154,8 @@ def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
         ins = [_cast(x, policy.dtype) for x in ins]
     else:
         ins = [_cast(x, v.aval.dtype) for x, v in zip(ins, eqn.invars)]
-    subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*subfuns, *ins, **params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return out if eqn.primitive.multiple_results else [out]
 
 

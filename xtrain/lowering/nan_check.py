@@ -41,8 +41,8 @@ def _walk(jaxpr, consts, args, paths, outer, found: list) -> list:
             closed = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
             outs = _walk(closed.jaxpr, closed.consts, ins, paths, path, found)
         else:
-            subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
             for out in outs:
                 if jnp.issubdtype(out.dtype, jnp.floating):
