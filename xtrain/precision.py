@@ -1,9 +1,10 @@
 """Mixed precision: the compute policy of a Plan, and fp16's dynamic loss scale.
 
     fp32   everything in float32.
-    bf16   matrix multiplications and convolutions take bfloat16 operands (accumulating in
-           float32, as torch.autocast does on GPUs); elementwise ops, norms, softmax and the
-           loss stay float32; gradients cross the wire in bfloat16 (explicit lowering).
+    bf16   matrix multiplications and convolutions run in bfloat16, forward and backward
+           (operands and product; the backend accumulates in float32), as under torch.autocast;
+           elementwise ops, norms, softmax and the loss see float32 (the products are cast
+           back); gradients cross the wire in bfloat16 (explicit lowering).
            Parameters and optimizer state (the master copy) stay float32.
     fp16   as bf16 with float16, plus a dynamic loss scale: the loss is multiplied by the
            scale before differentiation and the gradients divided by it; a step whose
@@ -141,7 +142,7 @@ def _eval(jaxpr, consts, args, policy: Precision, paths: frozenset, outer: str) 
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
             outs = _bind(eqn, ins, policy, paths, path)
         env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jax.extend.core.DropVar))
-    return [read(v) for v in jaxpr.outvars]
+    return [_cast(read(v), v.aval.dtype) for v in jaxpr.outvars]
 
 
 def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
@@ -150,12 +151,16 @@ def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
         closed = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
         ins = [_cast(x, v.aval.dtype) for x, v in zip(ins, closed.jaxpr.invars)]
         return _eval(closed.jaxpr, closed.consts, ins, policy, paths, path)
+    params = eqn.primitive.get_bind_params(eqn.params)
     if name in _MATMULS and not policy.keeps_fp32(path):
+        # the product in the compute dtype too (its consumers cast it back): then the
+        # backward matmuls, fed its cotangent, also run in the compute dtype
         ins = [_cast(x, policy.dtype) for x in ins]
+        params = {**params, "preferred_element_type": policy.dtype}
     else:
         ins = [_cast(x, v.aval.dtype) for x, v in zip(ins, eqn.invars)]
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+        out = eqn.primitive.bind(*ins, **params)
     return out if eqn.primitive.multiple_results else [out]
 
 

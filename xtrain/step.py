@@ -1,6 +1,8 @@
 """The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -14,7 +16,7 @@ from xtrain import data, precision, recompile
 from xtrain.lowering import accumulation, nan_check
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.optim import LearningRates
-from xtrain.step_options import StepOptions
+from xtrain.step_options import Remat, StepOptions
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
@@ -69,12 +71,12 @@ class TrainStep:
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
         if lowering == "explicit":
-            self._train, self._eval, self._program = explicit_step.build(
-                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
+            self._build = functools.partial(
+                explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
                 grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=_regather_default() if zero3_regather is None else zero3_regather,
-                options=options, grad_tx=grad_tx)
+                regather=_regather_default() if zero3_regather is None else zero3_regather, grad_tx=grad_tx)
+            self._train, self._eval, self._program = self._build(options=options)
         else:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
@@ -189,6 +191,15 @@ class TrainStep:
         last batch trained on. `.as_text()` gives the optimized HLO."""
         return self._train.lower(self.state, self._shapes(batch), self._lrs()).compile()
 
+    def _remat_note(self, batch: tuple, memory: dict[str, int]) -> str:
+        """What activation checkpointing saves: this step's temporaries vs the same step
+        compiled without it."""
+        train = self._build(options=dataclasses.replace(self.options, remat=Remat.OFF))[0]
+        without = report_mod.memory_of(train.lower(self.state, self._shapes(batch), self._lrs()).compile())
+        saved = without["temporaries"] - memory["temporaries"]
+        return (f"activation checkpointing remat={self.options.remat.value!r}: temporaries {memory['temporaries']} B "
+                f"per device vs {without['temporaries']} B without (saves {saved} B)")
+
     def report(self, *batch: Any) -> report_mod.Report:
         """Collectives and per-device memory of the compiled training step, for `batch`'s
         shapes or the last batch trained on."""
@@ -199,6 +210,8 @@ class TrainStep:
         if self.zero_whole:
             notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
                          f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
+        if self.options.remat is not Remat.OFF:
+            notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):
