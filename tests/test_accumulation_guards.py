@@ -74,7 +74,7 @@ def test_a_dtype_change_is_named_and_allow_recompile_lets_it_through():
     allowed = xtrain.compile(other, xtrain.Mesh(data=8), optimizer=sgd(other.parameters()), allow_recompile=True)
     allowed(x, y)
     allowed(x[:8], y[:8])
-    assert allowed._train._cache_size() == 2
+    assert allowed.compilations == 2
 
 
 # -- NaN detection ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Mixed precision (bf16, fp16 with dynamic loss scaling, per-module overrides) and activation
 checkpointing per layer of the layer scan."""
+import copy
 import functools
 import re
 
@@ -8,9 +9,8 @@ import pytest
 import torch
 
 import xtrain
-from xtrain.lowering import report as report_mod
 from xtrain.precision import LossScale, Precision
-from xtrain.testing import assert_parity, run_parity, torch_reference
+from xtrain.testing import ParityResult, assert_parity, torch_reference
 
 from models import GPT, MLP, mlp_batches, token_batches
 
@@ -120,36 +120,31 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
 
 
 # -- activation checkpointing ----------------------------------------------------------------
-@functools.cache
-def remat_case():
+def remat_note(step) -> tuple[int, int]:
+    """(temporaries with remat, without) from the report's note."""
+    (note,) = [n for n in step.report().notes if n.startswith("activation checkpointing")]
+    found = re.search(r"temporaries (\d+) B per device vs (\d+) B without \(saves (-?\d+) B\)", note)
+    on, off, saved = map(int, found.groups())
+    assert saved == off - on
+    return on, off
+
+
+def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     torch.manual_seed(0)
     model, batches = GPT(layers=4, d=64, seq=16), token_batches(n=4, batch=32)
-    return model, batches, torch_reference(model, adamw, batches)
-
-
-def temporaries(step) -> int:
-    return report_mod.memory_of(step.compiled())["temporaries"]
-
-
-@pytest.mark.parametrize("remat", ["full", "dots"])
-def test_remat_lowers_peak_temporaries_and_keeps_parity(remat):
-    model, batches, reference = remat_case()
-    result = run_parity(model, adamw, batches, xtrain.Mesh(data=8), reference=reference, remat=remat)
-    assert_parity(result)
-    on = _step(model, batches, remat)
-    off = _step(model, batches, "off")
-    assert temporaries(on) < temporaries(off), (remat, temporaries(on), temporaries(off))
-    note = [n for n in on.report().notes if n.startswith("activation checkpointing")]
-    assert note and f"remat={remat!r}" in note[0] and f"vs {temporaries(off)} B without" in note[0]
-
-
-def _step(model, batches, remat):
-    import copy
-
-    model = copy.deepcopy(model)
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat=remat)
-    step(*batches[0])
-    return step
+    reference = torch_reference(model, adamw, batches)
+    temps = {}
+    for remat, keep in (("full", ()), ("selective", ("blocks.*.attn",))):
+        candidate = copy.deepcopy(model)
+        step = xtrain.compile(candidate, xtrain.Mesh(data=8), optimizer=adamw(candidate.parameters()),
+                              remat=remat, remat_keep=keep)
+        losses = [step(*b)["loss"] for b in batches]
+        assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+        temps[remat] = remat_note(step)
+    (full, off), (selective, off_again) = temps["full"], temps["selective"]
+    assert off == off_again
+    # keeping the attention activations costs memory that full recomputation saves
+    assert full < selective < off, temps
 
 
 def test_remat_without_a_layer_scan_is_an_error():
@@ -158,5 +153,7 @@ def test_remat_without_a_layer_scan_is_an_error():
     with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the layer scan, but MLP has no "
                                          r"repeated blocks to scan"):
         step(*mlp_batches(n=1)[0])
-    with pytest.raises(ValueError, match=r"remat='some' must be one of \['off', 'full', 'dots'\]"):
+    with pytest.raises(ValueError, match=r"remat='some' must be one of \['off', 'full', 'dots', 'selective'\]"):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat="some")
+    with pytest.raises(ValueError, match=r"remat_keep=\(\) with remat='selective': remat='selective' needs remat_keep"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat="selective")

@@ -10,7 +10,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Plan", "GradSync", "compile", "init", "plans", "shard"]
+__all__ = ["Mesh", "Plan", "GradSync", "Precision", "LossScale", "compile", "init", "plans", "shard"]
 
 
 def __getattr__(name):
@@ -22,6 +22,10 @@ def __getattr__(name):
         from xtrain.lowering.explicit.gradient_sync import GradSync
 
         return GradSync
+    if name in ("Precision", "LossScale"):
+        import xtrain.precision
+
+        return getattr(xtrain.precision, name)
     if name == "plans":
         import xtrain.plans
 

@@ -37,7 +37,7 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
             lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
             zero3_regather: bool | None = None, clip_grad_norm: float | None = None, accumulate: int = 1,
-            remat: str = "off", detect_nan: bool = False, allow_recompile: bool = False):
+            remat: str = "off", remat_keep: tuple[str, ...] = (), detect_nan: bool = False, allow_recompile: bool = False):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -60,7 +60,7 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             on it inside the layer scan).
         scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
             (explicit lowering); compile time then stays flat in depth.
-        clip_grad_norm, accumulate, remat, detect_nan, allow_recompile: see
+        clip_grad_norm, accumulate, remat, remat_keep, detect_nan, allow_recompile: see
             `xtrain.step_options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
             without recompiling. Precision is the plan's (`Plan(precision="bf16")`).
@@ -77,7 +77,7 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
 
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
-    options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, remat=remat,
+    options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, remat=remat, remat_keep=remat_keep,
                           detect_nan=detect_nan, allow_recompile=allow_recompile)
     runtime.init()
     mesh = Mesh(data=-1) if mesh is None else mesh

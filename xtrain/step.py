@@ -101,9 +101,11 @@ class TrainStep:
     def _data_size(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in _axes_of(self.batch_spec[0])])) if self.batch_spec else 1
 
-    def _lrs(self) -> np.ndarray:
-        """The current lr of every param group (a torch scheduler may have changed them)."""
-        return self.learning_rates.current() if self.learning_rates else np.zeros((0,), np.float32)
+    def _lrs(self) -> jax.Array:
+        """The current lr of every param group (a torch scheduler may have changed them),
+        replicated on the mesh (every process holds the same values)."""
+        lrs = self.learning_rates.current() if self.learning_rates else np.zeros((0,), np.float32)
+        return jax.make_array_from_callback(lrs.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: lrs[i])
 
     def __call__(self, *batch: Any) -> dict[str, float]:
         """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
@@ -160,6 +162,12 @@ class TrainStep:
         return {"loss": float(self._eval(self.state, self._place(batch)))}
 
     @property
+    def compilations(self) -> int:
+        """Programs the training step has compiled: 1 after the first call, more only when
+        allow_recompile let a new batch shape through (a new lr never adds one)."""
+        return self._train._cache_size()
+
+    @property
     def step_count(self) -> int:
         return int(self.state.step)
 
@@ -194,7 +202,7 @@ class TrainStep:
     def _remat_note(self, batch: tuple, memory: dict[str, int]) -> str:
         """What activation checkpointing saves: this step's temporaries vs the same step
         compiled without it."""
-        train = self._build(options=dataclasses.replace(self.options, remat=Remat.OFF))[0]
+        train = self._build(options=dataclasses.replace(self.options, remat=Remat.OFF, remat_keep=()))[0]
         without = report_mod.memory_of(train.lower(self.state, self._shapes(batch), self._lrs()).compile())
         saved = without["temporaries"] - memory["temporaries"]
         return (f"activation checkpointing remat={self.options.remat.value!r}: temporaries {memory['temporaries']} B "

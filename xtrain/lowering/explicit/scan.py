@@ -38,14 +38,10 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
 
 
 def _remat(body, remat):
-    """The scan body with activation checkpointing per layer: `full` saves only the layer's
-    input (the carry), `dots` also its matmul outputs."""
-    from xtrain.step_options import Remat
-
-    if remat is None or remat is Remat.OFF:
-        return body
-    policy = jax.checkpoint_policies.dots_saveable if remat is Remat.DOTS else None
-    return jax.checkpoint(body, policy=policy)
+    """The scan body with activation checkpointing per layer (`remat`: a LayerRemat): `full`
+    saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
+    values the interpreter tagged in the kept modules."""
+    return body if remat is None else jax.checkpoint(body, policy=remat.policy())
 
 
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:

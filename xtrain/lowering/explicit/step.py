@@ -28,7 +28,7 @@ from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
 from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.annotate import tracing_for
-from xtrain.step_options import Remat, StepOptions
+from xtrain.step_options import LayerRemat, StepOptions
 from xtrain.sharding.plan import Spec, _axes_of
 
 
@@ -41,7 +41,7 @@ class Program:
     """Builds the per-device forward for one batch shape and records what it emitted."""
 
     def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec,
-                 scan_layers: bool = True, remat: Remat = Remat.OFF):
+                 scan_layers: bool = True, remat: LayerRemat | None = None):
         self.model, self.mesh, self.scan_layers, self.remat = model, mesh, scan_layers, remat
         self.param_specs, self.batch_spec = param_specs, batch_spec
         self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
@@ -88,9 +88,9 @@ class Program:
         if self.scan_layers:
             probe = Context(dict(self.mesh.shape), self.model.module_paths())
             self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
-        if self.remat is not Remat.OFF and not self.repeated:
+        if self.remat is not None and not self.repeated:
             raise ValueError(
-                f"remat={self.remat.value!r} checkpoints each layer of the layer scan, but "
+                f"remat={self.remat.mode.value!r} checkpoints each layer of the layer scan, but "
                 f"{self.model.name} has no repeated blocks to scan"
                 f"{' (scan_layers=False)' if not self.scan_layers else ' (no run of identical blocks.0, blocks.1, ...)'}; "
                 "use remat='off' or scan_layers=True")
@@ -111,7 +111,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
     train_step(state, batch, lrs) -> (state, {"loss", and "grad_norm" when computed})."""
     gradient_sync.check_axes(sync, dict(mesh.shape))
-    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat=options.remat)
+    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat=options.layer_remat)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
