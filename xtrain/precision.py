@@ -114,14 +114,6 @@ class Precision:
 
 
 # -- the policy on the traced graph ----------------------------------------------------------
-def _path(stack: str, paths: frozenset, outer: str) -> str:
-    found = outer
-    for part in stack.split("/"):
-        if part in paths:
-            found = part
-    return found
-
-
 def _cast(x, dtype):
     if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
         return x.astype(dtype)
@@ -133,10 +125,12 @@ def _eval(jaxpr, consts, args, policy: Precision, paths: frozenset, outer: str) 
     matmuls are seen too. Name stacks are kept (module paths survive for the lowering)."""
     from jax._src import source_info_util
 
+    from xtrain.frontend.graph import module_path  # lazily: the front ends import torch
+
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
     for eqn in jaxpr.eqns:
-        path = _path(str(eqn.source_info.name_stack), paths, outer)
+        path = module_path(eqn, paths, outer)
         ins = [read(v) for v in eqn.invars]
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):

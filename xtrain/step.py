@@ -115,8 +115,8 @@ class TrainStep:
         step's report instead and exits the process (status 0) without training."""
         if os.environ.get(REPORT_ONLY, "") not in ("", "0"):
             self._report_and_exit(batch)
-        accumulation.check_divisible(batch, self.options.accumulate, self._data_size())
         placed = self._place(batch)
+        accumulation.check_divisible(placed, self.options.accumulate, self._data_size())
         self._guard(placed)
         self._last_batch = placed
         before = self._nan_evidence(placed)

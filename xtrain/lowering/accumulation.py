@@ -6,6 +6,8 @@ micro-batch holds the same number of loss terms (tokens, examples): true for fix
 batches and losses without ignored positions. A loss that skips positions (ignore_index,
 padding masks) weighs micro-batches with fewer kept positions too heavily; such models should
 return the per-token sum divided by a fixed global count (e.g. the padded token count).
+Batch statistics (BatchNorm) are those of each micro-batch, and running statistics are updated
+once per micro-batch, as in a torch accumulation loop (not as in one large-batch forward).
 
 Each device splits its local batch into K contiguous chunks; micro-batch k is chunk k of every
 device. The first micro-batch runs outside the loop so the loop's carry (the gradient sum)
@@ -69,7 +71,7 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
 def check_divisible(batch: tuple, steps: int, data_size: int) -> None:
     """Every batch array's leading dimension splits into `steps` micro-batches per device."""
     for index, x in enumerate(batch):
-        if _is_array(x) and x.shape[0] % (steps * data_size):
+        if steps > 1 and _is_array(x) and x.shape[0] % (steps * data_size):
             raise ValueError(
                 f"batch argument {index} has shape {tuple(x.shape)}: global batch {x.shape[0]} does not split into "
                 f"accumulate={steps} micro-batches on each of {data_size} data-parallel devices; use a global "

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.frontend.graph import module_path
+
 
 @dataclasses.dataclass(frozen=True)
 class BadTensor:
@@ -22,20 +24,12 @@ class BadTensor:
     shape: tuple[int, ...]
 
 
-def _path(stack: str, paths: frozenset, outer: str) -> str:
-    found = outer
-    for part in stack.split("/"):
-        if part in paths:
-            found = part
-    return found
-
-
 def _walk(jaxpr, consts, args, paths, outer, found: list) -> list:
     """Evaluates `jaxpr`; appends (all finite?, BadTensor) per float-valued equation."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
     for eqn in jaxpr.eqns:
-        path = _path(str(eqn.source_info.name_stack), paths, outer)
+        path = module_path(eqn, paths, outer)
         ins = [read(v) for v in eqn.invars]
         if eqn.primitive.name in ("pjit", "jit", "closed_call"):
             closed = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
