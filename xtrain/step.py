@@ -159,7 +159,8 @@ class TrainStep:
 
     def eval(self, *batch: Any) -> dict[str, float]:
         """The loss in eval mode (dropout off, running statistics); updates nothing."""
-        return {"loss": float(self._eval(self.state, self._place(batch)))}
+        loss = self._eval(self.state, self._place(batch))
+        return {"loss": float(loss[0] / loss[1] if isinstance(loss, tuple) else loss)}
 
     @property
     def compilations(self) -> int:

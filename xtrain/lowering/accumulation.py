@@ -5,7 +5,9 @@ K micro-batches of their loss and gradient, which equals the large batch's exact
 micro-batch holds the same number of loss terms (tokens, examples): true for fixed-shape
 batches and losses without ignored positions. A loss that skips positions (ignore_index,
 padding masks) weighs micro-batches with fewer kept positions too heavily; such models should
-return the per-token sum divided by a fixed global count (e.g. the padded token count).
+return (loss sum, number of terms) instead of the mean (the forward or loss_fn returns a pair
+of scalars): the step then divides the summed sums and gradients by the summed counts, which is
+the large batch's mean whatever each micro-batch holds.
 Batch statistics (BatchNorm) are those of each micro-batch, and running statistics are updated
 once per micro-batch, as in a torch accumulation loop (not as in one large-batch forward).
 
@@ -42,19 +44,29 @@ def _pick(micro: tuple, batch: tuple, index) -> tuple:
                  for m, x in zip(micro, batch))
 
 
+def differentiated(loss):
+    """The scalar to differentiate: the loss, or the sum of a (sum, count) loss."""
+    return loss[0] if isinstance(loss, tuple) else loss
+
+
 def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int):
-    """Mean loss and gradient over `steps` micro-batches of `batch`.
+    """Loss and gradient of `batch` from `steps` micro-batches.
+
+    A scalar (mean) loss: the mean over micro-batches of their losses and gradients. A
+    (sum, count) loss: the summed sums and gradients divided by the summed counts, exact for
+    any split.
 
     Args:
         loss_of: (params, buffers, micro_batch, index) -> (differentiated scalar, (loss, buffers)).
-            The differentiated scalar may be the loss times fp16's loss scale.
+            The differentiated scalar is `differentiated(loss)`, times fp16's loss scale if any.
 
     Returns:
-        (mean loss, buffers after the last micro-batch, mean gradient).
+        (loss, buffers after the last micro-batch, gradient).
     """
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     if steps == 1:
         (_, (loss, buffers)), grads = grad_fn(params, buffers, batch, 0)
+        loss, grads = _normalised(loss, grads, 1)
         return loss, buffers, grads
     micro = split(batch, steps)
     (_, (loss, buffers)), grads = grad_fn(params, buffers, _pick(micro, batch, 0), 0)
@@ -62,10 +74,22 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
     def body(carry, index):
         loss_sum, buffers, grad_sum = carry
         (_, (loss, buffers)), grads = grad_fn(params, buffers, _pick(micro, batch, index), index)
-        return (loss_sum + loss, buffers, jax.tree.map(jnp.add, grad_sum, grads)), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), buffers, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     (loss, buffers, grads), _ = lax.scan(body, (loss, buffers, grads), jnp.arange(1, steps))
-    return loss / steps, buffers, jax.tree.map(lambda g: g / steps, grads)
+    loss, grads = _normalised(loss, grads, steps)
+    return loss, buffers, grads
+
+
+def _normalised(loss, grads, steps: int):
+    """(mean loss, mean gradient) from summed micro-batch results."""
+    if isinstance(loss, tuple):
+        total, count = loss
+        count = count.astype(jnp.float32)
+        return total / count, jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+    if steps == 1:
+        return loss, grads
+    return loss / steps, jax.tree.map(lambda g: g / steps, grads)
 
 
 def check_divisible(batch: tuple, steps: int, data_size: int) -> None:

@@ -79,7 +79,8 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None, o
             micro_key = key if options.accumulate == 1 else jax.random.fold_in(key, index)
             with tracing_for(mesh):
                 loss, buffers = model.apply({**params, **state.frozen}, buffers, micro_key, micro, training=True)
-            return (loss if scale is None else loss * scale.astype(loss.dtype)), (loss, buffers)
+            total = accumulation.differentiated(loss)
+            return (total if scale is None else total * scale.astype(total.dtype)), (loss, buffers)
 
         loss, buffers, grads = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch,
                                                            options.accumulate)

@@ -135,7 +135,8 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
                 loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
-                return (loss if scale is None else loss * scale.astype(loss.dtype)), (loss, buffers)
+                total = accumulation.differentiated(loss)
+                return (total if scale is None else total * scale.astype(total.dtype)), (loss, buffers)
 
             if zero3 and regather:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
