@@ -44,9 +44,11 @@ def _pick(micro: tuple, batch: tuple, index) -> tuple:
                  for m, x in zip(micro, batch))
 
 
-def differentiated(loss):
-    """The scalar to differentiate: the loss, or the sum of a (sum, count) loss."""
-    return loss[0] if isinstance(loss, tuple) else loss
+def objective(loss, scale=None):
+    """The scalar to differentiate: the loss (a (sum, count) loss's sum), times fp16's loss
+    scale when there is one."""
+    total = loss[0] if isinstance(loss, tuple) else loss
+    return total if scale is None else total * scale.astype(total.dtype)
 
 
 def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int):
@@ -58,7 +60,7 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
 
     Args:
         loss_of: (params, buffers, micro_batch, index) -> (differentiated scalar, (loss, buffers)).
-            The differentiated scalar is `differentiated(loss)`, times fp16's loss scale if any.
+            The differentiated scalar is `objective(loss, scale)`.
 
     Returns:
         (loss, buffers after the last micro-batch, gradient).

@@ -60,8 +60,6 @@ def finish_step(old, new, loss, norm, grad_tx: GradTransforms):
     """(next TrainState, step outputs): counts the step; under fp16 / detect_nan keeps `old`'s
     parameters, optimizer state and buffers when the step is not finite and moves the loss
     scale. Outputs: loss, grad_norm (pre-clip, when computed), skipped and loss_scale."""
-    import dataclasses
-
     out = {"loss": loss} if norm is None else {"loss": loss, "grad_norm": norm}
     new = dataclasses.replace(new, step=old.step + 1)
     if not grad_tx.skips:

@@ -29,7 +29,7 @@ class TrainState:
     frozen: dict[str, Any]      # parameters the optimizer does not update
     buffers: dict[str, Any]     # module buffers (BatchNorm statistics, ...)
     opt_state: Any
-    step: Any                   # int32 scalar: optimizer steps taken
+    step: Any                   # int32 scalar: steps run (a step fp16 skipped counts)
     key: Any                    # base PRNG key; step k uses fold_in(key, k)
     loss_scale: Any = None      # fp16: {"scale": f32, "good_steps": i32} (xtrain.precision)
 
@@ -79,8 +79,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None, o
             micro_key = key if options.accumulate == 1 else jax.random.fold_in(key, index)
             with tracing_for(mesh):
                 loss, buffers = model.apply({**params, **state.frozen}, buffers, micro_key, micro, training=True)
-            total = accumulation.differentiated(loss)
-            return (total if scale is None else total * scale.astype(total.dtype)), (loss, buffers)
+            return accumulation.objective(loss, scale), (loss, buffers)
 
         loss, buffers, grads = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch,
                                                            options.accumulate)

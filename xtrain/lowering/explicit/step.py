@@ -28,8 +28,8 @@ from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
 from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.annotate import tracing_for
-from xtrain.step_options import LayerRemat, StepOptions
 from xtrain.sharding.plan import Spec, _axes_of
+from xtrain.step_options import LayerRemat, StepOptions
 
 
 def _layout(spec: Spec, ndim: int) -> Layout:
@@ -135,8 +135,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
                 loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
-                total = accumulation.differentiated(loss)
-                return (total if scale is None else total * scale.astype(total.dtype)), (loss, buffers)
+                return accumulation.objective(loss, scale), (loss, buffers)
 
             if zero3 and regather:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
