@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "compile": ("xtrain.api", "compile"),
     "GradSync": ("xtrain.lowering.explicit.gradient_sync", "GradSync"),
+    "Precision": ("xtrain.precision", "Precision"),
+    "LossScale": ("xtrain.precision", "LossScale"),
     "init": ("xtrain.runtime.devices", "init"),
     "shard": ("xtrain.sharding.annotate", "shard"),
     "plans": ("xtrain.plans", None),

@@ -19,7 +19,7 @@ def _torch_model(model, optimizer, loss_fn):
     if optimizer is None:
         raise ValueError("xtrain.compile of a torch module needs optimizer=torch.optim.<...>(model.parameters(), ...)")
     tx, groups = optim.from_torch(optimizer, wrapped.name_of, wrapped.trainable())
-    return wrapped, tx, set(groups)
+    return wrapped, tx, set(groups), optim.LearningRates(optimizer, groups)
 
 
 def _jax_model(fn, params, optimizer):
@@ -30,13 +30,15 @@ def _jax_model(fn, params, optimizer):
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ValueError("xtrain.compile of a JAX function needs optimizer=<optax.GradientTransformation>")
     wrapped = JaxModel(fn, params)
-    return wrapped, optimizer, set(wrapped.param_names)
+    return wrapped, optimizer, set(wrapped.param_names), None
 
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
             lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
-            zero3_regather: bool | None = None, init_from: str | None = None):
+            zero3_regather: bool | None = None, init_from: str | None = None,
+            clip_grad_norm: float | None = None, accumulate: int = 1, remat: str = "off",
+            remat_keep: tuple[str, ...] = (), detect_nan: bool = False, allow_recompile: bool = False):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -63,25 +65,34 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             device (`with torch.device("meta"): model = ...`) and never exist whole in memory.
         scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
             (explicit lowering); compile time then stays flat in depth.
+        clip_grad_norm, accumulate, remat, remat_keep, detect_nan, allow_recompile: see
+            `xtrain.step_options.StepOptions`. The torch optimizer's lr (per param group) is read
+            before every step, so a torch LR scheduler stepped by the caller takes effect
+            without recompiling. Precision is the plan's (`Plan(precision="bf16")`).
 
     Returns:
-        A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float}.
+        A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float, ...}.
     """
     import torch
+
+    from xtrain.step_options import StepOptions
 
     from xtrain import runtime
     from xtrain.step import TrainStep
 
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, remat=remat, remat_keep=remat_keep,
+                          detect_nan=detect_nan, allow_recompile=allow_recompile)
     runtime.init()
     mesh = Mesh(data=-1) if mesh is None else mesh
     if isinstance(model, torch.nn.Module):
-        wrapped, tx, optimized = _torch_model(model, optimizer, loss_fn)
+        wrapped, tx, optimized, learning_rates = _torch_model(model, optimizer, loss_fn)
     elif callable(model):
-        wrapped, tx, optimized = _jax_model(model, params, optimizer)
+        wrapped, tx, optimized, learning_rates = _jax_model(model, params, optimizer)
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
     return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
                      lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
-                     zero3_regather=zero3_regather, init_from=init_from)
+                     zero3_regather=zero3_regather, init_from=init_from, options=options,
+                     learning_rates=learning_rates)

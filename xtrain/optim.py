@@ -2,11 +2,19 @@
 
 Supported: SGD (momentum, nesterov, weight_decay), Adam (betas, eps, weight_decay as L2 added
 to the gradient, as torch does), AdamW (decoupled weight decay), each with param groups.
+
+The learning rate is not baked into the program: every supported rule ends in "multiply by
+-lr", so the transformation is built with lr=1 and the step multiplies each group's update by
+that group's current lr, read from `optimizer.param_groups` on the host before every step
+(`LearningRates`). A torch LR scheduler stepping the optimizer's groups therefore works as in
+torch, and a new lr value never recompiles the step.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping
 
+import numpy as np
 import optax
 import torch
 
@@ -93,7 +101,7 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
     transforms = {}
     for index, group in enumerate(optimizer.param_groups):
         _check_group(kind, index, group)
-        transforms[str(index)] = _BUILDERS[kind](group)
+        transforms[str(index)] = _BUILDERS[kind]({**group, "lr": 1.0})  # lr enters per step
         for p in group["params"]:
             name = name_of(p)
             if name is None:
@@ -107,3 +115,34 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
         return transforms["0"], groups
     labels = lambda params: {n: str(groups[n]) for n in params}
     return optax.multi_transform(transforms, labels), groups
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRates:
+    """The current lr of each param group of a torch optimizer, read on the host every step.
+
+    Attributes:
+        optimizer: the user's optimizer; a torch LR scheduler writes `param_groups[i]["lr"]`.
+        groups: parameter name -> param group index (from `from_torch`).
+    """
+
+    optimizer: torch.optim.Optimizer
+    groups: Mapping[str, int]
+
+    def current(self) -> np.ndarray:
+        """(num_groups,) float32: the lr of every param group now."""
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        return np.asarray(lrs, dtype=np.float32)
+
+    def mark_stepped(self) -> None:
+        """Tells torch LR schedulers that the optimizer stepped (it steps inside the compiled
+        program), so `scheduler.step()` after `step(*batch)` does not warn about call order."""
+        self.optimizer._opt_called = True
+
+
+def scale_by_lr(updates: Mapping, lrs, groups: Mapping[str, int] | None) -> dict:
+    """Each parameter's update times its group's lr (`lrs[groups[name]]`); no-op for optax
+    transformations passed by the user (groups=None: their lr is inside the transformation)."""
+    if groups is None:
+        return dict(updates)
+    return {n: u * lrs[groups[n]].astype(u.dtype) for n, u in updates.items()}

@@ -1,6 +1,8 @@
 """The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -10,7 +12,11 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import data
+from xtrain import data, precision, recompile
+from xtrain.lowering import accumulation, nan_check
+from xtrain.lowering.grad_transforms import GradTransforms
+from xtrain.optim import LearningRates
+from xtrain.step_options import Remat, StepOptions
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
@@ -45,9 +51,13 @@ class TrainStep:
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
                  lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True,
-                 zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None):
+                 zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None,
+                 options: StepOptions = StepOptions(), learning_rates: LearningRates | None = None):
+        model = precision.apply_policy(model, plan.precision)
         self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
-        self.lowering = lowering
+        self.lowering, self.options, self.learning_rates = lowering, options, learning_rates
+        grad_tx = GradTransforms(options.clip_grad_norm, learning_rates.groups if learning_rates else None,
+                                 options.detect_nan, plan.precision.loss_scale)
         mesh_axes = dict(mesh.shape)
         abstract = model.param_shapes()
         shapes = {n: p.shape for n, p in abstract.items()}
@@ -65,13 +75,16 @@ class TrainStep:
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
         if lowering == "explicit":
-            self._train, self._eval, self._program = explicit_step.build(
-                model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
+            self._build = functools.partial(
+                explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
+                grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=_regather_default() if zero3_regather is None else zero3_regather)
+                regather=_regather_default() if zero3_regather is None else zero3_regather, grad_tx=grad_tx)
+            self._train, self._eval, self._program = self._build(options=options)
         else:
-            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
+            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
+        self._compiled_for: recompile.Signature | None = None
 
     def _load_initial(self, source, abstract: dict, shardings: dict) -> tuple[dict, dict]:
         from xtrain import checkpoint
@@ -91,23 +104,65 @@ class TrainStep:
             opt_state=jax.jit(self.tx.init)(opt_params),
             step=np.int32(0),
             key=jax.random.key_data(jax.random.key(seed)),
+            loss_scale=precision.initial_state(self.plan.precision),
         )
 
     # -- running ---------------------------------------------------------------------------
     def _place(self, batch: tuple) -> tuple:
         return data.shard_batch(batch, self.mesh, self.batch_spec)
 
+    def _data_size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in _axes_of(self.batch_spec[0])])) if self.batch_spec else 1
+
+    def _lrs(self) -> jax.Array:
+        """The current lr of every param group (a torch scheduler may have changed them),
+        replicated on the mesh (every process holds the same values)."""
+        lrs = self.learning_rates.current() if self.learning_rates else np.zeros((0,), np.float32)
+        return jax.make_array_from_callback(lrs.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: lrs[i])
+
     def __call__(self, *batch: Any) -> dict[str, float]:
-        """Runs one optimizer step on a global batch; returns {"loss": float}.
+        """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
+        (before clipping) when clipping, and "skipped" / "loss_scale" under fp16.
 
         Under XTRAIN_REPORT_ONLY=1 (`xtrain report script.py`) the first call prints the
         step's report instead and exits the process (status 0) without training."""
         if os.environ.get(REPORT_ONLY, "") not in ("", "0"):
             self._report_and_exit(batch)
         placed = self._place(batch)
+        accumulation.check_divisible(placed, self.options.accumulate, self._data_size())
+        self._guard(placed)
         self._last_batch = placed
-        self.state, loss = self._train(self.state, placed)
-        return {"loss": float(loss)}
+        before = self._nan_evidence(placed)
+        self.state, out = self._train(self.state, placed, self._lrs())
+        if self.learning_rates:
+            self.learning_rates.mark_stepped()
+        out = {k: (bool(v) if k == "skipped" else float(v)) for k, v in out.items()}
+        if self.options.detect_nan and out.get("skipped"):
+            self._raise_nonfinite(out, before)
+        return out
+
+    def _guard(self, placed: tuple) -> None:
+        now = recompile.signature(placed)
+        if self._compiled_for is not None and not self.options.allow_recompile:
+            recompile.check(self._compiled_for, now)
+        self._compiled_for = self._compiled_for or now
+
+    def _nan_evidence(self, placed: tuple):
+        """detect_nan: what the forward reads this step (the state is donated to the step)."""
+        if not self.options.detect_nan:
+            return None
+        copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
+        key = jax.random.fold_in(self.state.key, self.state.step)
+        return copy({**self.state.params, **self.state.frozen}), copy(self.state.buffers), key, placed
+
+    def _raise_nonfinite(self, out: dict, evidence) -> None:
+        bad = nan_check.first_nonfinite(self.model, *evidence)
+        where = ("every forward tensor is finite; the backward pass produced the non-finite gradient"
+                 if bad is None else f"first non-finite tensor: output of {bad.primitive} (shape {bad.shape}) in "
+                 f"module {bad.module or '<top level>'!r}")
+        raise FloatingPointError(
+            f"step {self.step_count}: loss {out['loss']}, gradient norm {out.get('grad_norm')}; {where}. The update "
+            "was skipped: parameters and optimizer state are those before this step")
 
     def _report_and_exit(self, batch: tuple) -> None:
         text = str(self.report(*batch))
@@ -117,7 +172,14 @@ class TrainStep:
 
     def eval(self, *batch: Any) -> dict[str, float]:
         """The loss in eval mode (dropout off, running statistics); updates nothing."""
-        return {"loss": float(self._eval(self.state, self._place(batch)))}
+        loss = self._eval(self.state, self._place(batch))
+        return {"loss": float(loss[0] / loss[1] if isinstance(loss, tuple) else loss)}
+
+    @property
+    def compilations(self) -> int:
+        """Programs the training step has compiled: 1 after the first call, more only when
+        allow_recompile let a new batch shape through (a new lr never adds one)."""
+        return self._train._cache_size()
 
     @property
     def step_count(self) -> int:
@@ -184,12 +246,21 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch))
+        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch), self._lrs())
 
     def compiled(self, *batch: Any):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
         last batch trained on. `.as_text()` gives the optimized HLO."""
-        return self._train.lower(self.state, self._shapes(batch)).compile()
+        return self._train.lower(self.state, self._shapes(batch), self._lrs()).compile()
+
+    def _remat_note(self, batch: tuple, memory: dict[str, int]) -> str:
+        """What activation checkpointing saves: this step's temporaries vs the same step
+        compiled without it."""
+        train = self._build(options=dataclasses.replace(self.options, remat=Remat.OFF, remat_keep=()))[0]
+        without = report_mod.memory_of(train.lower(self.state, self._shapes(batch), self._lrs()).compile())
+        saved = without["temporaries"] - memory["temporaries"]
+        return (f"activation checkpointing remat={self.options.remat.value!r}: temporaries {memory['temporaries']} B "
+                f"per device vs {without['temporaries']} B without (saves {saved} B)")
 
     def report(self, *batch: Any) -> report_mod.Report:
         """Collectives and per-device memory of the compiled training step, for `batch`'s
@@ -201,6 +272,8 @@ class TrainStep:
         if self.zero_whole:
             notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
                          f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
+        if self.options.remat is not Remat.OFF:
+            notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):

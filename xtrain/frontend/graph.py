@@ -10,6 +10,15 @@ from jax.extend import core as jex_core
 from xtrain.frontend.model import Model
 
 
+def module_path(eqn, module_paths: frozenset[str], outer: str = "") -> str:
+    """The innermost module path of `module_paths` in `eqn`'s name stack, else `outer`."""
+    path = outer
+    for part in str(eqn.source_info.name_stack).split("/"):
+        if part in module_paths:
+            path = part
+    return path
+
+
 @dataclasses.dataclass(frozen=True)
 class TracedGraph:
     """The closed jaxpr of `model.apply` for one batch shape, with module paths per equation."""
@@ -23,11 +32,7 @@ class TracedGraph:
         Equations inside nested jaxprs (jit, custom_jvp, scan bodies) carry name stacks
         relative to their call site: pass the call site's path as `outer`.
         """
-        path = outer
-        for part in str(eqn.source_info.name_stack).split("/"):
-            if part in self.module_paths:
-                path = part
-        return path
+        return module_path(eqn, self.module_paths, outer)
 
     def equations(self) -> Iterator[tuple[object, str]]:
         """Every equation, nested ones included, with its module path."""

@@ -43,7 +43,8 @@ class Model(abc.ABC):
     @abc.abstractmethod
     def apply(self, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple,
               *, training: bool) -> tuple[Any, dict[str, Any]]:
-        """Pure JAX: (loss scalar, updated buffers) for one global batch."""
+        """Pure JAX: (loss, updated buffers) for one global batch; the loss is a scalar or a
+        (loss sum, term count) pair of scalars (see xtrain.lowering.accumulation)."""
 
     def module_paths(self) -> frozenset[str]:
         """Module paths that can appear in the traced graph's name stacks."""

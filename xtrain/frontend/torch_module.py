@@ -130,6 +130,11 @@ def _dispatched_op(err: BaseException) -> str:
     return name
 
 
+def _is_sum_and_count(out) -> bool:
+    return (isinstance(out, tuple) and len(out) == 2
+            and all(isinstance(x, torch.Tensor) and x.ndim == 0 for x in out))
+
+
 class TorchModel(Model):
     """A torch.nn.Module whose forward returns the loss (or is scored by `loss_fn`).
 
@@ -244,9 +249,11 @@ class TorchModel(Model):
                 loss = out.get("loss")
         if isinstance(loss, torch.Tensor) and loss.ndim == 0:
             return loss
+        if _is_sum_and_count(out):  # (loss sum, number of terms): exact under accumulation
+            return tuple(out)
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         source = f"{self.name}.forward" if self.loss_fn is None else "loss_fn"
         raise TraceError(
             f"{source} returned {got}, not a scalar loss. Return the loss from forward (or an "
-            "HF-style output with .loss), or pass loss_fn=lambda model, *batch: <scalar> to "
-            "xtrain.compile")
+            "HF-style output with .loss), a (loss sum, term count) pair of scalars, or pass "
+            "loss_fn=lambda model, *batch: <scalar> to xtrain.compile")

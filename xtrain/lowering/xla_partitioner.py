@@ -14,7 +14,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain.frontend.model import Model
+from xtrain.lowering import accumulation
+from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.sharding.annotate import tracing_for
+from xtrain.step_options import Remat, StepOptions
 
 
 @jax.tree_util.register_dataclass
@@ -26,8 +29,9 @@ class TrainState:
     frozen: dict[str, Any]      # parameters the optimizer does not update
     buffers: dict[str, Any]     # module buffers (BatchNorm statistics, ...)
     opt_state: Any
-    step: Any                   # int32 scalar: optimizer steps taken
+    step: Any                   # int32 scalar: steps run (a step fp16 skipped counts)
     key: Any                    # base PRNG key; step k uses fold_in(key, k)
+    loss_scale: Any = None      # fp16: {"scale": f32, "good_steps": i32} (xtrain.precision)
 
 
 def _replicated(mesh) -> NamedSharding:
@@ -55,25 +59,35 @@ def state_shardings(state: TrainState, param_shardings: Mapping[str, NamedShardi
         opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state),
         step=_replicated(mesh),
         key=_replicated(mesh),
+        loss_scale=jax.tree.map(lambda _: _replicated(mesh), state.loss_scale),
     )
 
 
-def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None) -> Callable:
-    """The pure step: (state, batch) -> (new state, loss); `xtrain.shard` calls in the model
-    constrain to `mesh`."""
+def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None, options: StepOptions = StepOptions(),
+                    grad_tx: GradTransforms = GradTransforms()) -> Callable:
+    """The pure step: (state, batch, lrs) -> (new state, outputs); `xtrain.shard` calls in the
+    model constrain to `mesh`."""
+    if options.remat is not Remat.OFF:
+        raise ValueError(f"remat={options.remat.value!r} needs lowering='explicit' (it is applied per layer "
+                         "of the explicit lowering's layer scan); use remat='off' with lowering='xla'")
 
-    def train_step(state: TrainState, batch: tuple):
+    def train_step(state: TrainState, batch: tuple, lrs):
         key = jax.random.fold_in(state.key, state.step)
+        scale = state.loss_scale["scale"] if state.loss_scale is not None else None
 
-        def loss_of(params):
+        def loss_of(params, buffers, micro, index):
+            micro_key = key if options.accumulate == 1 else jax.random.fold_in(key, index)
             with tracing_for(mesh):
-                return model.apply({**params, **state.frozen}, state.buffers, key, batch, training=True)
+                loss, buffers = model.apply({**params, **state.frozen}, buffers, micro_key, micro, training=True)
+            return accumulation.objective(loss, scale), (loss, buffers)
 
-        (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        loss, buffers, grads = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch,
+                                                           options.accumulate)
+        grads, norm = grad_tx.before_update(grads, {}, scale)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = TrainState(params, state.frozen, {**state.buffers, **buffers}, opt_state, state.step + 1, state.key)
-        return new, loss
+        params = optax.apply_updates(state.params, grad_tx.scale_lr(updates, lrs))
+        new = dataclasses.replace(state, params=params, buffers={**state.buffers, **buffers}, opt_state=opt_state)
+        return finish_step(state, new, loss, norm, grad_tx)
 
     return train_step
 
@@ -88,9 +102,11 @@ def make_eval_step(model: Model, mesh=None) -> Callable:
     return eval_step
 
 
-def compile_steps(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh):
+def compile_steps(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
+                  options: StepOptions = StepOptions(), grad_tx: GradTransforms = GradTransforms()):
     """jit-compiled (train_step, eval_step) with the state's shardings fixed."""
     replicated = _replicated(mesh)
-    train = jax.jit(make_train_step(model, tx, mesh), out_shardings=(shardings, replicated), donate_argnums=0)
+    train = jax.jit(make_train_step(model, tx, mesh, options, grad_tx), out_shardings=(shardings, replicated),
+                    donate_argnums=0)
     evaluate = jax.jit(make_eval_step(model, mesh), out_shardings=replicated)
     return train, evaluate

@@ -45,14 +45,20 @@ class Plan:
             1: optimizer state split; 2: also gradients reduce-scattered; 3: also parameters
             split (gathered per use). Tensors with no dimension divisible by the data size
             stay whole (the report lists them).
+        precision: the mixed-precision policy: "fp32", "bf16", "fp16" or an
+            `xtrain.Precision(...)` with per-module overrides (see xtrain.precision).
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
     batch: Sequence[AxisEntry] | str | None = None
     notes: tuple[str, ...] = ()
     zero: int = 0
+    precision: "Precision | str" = "fp32"
 
     def __post_init__(self):
+        from xtrain.precision import Precision
+
+        object.__setattr__(self, "precision", Precision.of(self.precision))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
@@ -63,7 +69,8 @@ class Plan:
     def __str__(self) -> str:
         """One line per rule, then the notes: what `print(plan)` shows."""
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
-        lines = [f"Plan(batch={batch}, zero={self.zero})"]
+        mixed = "" if self.precision.compute.value == "fp32" else f", precision={self.precision.compute.value}"
+        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed})"]
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]

@@ -45,6 +45,7 @@ class Context:
     path: str = ""
     # conversions already emitted in the jaxpr being interpreted (see `memoized`)
     memo: dict = dataclasses.field(default_factory=dict)
+    remat: "LayerRemat | None" = None  # activation checkpointing of each layer of a layer scan
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")

@@ -6,6 +6,8 @@ are interpreted, not inlined as opaque ops, so their equations get rules too.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
@@ -18,6 +20,15 @@ def literal(var) -> Sharded:
     value = np.asarray(var.val, dtype=var.aval.dtype)
     shape = value.shape
     return Sharded(value, Layout.replicated(len(shape)), shape, var.aval.dtype)
+
+
+def _kept(x: Sharded) -> Sharded:
+    """Tags a value remat='selective' keeps (its module matched remat_keep)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from xtrain.step_options import KEPT
+
+    return dataclasses.replace(x, value=checkpoint_name(x.value, KEPT))
 
 
 def module_path(ctx: Context, eqn, outer: str) -> str:
@@ -69,6 +80,8 @@ def _run(ctx: Context, jaxpr, consts, args, repeated) -> list[Sharded]:
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
             outs = rule_for(eqn.primitive)(ctx, eqn, [read(v) for v in eqn.invars])
+        if ctx.remat is not None and ctx.remat.keeps(ctx.path):
+            outs = [_kept(o) for o in outs]
         for var, out in zip(eqn.outvars, outs):
             if not isinstance(var, jcore.DropVar):
                 env[var] = out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -36,6 +37,13 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
         return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(C.vma, init))]), xs, **kwargs)
 
 
+def _remat(body, remat):
+    """The scan body with activation checkpointing per layer (`remat`: a LayerRemat): `full`
+    saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
+    values the interpreter tagged in the kept modules."""
+    return body if remat is None else jax.checkpoint(body, policy=remat.policy())
+
+
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     """One lax.scan over the first block's equations; returns the env entries of the last
     block's outputs."""
@@ -57,7 +65,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         return [o.value for o in outs], None
 
-    final, _ = scan_with_stable_carry(body, [x.value for x in init], stacked, length=blocks.length)
+    final, _ = scan_with_stable_carry(_remat(body, ctx.remat), [x.value for x in init], stacked, length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

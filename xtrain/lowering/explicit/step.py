@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -16,6 +17,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from xtrain.frontend.model import Model
+from xtrain.lowering import accumulation
+from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.explicit import collectives as C
 from xtrain.lowering.explicit import gradient_sync
 from xtrain.lowering.explicit import zero as zero_update
@@ -26,6 +29,7 @@ from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.plan import Spec, _axes_of
+from xtrain.step_options import LayerRemat, StepOptions
 
 
 def _layout(spec: Spec, ndim: int) -> Layout:
@@ -37,8 +41,8 @@ class Program:
     """Builds the per-device forward for one batch shape and records what it emitted."""
 
     def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec,
-                 scan_layers: bool = True):
-        self.model, self.mesh, self.scan_layers = model, mesh, scan_layers
+                 scan_layers: bool = True, remat: LayerRemat | None = None):
+        self.model, self.mesh, self.scan_layers, self.remat = model, mesh, scan_layers, remat
         self.param_specs, self.batch_spec = param_specs, batch_spec
         self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
         self.ctx: Context | None = None
@@ -72,7 +76,8 @@ class Program:
             leaves = jax.tree.leaves((params, buffers, key, batch))
             ins = [Sharded(v, l, tuple(a.shape), a.dtype, param=i < num_params)
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
-            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes)
+            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
+                               remat=self.remat if training else None)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -80,10 +85,15 @@ class Program:
         return local
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
-        if not self.scan_layers:
-            return []
-        probe = Context(dict(self.mesh.shape), self.model.module_paths())
-        self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
+        if self.scan_layers:
+            probe = Context(dict(self.mesh.shape), self.model.module_paths())
+            self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
+        if self.remat is not None and not self.repeated:
+            raise ValueError(
+                f"remat={self.remat.mode.value!r} checkpoints each layer of the layer scan, but "
+                f"{self.model.name} has no repeated blocks to scan"
+                f"{' (scan_layers=False)' if not self.scan_layers else ' (no run of identical blocks.0, blocks.1, ...)'}; "
+                "use remat='off' or scan_layers=True")
         return self.repeated
 
 
@@ -96,31 +106,36 @@ def _global_args(state: TrainState, batch: tuple):
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
           scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None,
-          regather: bool = True):
-    """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
+          regather: bool = True, options: StepOptions = StepOptions(), grad_tx: GradTransforms = GradTransforms()):
+    """jit-compiled (train_step, eval_step, program) for the explicit lowering.
+
+    train_step(state, batch, lrs) -> (state, {"loss", and "grad_norm" when computed})."""
     gradient_sync.check_axes(sync, dict(mesh.shape))
-    program = Program(model, mesh, param_specs, batch_spec, scan_layers)
+    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat=options.layer_remat)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
-                                zero, tx)
+                                zero, tx, grad_tx)
     zero3 = any(set(_axes_of(e)) & set(program.batch_axes) for spec in param_specs.values() for e in spec)
     # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
     sync_axes = {n: () if update.scatters(n) else a for n, a in grad_axes.items()}
+    steps = options.accumulate
 
     def batch_specs(batch):
         return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
 
-    def train_step(state: TrainState, batch: tuple):
-        global_args = _global_args(state, batch)
-        forward = program.forward(True, global_args)
+    def train_step(state: TrainState, batch: tuple, lrs):
+        forward = program.forward(True, _global_args(state, accumulation.micro_shapes(batch, steps)))
 
-        def per_device(state: TrainState, batch):
+        def per_device(state: TrainState, batch, lrs):
             key = jax.random.fold_in(state.key, state.step)
+            scale = state.loss_scale["scale"] if state.loss_scale is not None else None
 
-            def loss_of(params):
-                return forward({**params, **state.frozen}, state.buffers, key, batch)
+            def loss_of(params, buffers, micro, index):
+                micro_key = key if steps == 1 else jax.random.fold_in(key, index)
+                loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
+                return accumulation.objective(loss, scale), (loss, buffers)
 
             if zero3 and regather:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
@@ -130,15 +145,16 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
             params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
                       for n, p in state.params.items()}
-            (loss, buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            loss, buffers, grads = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
             grads = gradient_sync.sync(grads, sync_axes, sync)
-            new_params, opt_state = update(grads, state.opt_state, state.params)
-            return TrainState(new_params, state.frozen, {**state.buffers, **buffers}, opt_state,
-                              state.step + 1, state.key), loss
+            new_params, opt_state, norm = update(grads, state.opt_state, state.params, lrs, scale)
+            new = dataclasses.replace(state, params=new_params, buffers={**state.buffers, **buffers},
+                                      opt_state=opt_state)
+            return finish_step(state, new, loss, norm, grad_tx)
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch)),
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch), PartitionSpec()),
                                out_specs=(specs, PartitionSpec()), check_vma=True)
-        return mapped(state, batch)
+        return mapped(state, batch, lrs)
 
     def eval_step(state: TrainState, batch: tuple):
         global_args = _global_args(state, batch)

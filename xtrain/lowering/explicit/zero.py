@@ -13,6 +13,7 @@ from typing import Mapping
 import optax
 from jax import lax
 
+from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.sharding.plan import Spec, _axes_of
 
 from xtrain.lowering.explicit.collectives import all_gather_invariant  # every device: same new parameter
@@ -31,8 +32,10 @@ class Update:
     """Applies the optax transformation to local shards for a ZeRO stage."""
 
     def __init__(self, sizes: Mapping[str, int], data_axes: tuple[str, ...], param_specs: Mapping[str, Spec],
-                 optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation):
-        self.sizes, self.data_axes, self.stage, self.tx = sizes, data_axes, stage, tx
+                 optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation,
+                 grad_tx: GradTransforms = GradTransforms()):
+        self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
+        self.param_axes = {n: tuple(a for e in s for a in _axes_of(e)) for n, s in param_specs.items()}
         self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
                      for n in param_specs}
 
@@ -54,15 +57,19 @@ class Update:
             return lax.psum_scatter(g, self.data_axes, scatter_dimension=dim, tiled=True)
         return self._slice(g, dim)
 
-    def __call__(self, grads: dict, opt_state, params: dict):
-        """(new parameters, new optimizer state) from synchronised (or, ZeRO-2, raw) grads."""
+    def _split_axes(self, split: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+        """Mesh axes each (local) gradient is split over: its parameter's own, plus the data
+        axes where the optimizer works on a slice (ZeRO-1/2)."""
+        return {n: axes + (self.data_axes if n in split else ()) for n, axes in self.param_axes.items()}
+
+    def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
+        """(new parameters, new optimizer state, global gradient norm or None) from
+        synchronised (or, ZeRO-2, raw) gradients; `lrs` per param group, `scale` fp16's."""
         split = {n: d for n, d in self.dims.items() if d is not None and n in params}
-        if not split:
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
         shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
         shard_g = {n: self._shard_grad(g, split[n]) if n in split else g for n, g in grads.items()}
+        shard_g, norm = self.grad_tx.before_update(shard_g, self._split_axes(split), scale)
         updates, opt_state = self.tx.update(shard_g, opt_state, shard_p)
-        new = optax.apply_updates(shard_p, updates)
+        new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
         return {n: all_gather_invariant(v, self.data_axes, axis=split[n], tiled=True) if n in split else v
-                for n, v in new.items()}, opt_state
+                for n, v in new.items()}, opt_state, norm

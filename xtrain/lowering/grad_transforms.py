@@ -1,0 +1,74 @@
+"""What happens to gradients between the backward pass and the optimizer, and to the update
+after it, the same in both lowerings:
+
+    unscale   fp16: divide by the loss scale (gradients are of loss x scale)
+    norm      the global gradient norm (clipping.global_norm), when clipping or when a
+              non-finite step must be detected (fp16 overflow, detect_nan)
+    clip      torch's clip_grad_norm_ rule
+    lr        each update times its param group's current lr (optim.scale_by_lr)
+    skip      fp16 / detect_nan: a step whose loss or gradient norm is not finite keeps the old
+              parameters, optimizer state and buffers (finish_step); fp16's scale moves
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax.numpy as jnp
+
+from xtrain import optim, precision
+from xtrain.lowering import clipping
+from xtrain.precision import LossScale
+
+
+@dataclasses.dataclass(frozen=True)
+class GradTransforms:
+    """Attributes:
+        max_norm: clip the global gradient norm to this (None: no clipping).
+        lr_groups: parameter name -> param group whose lr scales its update (None: the lr is
+            inside the optax transformation).
+        check_finite: skip a step whose loss or gradient norm is not finite (detect_nan).
+        loss_scale: fp16's dynamic loss scale rule (implies check_finite).
+    """
+
+    max_norm: float | None = None
+    lr_groups: Mapping[str, int] | None = None
+    check_finite: bool = False
+    loss_scale: LossScale | None = None
+
+    @property
+    def skips(self) -> bool:
+        return self.check_finite or self.loss_scale is not None
+
+    @property
+    def needs_norm(self) -> bool:
+        return self.max_norm is not None or self.skips
+
+    def before_update(self, grads: Mapping, split_axes: Mapping[str, tuple[str, ...]], scale=None):
+        """(gradients unscaled and clipped, global norm or None)."""
+        grads = dict(grads) if scale is None else {n: g / scale.astype(g.dtype) for n, g in grads.items()}
+        norm = clipping.global_norm(grads, split_axes) if self.needs_norm else None
+        if self.max_norm is not None:
+            grads = clipping.clip(grads, norm, self.max_norm)
+        return grads, norm
+
+    def scale_lr(self, updates: Mapping, lrs) -> dict:
+        return optim.scale_by_lr(updates, lrs, self.lr_groups)
+
+
+def finish_step(old, new, loss, norm, grad_tx: GradTransforms):
+    """(next TrainState, step outputs): counts the step; under fp16 / detect_nan keeps `old`'s
+    parameters, optimizer state and buffers when the step is not finite and moves the loss
+    scale. Outputs: loss, grad_norm (pre-clip, when computed), skipped and loss_scale."""
+    out = {"loss": loss} if norm is None else {"loss": loss, "grad_norm": norm}
+    new = dataclasses.replace(new, step=old.step + 1)
+    if not grad_tx.skips:
+        return new, out
+    finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+    kept = precision.keep_if(finite, (new.params, new.opt_state, new.buffers), (old.params, old.opt_state, old.buffers))
+    new = dataclasses.replace(new, params=kept[0], opt_state=kept[1], buffers=kept[2])
+    out["skipped"] = ~finite
+    if old.loss_scale is not None:
+        out["loss_scale"] = old.loss_scale["scale"]
+        new = dataclasses.replace(new, loss_scale=precision.next_state(old.loss_scale, finite, grad_tx.loss_scale))
+    return new, out

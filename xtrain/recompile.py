@@ -1,0 +1,33 @@
+"""The recompilation guard: a step call whose batch differs in shape or dtype from the one the
+step was compiled for would compile a new program (minutes on a real model); by default that
+is an error naming the input and how it changed."""
+from __future__ import annotations
+
+from typing import Any
+
+Signature = tuple  # per batch argument: (shape, dtype) of an array, or the Python value
+
+
+def signature(batch: tuple) -> Signature:
+    return tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else ("value", repr(x)) for x in batch)
+
+
+def _describe(entry: Any) -> str:
+    if entry[0] == "value":
+        return f"the value {entry[1]}"
+    return f"shape {entry[0]} dtype {entry[1]}"
+
+
+def check(compiled_for: Signature, now: Signature) -> None:
+    """Raises ValueError naming every batch argument whose shape/dtype (or value) changed."""
+    if compiled_for == now:
+        return
+    if len(compiled_for) != len(now):
+        changes = [f"{len(compiled_for)} batch arguments -> {len(now)}"]
+    else:
+        changes = [f"batch argument {i}: {_describe(a)} -> {_describe(b)}"
+                   for i, (a, b) in enumerate(zip(compiled_for, now)) if a != b]
+    raise ValueError(
+        "this step would recompile: the batch differs from the one it was compiled for ("
+        + "; ".join(changes) + "). Pad or bucket batches to a fixed set of shapes, or pass "
+        "xtrain.compile(..., allow_recompile=True) to compile one step per shape")
