@@ -64,8 +64,11 @@ class TrainStep:
             self._train, self._eval, self._program = explicit_step.build(
                 model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=_regather_default() if zero3_regather is None else zero3_regather)
+                regather=_regather_default() if zero3_regather is None else zero3_regather, remat=plan.remat)
         else:
+            if plan.remat:
+                raise ValueError("Plan(remat=True) is an explicit-lowering pass (the layer scan); "
+                                 "use lowering='explicit' or drop remat")
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None
 

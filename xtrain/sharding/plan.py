@@ -45,12 +45,16 @@ class Plan:
             1: optimizer state split; 2: also gradients reduce-scattered; 3: also parameters
             split (gathered per use). Tensors with no dimension divisible by the data size
             stay whole (the report lists them).
+        remat: activation checkpointing of the layer stack (explicit lowering, with
+            `scan_layers`): each repeated block keeps only its input for the backward pass and
+            recomputes the rest, trading about one more forward pass for activation memory.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
     batch: Sequence[AxisEntry] | str | None = None
     notes: tuple[str, ...] = ()
     zero: int = 0
+    remat: bool = False
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -63,7 +67,7 @@ class Plan:
     def __str__(self) -> str:
         """One line per rule, then the notes: what `print(plan)` shows."""
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
-        lines = [f"Plan(batch={batch}, zero={self.zero})"]
+        lines = [f"Plan(batch={batch}, zero={self.zero}{', remat=True' if self.remat else ''})"]
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]

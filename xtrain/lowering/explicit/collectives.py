@@ -43,6 +43,7 @@ class Context:
     batch_axes: tuple = ()  # axes the batch is split on (gathers of parameters over them are ZeRO-3's)
     fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
     path: str = ""
+    remat: bool = False  # checkpoint each repeated block (Plan.remat)
     # conversions already emitted in the jaxpr being interpreted (see `memoized`)
     memo: dict = dataclasses.field(default_factory=dict)
 

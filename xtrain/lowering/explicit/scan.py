@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -57,7 +58,9 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         return [o.value for o in outs], None
 
-    final, _ = scan_with_stable_carry(body, [x.value for x in init], stacked, length=blocks.length)
+    # Plan.remat: the backward pass recomputes each block from its input (saved per layer)
+    step = jax.checkpoint(body, prevent_cse=False) if ctx.remat else body
+    final, _ = scan_with_stable_carry(step, [x.value for x in init], stacked, length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

@@ -37,8 +37,8 @@ class Program:
     """Builds the per-device forward for one batch shape and records what it emitted."""
 
     def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec,
-                 scan_layers: bool = True):
-        self.model, self.mesh, self.scan_layers = model, mesh, scan_layers
+                 scan_layers: bool = True, remat: bool = False):
+        self.model, self.mesh, self.scan_layers, self.remat = model, mesh, scan_layers, remat
         self.param_specs, self.batch_spec = param_specs, batch_spec
         self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
         self.ctx: Context | None = None
@@ -72,7 +72,8 @@ class Program:
             leaves = jax.tree.leaves((params, buffers, key, batch))
             ins = [Sharded(v, l, tuple(a.shape), a.dtype, param=i < num_params)
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
-            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes)
+            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
+                               remat=self.remat)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -96,10 +97,10 @@ def _global_args(state: TrainState, batch: tuple):
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
           scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None,
-          regather: bool = True):
+          regather: bool = True, remat: bool = False):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering."""
     gradient_sync.check_axes(sync, dict(mesh.shape))
-    program = Program(model, mesh, param_specs, batch_spec, scan_layers)
+    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
