@@ -121,6 +121,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # Assumption (not in the cited Neuron pages, which give no per-link rate): NeuronLink-v2 at
     # ~192 GB/s per Trainium chip (4 links), shared by its 2 cores -> 96 GB/s per core.
     # neuronx-cc auto-casts fp32 matmuls to bf16 by default (--auto-cast matmult).
+    _from_topology("trn1.2xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
     _from_topology("trn1.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
     _from_topology("trn1n.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
     # HBM: Neuron docs, Trainium2 NKI guide: 96 GiB at 2.9 TB/s per chip (topology.py has no

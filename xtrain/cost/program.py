@@ -86,7 +86,7 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     train, _, _ = explicit_step.build(model, tx, shardings, mesh, param_specs, batch_spec, grad_sync or GradSync(),
                                       scan_layers, zero=plan.zero, optimizer_specs=optimizer_specs,
                                       regather=regather, remat=plan.remat)
-    shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
+    shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
     program = jax.make_jaxpr(train)(state, shaped)
     grad_specs = optimizer_specs if plan.zero == 2 else param_specs
     return AbstractStep(program, param_specs, optimizer_specs, data_axes,

@@ -29,8 +29,10 @@ from xtrain.lowering.explicit import accounting
 from xtrain.sharding.plan import Plan
 
 # Candidates within this share of the fastest count as tied; the simplest of them is picked
-# (less tensor parallelism, lower ZeRO stage, no recomputation): a model-error-sized margin.
-TIE = 0.03
+# (less tensor parallelism, lower ZeRO stage, no recomputation): the margin is about the
+# model's error on elementwise traffic, which it counts unfused.
+TIE = 0.10
+SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,7 +119,7 @@ class SearchResult:
                 if i and self.rows[i - 1].prediction is None and self.rows[i - 1].reason == row.reason:
                     continue
                 same = sum(1 for _ in _run(self.rows[i:], row.reason))
-                name = row.candidate.name.split(" ")[0] + (f" ({same} variants)" if same > 1 else "")
+                name = row.candidate.name.split(" ")[0] + f" ({same} variants)" if same > 1 else row.candidate.name
                 lines.append(f"{mark}{name:<24}{'-':>14}{'-':>6}{'':>52}  {row.reason}")
                 continue
             comm = sum(p.comm_s.values())
@@ -187,7 +189,8 @@ def step_cost(step: program_mod.AbstractStep, sizes: dict[str, int], tokens: int
         tokens=tokens, pipeline=pipeline)
 
 
-def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: HardwareProfile) -> Row:
+def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: HardwareProfile, *,
+             regather: bool = True) -> Row:
     """Lowers `candidate` for an abstract mesh and predicts it on `profile`."""
     sizes = candidate.mesh
     if batch[0].shape[0] % candidate.data:
@@ -195,7 +198,7 @@ def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: Har
                                                f"data={candidate.data}")
     try:
         plan = candidate.plan(module)
-        traced = program_mod.abstract_step(model, tx, sizes, plan, batch)
+        traced = program_mod.abstract_step(model, tx, sizes, plan, batch, regather=regather)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
     cost = step_cost(traced, sizes, _tokens(batch), model.module_paths(),
@@ -229,7 +232,8 @@ def pick(rows: Sequence[Row]) -> Row | None:
 
 
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, module: Any = None,
-           target: str | None = None, candidate_list: Sequence[Candidate] | None = None) -> SearchResult:
+           target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
+           regather: bool = True) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -237,7 +241,15 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
         module: the torch module (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile)`).
+        regather: ZeRO-3 re-gathers weights in the backward pass (as the step on that backend will).
     """
     todo = candidate_list if candidate_list is not None else candidates(devices, profile)
-    rows = _with_model_mfu([evaluate(model, tx, module, c, batch, profile) for c in todo], profile)
+    done = {c: evaluate(model, tx, module, c, batch, profile, regather=regather) for c in todo if not c.remat}
+    for c in todo:
+        if c.remat:
+            plain = done.get(dataclasses.replace(c, remat=False))
+            # recomputation never makes a step faster: only worth lowering when memory is short
+            done[c] = Row(candidate=c, reason=SKIPPED_REMAT) if plain is not None and plain.usable else \
+                evaluate(model, tx, module, c, batch, profile, regather=regather)
+    rows = _with_model_mfu([done[c] for c in todo], profile)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
