@@ -88,6 +88,19 @@ class PlanProbe:
         raise SystemExit(0)
 
 
+def _agreed(result: SearchResult):
+    """The pick of process 0 in every process: each calibrates its own profile, and a job whose
+    processes compiled different plans would deadlock in its first collective."""
+    import jax
+
+    if jax.process_count() == 1:
+        return result.best
+    from jax.experimental import multihost_utils
+
+    index = multihost_utils.broadcast_one_to_all(np.int32(result.rows.index(result.best)))
+    return result.rows[int(index)]
+
+
 class AutoStep:
     """`plan="auto"`: at the first `step(*batch)` the search runs for the current devices and
     the pick is compiled; every later call (and attribute) goes to that TrainStep.
@@ -107,7 +120,7 @@ class AutoStep:
                                  module=self._module, regather=_regather_default())
             if self.search.best is None:
                 raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
-            best = self.search.best.candidate
+            best = _agreed(self.search).candidate
             self._step = self._build(best.mesh, best.plan(self._module))
         return self._step(*batch)
 

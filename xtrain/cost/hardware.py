@@ -156,7 +156,7 @@ def _host_rates() -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     a = jax.device_put(jnp.ones((384, 384), jnp.float32), device)
     matmul = _best_time(jax.jit(lambda x: x @ x @ x @ x), a)
     v = jax.device_put(jnp.ones((1 << 21,), jnp.float32), device)
@@ -170,7 +170,7 @@ def _collective_rates(n: int) -> tuple[float, float]:
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec
 
-    mesh = Mesh(jax.devices()[:n], ("x",))
+    mesh = Mesh(jax.local_devices()[:n], ("x",))
     psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                  out_specs=PartitionSpec("x")))
     tiny = _best_time(psum, jnp.ones((n, 8), jnp.float32))
@@ -186,18 +186,23 @@ def _collective_rates(n: int) -> tuple[float, float]:
 def emulated(devices: int | None = None) -> HardwareProfile:
     """This machine's emulated mesh, calibrated now (about a second; cached per process).
 
-    The N emulated devices share the host's cores, so one device's share of the host is 1/N
-    of what it measures alone: peak and bandwidth are divided by N. Collectives are memory
-    copies in one process; their rate and per-step latency are measured on a psum over N."""
+    The devices of one process share its cores, so one device's share is 1/L of what it
+    measures alone (L: devices per process): peak and bandwidth are divided by L. Collectives
+    are memory copies inside a process; their rate and per-step latency are measured on a psum
+    over the process's devices (with one device per process, gloo between processes is not
+    measured: the memory-copy rate stands in, and the notes say so)."""
+    import os
+
     import jax
 
     n = devices or jax.device_count()
     if jax.devices()[0].platform != "cpu":
         raise ValueError(f"emulated(): the devices are {jax.devices()[0].platform}, not CPU; use "
                          "profile('<instance type>') for real accelerators")
+    local = min(n, len(jax.local_devices()))
     matmul, elementwise = _host_rates()
-    link, latency = _collective_rates(n) if n > 1 else (elementwise, 0.0)
-    import os
+    matmul, elementwise = matmul * n / local, elementwise * n / local  # divided by n below
+    link, latency = _collective_rates(local) if local > 1 else (elementwise / n, 0.0)
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return HardwareProfile(
@@ -206,6 +211,7 @@ def emulated(devices: int | None = None) -> HardwareProfile:
         hbm_bytes=memory // n, hbm_bytes_per_s=elementwise / n,
         intra_node_bytes_per_s=link, inter_node_bytes_per_s=link,
         intra_node_latency_s=latency, inter_node_latency_s=latency, overlap=0.0,
-        notes=(f"{n} XLA CPU devices time-sharing {len(os.sched_getaffinity(0))} host cores; collectives are "
-               f"memory copies (measured {link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); "
-               f"matmul {matmul / 1e9:.1f} GFLOP/s for the whole host"))
+        notes=(f"{n} XLA CPU devices, {local} per process time-sharing {len(os.sched_getaffinity(0))} host "
+               f"cores; collectives are memory copies ({'measured' if local > 1 else 'NOT measured, assumed'} "
+               f"{link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); matmul "
+               f"{matmul * local / n / 1e9:.1f} GFLOP/s per process"))

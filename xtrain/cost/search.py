@@ -231,6 +231,16 @@ def pick(rows: Sequence[Row]) -> Row | None:
     return min(tied, key=lambda r: (r.candidate.simplicity(), r.prediction.step_s))
 
 
+def search_torch(module, optimizer, batch: tuple, profile: HardwareProfile, devices: int, *,
+                 loss_fn=None, **kwargs) -> SearchResult:
+    """`search` for a torch module and its torch optimizer (as `xtrain.compile` takes them)."""
+    from xtrain.api import _torch_model
+    from xtrain.cost.auto import _host_batch
+
+    wrapped, tx, _ = _torch_model(module, optimizer, loss_fn)
+    return search(wrapped, tx, _host_batch(batch), profile, devices, module=module, **kwargs)
+
+
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, module: Any = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True) -> SearchResult:
