@@ -56,7 +56,8 @@ def main() -> None:
     candidates = [search.Candidate(**p) for p in PLANS]
     opt = lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01)  # noqa: E731
     predicted = search.search_torch(model, opt(model), data[0], profile, 8, candidate_list=candidates,
-                                    regather=False)  # the CPU runtime keeps ZeRO-3 weights (xtrain.step)
+                                    regather=False,  # the CPU runtime keeps ZeRO-3 weights (xtrain.step)
+                                    prune_remat=False)
     steps, compile_s = {}, {}
     for c in candidates:
         m = copy.deepcopy(model)

@@ -74,7 +74,7 @@ def configs(nproc: int) -> list[Config]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)

@@ -101,6 +101,15 @@ def test_flops_agree_with_xla_cost_analysis_within_15_percent():
     xla = step.compiled(x, y).cost_analysis()["flops"]
     assert 0.7 * xla <= ours.dot <= xla
     assert abs(ours.total - xla) / xla < 0.15, (ours, xla)
+    # the compiled step's cost: XLA's memory analysis, and the graph estimate of the same plan
+    cost = search.compiled_step_cost(step, x, y)
+    assert cost.memory.source == "xla" and cost.memory.parameters > 0
+    _, wrapped, tx = wrapped_gpt()
+    graph = search.step_cost(abstract_step(wrapped, tx, {"data": 8}, xtrain.Plan(), host_batch()),
+                             {"data": 8}, 16 * 16)
+    assert graph.memory.source == "graph"
+    assert 0.25 < graph.memory.total / cost.memory.total < 4, (graph.memory, cost.memory)
+    assert hardware.emulated(8).hbm_bytes > 0 and cost.flops.dot == ours.dot
 
 
 # -- hardware ---------------------------------------------------------------------------------

@@ -243,7 +243,7 @@ def search_torch(module, optimizer, batch: tuple, profile: HardwareProfile, devi
 
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, module: Any = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
-           regather: bool = True) -> SearchResult:
+           regather: bool = True, prune_remat: bool = True) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -252,6 +252,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
         module: the torch module (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile)`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step on that backend will).
+        prune_remat: lower a remat candidate only when its plan without remat does not fit.
     """
     todo = candidate_list if candidate_list is not None else candidates(devices, profile)
     done = {c: evaluate(model, tx, module, c, batch, profile, regather=regather) for c in todo if not c.remat}
@@ -259,7 +260,22 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
         if c.remat:
             plain = done.get(dataclasses.replace(c, remat=False))
             # recomputation never makes a step faster: only worth lowering when memory is short
-            done[c] = Row(candidate=c, reason=SKIPPED_REMAT) if plain is not None and plain.usable else \
+            skip = prune_remat and plain is not None and plain.usable
+            done[c] = Row(candidate=c, reason=SKIPPED_REMAT) if skip else \
                 evaluate(model, tx, module, c, batch, profile, regather=regather)
     rows = _with_model_mfu([done[c] for c in todo], profile)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
+
+
+def compiled_step_cost(step, *batch) -> cost_model.StepCost:
+    """The StepCost of a compiled TrainStep (explicit lowering) for `batch`: its program's FLOPs
+    and collectives, and memory from XLA's memory analysis of the compiled step."""
+    if step.lowering != "explicit":
+        raise ValueError(f"compiled_step_cost reads xtrain's emitted program; this step uses lowering={step.lowering!r}")
+    rep = step.report(*batch)
+    program = step.program(*batch)
+    sizes = dict(step.mesh.shape)
+    data_axes = tuple(a for e in step.batch_spec for a in ((e,) if isinstance(e, str) else (e or ())))
+    memory = cost_model.memory_from_compiled(step.compiled(*batch), rep.state_memory)
+    return cost_model.StepCost(flops=flops_mod.count(program), collectives=rep.collectives, mesh=sizes,
+                               data_axes=data_axes, memory=memory, tokens=_tokens(batch))
