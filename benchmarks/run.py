@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--skip-cost-check", action="store_true")
+    p.add_argument("--cost-steps", type=int, default=12, help="timed steps per plan in the cost check")
+    p.add_argument("--cost-check-only", action="store_true",
+                   help="rerun only the cost check; the side-by-side part comes from results/benchmarks.json")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -121,7 +124,7 @@ def measure(args) -> dict[str, dict[str, list[dict]]]:
 
 def cost_check(args) -> dict:
     cmd = [sys.executable, str(HERE / "cost_check.py"), *MODELS["gpt-small"], "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", "5", "--warmup", "1"]
+           "--seq", str(args.seq), "--steps", str(args.cost_steps), "--warmup", "1"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     proc = subprocess.run(cmd, env={**env, "PYTHONPATH": str(HERE.parent)}, capture_output=True, text=True,
                           timeout=1200)
@@ -262,8 +265,17 @@ def main(argv=None) -> None:
         return
     dvx.check_xla_flags()
     load = os.getloadavg()[0]
-    results = measure(args)
+    raw = args.out / "benchmarks.json"
+    if args.cost_check_only:
+        saved = json.loads(raw.read_text())
+        results, load = saved["side_by_side"], saved["load_before"]
+        args = argparse.Namespace(**{**saved["args"], **{k: v for k, v in vars(args).items() if k.startswith("cost")},
+                                     "out": args.out})
+    else:
+        results = measure(args)
     check = {"error": "skipped (--skip-cost-check)"} if args.skip_cost_check else cost_check(args)
+    raw.write_text(json.dumps({"side_by_side": results, "cost_check": check, "load_before": load,
+                               "args": {k: v for k, v in vars(args).items() if k != "out"}}, indent=1))
     text = report(results, check, args, (load, os.getloadavg()[0]))
     print("\n" + text)
     (args.out / "benchmarks.md").write_text(text)
