@@ -6,7 +6,8 @@
 Runs, side by side in one process: xtrain's explicit lowering, xtrain with XLA's partitioner
 (same plan), and torch eager on the same device (CUDA when present), all fp32 with TF32
 matmuls allowed on both sides. MFU = model FLOPs (6 x non-embedding params + attention, per
-token, forward and backward) x tokens/s / peak. Peaks are per device and cited below.
+token, forward and backward) x tokens/s / peak. Peaks per device: xtrain.cost.hardware.peak_flops
+(cited there).
 """
 from __future__ import annotations
 
@@ -24,10 +25,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import xtrain  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
-# Dense peak FLOP/s per device. H200/H100 SXM: NVIDIA H200 datasheet (989 TFLOP/s BF16 tensor,
-# 494 TF32 tensor, without sparsity). A100 SXM: NVIDIA A100 datasheet (312 BF16, 156 TF32).
-PEAKS = {"H200": {"bf16": 989e12, "tf32": 494e12}, "H100": {"bf16": 989e12, "tf32": 494e12},
-         "A100": {"bf16": 312e12, "tf32": 156e12}}
 
 
 def parse_args(argv=None):
@@ -103,7 +100,10 @@ def main(argv=None):
     flops_token = model_flops_per_token(cfg, params)
     tokens = args.batch * args.seq
     kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in PEAKS.items() if k in kind), None)
+    from xtrain.cost.hardware import peak_flops
+
+    peak = {d: peak_flops(kind, d) for d in ("tf32", "bf16")}
+    peak = peak if all(peak.values()) else None
     rows = []
     for name, fn in [("xtrain explicit", lambda: time_xtrain(cfg, args, "explicit")),
                      ("xtrain xla", lambda: time_xtrain(cfg, args, "xla")),

@@ -44,16 +44,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lowering", default="xla", help="xtrain lowering (bench_xtrain.py only)")
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                   help="gpt: examples/gpt_model.py; llama: HF LlamaForCausalLM of the same width (SwiGLU, GQA)")
+    p.add_argument("--plan", default="ddp", choices=("ddp", "auto"),
+                   help="bench_xtrain.py: the default data-parallel plan, or plan='auto' (the cost model's pick)")
+    p.add_argument("--report", action="store_true",
+                   help="bench_xtrain.py: also emit step.report()'s wire bytes and XLA memory per device")
     return p.parse_args(argv)
 
 
 def build_model(args):
-    """The example's GPT, with the same initial weights in every process and framework."""
+    """The example's GPT (or a tiny HF Llama), with the same initial weights in every process
+    and framework; `model(x, y)` returns the mean next-token loss."""
     import torch
     from gpt_model import GPT, GPTConfig
 
     torch.manual_seed(args.seed)
+    if getattr(args, "model", "gpt") == "llama":
+        return LlamaLM(args)
     return GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads))
+
+
+def _llama_base():
+    import torch
+
+    class LlamaLM(torch.nn.Module):
+        """HF Llama with forward(x, y) -> loss on already shifted targets (as the GPT's)."""
+
+        def __init__(self, args):
+            super().__init__()
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            self.lm = LlamaForCausalLM(LlamaConfig(
+                vocab_size=256, hidden_size=args.d_model, intermediate_size=2 * args.d_model,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.seq,
+                bos_token_id=0, eos_token_id=0))
+
+        def forward(self, x, y):
+            logits = self.lm(input_ids=x).logits  # (B, T, V)
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return LlamaLM
+
+
+def LlamaLM(args):  # noqa: N802 (a class built on first use: transformers loads only for llama)
+    return _llama_base()(args)
 
 
 def batches(args) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -65,6 +101,9 @@ def batches(args) -> list[tuple[np.ndarray, np.ndarray]]:
     return [sample_batch(tokens, rng, args.batch, args.seq) for _ in range(args.warmup + args.steps)]
 
 
+FIRST_STEP_S: list[float] = []  # the first step's wall time (compilation, for xtrain), set by timed_loop
+
+
 def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[float]]:
     """Calls `step_fn(x, y) -> float loss` on each batch; returns (losses, seconds of timed steps).
     `step_fn` must return a host float, so each step has finished when the clock stops."""
@@ -72,6 +111,8 @@ def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[flo
     for i, (x, y) in enumerate(all_batches):
         start = time.perf_counter()
         losses.append(step_fn(x, y))
+        if i == 0:
+            FIRST_STEP_S[:] = [time.perf_counter() - start]
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
     return losses, seconds
@@ -79,5 +120,9 @@ def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[flo
 
 def emit(framework: str, losses: list[float], seconds: list[float], **extra) -> None:
     """Prints the result line the driver parses."""
-    record = dict(framework=framework, step_s=seconds, first_loss=losses[0], last_loss=losses[-1], **extra)
+    import resource
+
+    record = dict(framework=framework, step_s=seconds, first_loss=losses[0], last_loss=losses[-1],
+                  first_step_s=FIRST_STEP_S[0] if FIRST_STEP_S else None,
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extra)
     print(RESULT_PREFIX + json.dumps(record), flush=True)

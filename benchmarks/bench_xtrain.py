@@ -20,12 +20,20 @@ def main() -> None:
 
     model = bench_common.build_model(args)
     step = xtrain.compile(model, xtrain.Mesh(data=-1), lowering=args.lowering,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
+                          plan="auto" if args.plan == "auto" else None)
     losses, seconds = bench_common.timed_loop(lambda x, y: step(x, y)["loss"], bench_common.batches(args),
                                               args.warmup)
+    extra = {}
+    if args.report:  # every process compiles it (one multi-process program); rank 0 reports
+        rep = step.report()
+        extra = dict(wire_bytes=sum(c.wire_bytes for c in rep.collectives), collectives=len(rep.collectives),
+                     device_memory=rep.memory.get("arguments", 0) + rep.memory.get("temporaries", 0))
+    if args.plan == "auto":
+        extra["pick"] = step.search.best.candidate.name
     if env.process_id == 0:
         bench_common.emit("xtrain", losses, seconds, processes=env.num_processes, devices=jax.device_count(),
-                          core=CORE, lowering=args.lowering)
+                          core=CORE, lowering=args.lowering, **extra)
 
 
 if __name__ == "__main__":

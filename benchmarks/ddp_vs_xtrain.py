@@ -113,7 +113,7 @@ def check_xla_flags() -> None:
 def command(run: Run, args) -> list[str]:
     worker = [str(HERE / run.worker), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
-              "--d-model", str(args.d_model), *run.extra]
+              "--d-model", str(args.d_model), *run.extra, *getattr(args, "model_args", ())]
     if run.processes == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.processes}",

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import xtrain
-from xtrain.testing import assert_parity, run_parity, torch_reference
+from xtrain.testing import assert_parity, run_parity
 
-from models import CNN, GPT, MLP, mlp_batches, token_batches
+from models import GPT, MLP, mlp_batches, token_batches
 
 
 def sgd(params):

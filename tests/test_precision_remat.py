@@ -150,7 +150,7 @@ def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     for remat, keep in (("full", ()), ("selective", ("blocks.*.attn",))):
         candidate = copy.deepcopy(model)
         step = xtrain.compile(candidate, xtrain.Mesh(data=8), optimizer=adamw(candidate.parameters()),
-                              remat=remat, remat_keep=keep)
+                              plan=xtrain.Plan(remat=remat, remat_keep=keep))
         losses = [step(*b)["loss"] for b in batches]
         assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
         temps[remat] = remat_note(step)
@@ -162,11 +162,15 @@ def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
 
 def test_remat_without_a_layer_scan_is_an_error():
     model = MLP()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat="full")
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
+                          plan=xtrain.Plan(remat="full"))
     with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the layer scan, but MLP has no "
                                          r"repeated blocks to scan"):
         step(*mlp_batches(n=1)[0])
-    with pytest.raises(ValueError, match=r"remat='some' must be one of \['off', 'full', 'dots', 'selective'\]"):
-        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat="some")
-    with pytest.raises(ValueError, match=r"remat_keep=\(\) with remat='selective': remat='selective' needs remat_keep"):
-        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), remat="selective")
+    with pytest.raises(ValueError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots', 'selective'\]"):
+        xtrain.Plan(remat="some")
+    with pytest.raises(ValueError, match=r"Plan\(remat='selective', remat_keep=\(\)\): remat='selective' needs remat_keep"):
+        xtrain.Plan(remat="selective")
+    with pytest.raises(ValueError, match=r"Plan\(remat='full'\) checkpoints each layer of the explicit lowering"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
+                       plan=xtrain.Plan(remat="full"), lowering="xla")

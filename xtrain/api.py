@@ -1,6 +1,7 @@
 """`xtrain.compile`: the one entry point from a model to a distributed training step."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import optax
@@ -33,12 +34,12 @@ def _jax_model(fn, params, optimizer):
     return wrapped, optimizer, set(wrapped.param_names), None
 
 
-def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | None = None,
+def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | str | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
             lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
             zero3_regather: bool | None = None, init_from: str | None = None,
-            clip_grad_norm: float | None = None, accumulate: int = 1, remat: str = "off",
-            remat_keep: tuple[str, ...] = (), detect_nan: bool = False, allow_recompile: bool = False):
+            clip_grad_norm: float | None = None, accumulate: int = 1, detect_nan: bool = False,
+            allow_recompile: bool = False):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -48,7 +49,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         optimizer: a torch.optim optimizer over `model.parameters()` (SGD, Adam, AdamW), or an
             optax transformation for JAX functions.
         plan: how tensors are split over the mesh; default: parameters replicated, batch
-            split over `data`.
+            split over `data`. "auto": the cost model's pick (xtrain.cost.search) for the
+            current devices, chosen at the first step call (it needs the batch shapes); the
+            mesh then comes from the pick, so `mesh` may only fix the device count.
         loss_fn: `loss_fn(model, *batch) -> scalar tensor` for torch models whose forward does
             not return the loss.
         params: initial parameters (pytree) of a JAX function.
@@ -65,10 +68,11 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             device (`with torch.device("meta"): model = ...`) and never exist whole in memory.
         scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
             (explicit lowering); compile time then stays flat in depth.
-        clip_grad_norm, accumulate, remat, remat_keep, detect_nan, allow_recompile: see
+        clip_grad_norm, accumulate, detect_nan, allow_recompile: see
             `xtrain.step_options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
-            without recompiling. Precision is the plan's (`Plan(precision="bf16")`).
+            without recompiling. Precision and activation checkpointing are the plan's
+            (`Plan(precision="bf16", remat="full")`).
 
     Returns:
         A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float, ...}.
@@ -82,8 +86,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
 
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
-    options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, remat=remat, remat_keep=remat_keep,
-                          detect_nan=detect_nan, allow_recompile=allow_recompile)
+    options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, detect_nan=detect_nan,
+                          allow_recompile=allow_recompile)
     runtime.init()
     mesh = Mesh(data=-1) if mesh is None else mesh
     if isinstance(model, torch.nn.Module):
@@ -92,7 +96,34 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         wrapped, tx, optimized, learning_rates = _jax_model(model, params, optimizer)
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
-    return TrainStep(wrapped, mesh.build(), plan or Plan(), tx, optimized, seed=seed,
-                     lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
-                     zero3_regather=zero3_regather, init_from=init_from, options=options,
-                     learning_rates=learning_rates)
+    def build(built_mesh, chosen: Plan) -> TrainStep:
+        return TrainStep(wrapped, built_mesh, chosen, tx, optimized, seed=seed, lowering=lowering,
+                         grad_sync=grad_sync, scan_layers=scan_layers, zero3_regather=zero3_regather,
+                         init_from=init_from, options=options, learning_rates=learning_rates)
+
+    special = _special_plan(plan, lowering, wrapped, tx, model, mesh, build)
+    return special if special is not None else build(mesh.build(), plan or Plan())
+
+
+def _special_plan(plan, lowering: str, wrapped, tx, module, mesh: Mesh, build):
+    """The step for `xtrain plan` (a probe that prints the search) and for plan="auto"; None
+    for an ordinary Plan."""
+    import os
+
+    from xtrain.cost import auto
+
+    module = module if hasattr(module, "named_modules") else None
+    if os.environ.get(auto.PLAN_TARGET):
+        return auto.PlanProbe(wrapped, tx, module, os.environ[auto.PLAN_TARGET])
+    if isinstance(plan, str) and plan != "auto":
+        raise ValueError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
+    if plan != "auto":
+        return None
+    if lowering != "explicit":
+        raise ValueError("plan='auto' searches plans of the explicit lowering; use lowering='explicit'")
+    from xtrain.runtime import job_devices
+
+    devices = len(job_devices())
+    if math.prod(mesh.resolve(devices).values()) != devices:
+        raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
+    return auto.AutoStep(wrapped, tx, module, devices, lambda sizes, chosen: build(Mesh(**sizes).build(), chosen))

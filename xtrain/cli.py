@@ -3,6 +3,7 @@
     xtrain env [--emulate trn1.32xlarge:2] [--instance-type T]   what xtrain detects and would do
     xtrain run [--nproc-per-node N] [--nnodes N] ... train.py [args]   torchrun with backend defaults
     xtrain report train.py [args]                                  the step's report, no training
+    xtrain plan --target trn1.32xlarge:4 train.py [args]           candidate plans for a cluster, no training
 
 `xtrain run` builds a torchrun command line (`launch_command`, a pure function) and execs it.
 Defaults: one process per GPU; on Trainium one process per node (`--layout process-per-core`:
@@ -268,6 +269,12 @@ def _parser() -> argparse.ArgumentParser:
                          "without training: its first step(...) call prints step.report() and exits")
     rep.add_argument("script")
     rep.add_argument("args", nargs=argparse.REMAINDER)
+    pl = sub.add_parser("plan", help="predict memory, step time, tokens/s and MFU of candidate plans for a "
+                        "target cluster and pick one; lowers for an abstract mesh (no devices of that kind needed)")
+    pl.add_argument("--target", required=True, help="INSTANCE[:NODES] (e.g. trn1.32xlarge:4) or emulated[:N]")
+    pl.add_argument("--global-batch", type=int, help="global batch for the target (default: the script's)")
+    pl.add_argument("script")
+    pl.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -281,6 +288,22 @@ def report(script: str, args: Sequence[str]) -> int:
     return subprocess.run([sys.executable, script, *args], env={**os.environ, REPORT_ONLY: "1"}).returncode
 
 
+def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None) -> int:
+    """Runs `script` with XTRAIN_PLAN_TARGET set: its xtrain.compile returns a probe whose first
+    step(...) call prints the plan search for `target` and exits 0. Returns the exit status."""
+    import subprocess
+
+    from neuron_support.topology import parse_cluster
+    from xtrain.cost.auto import PLAN_GLOBAL_BATCH, PLAN_TARGET
+
+    if not target.startswith("emulated"):
+        parse_cluster(target)  # a bad target fails here, before the script runs
+    if global_batch is not None and global_batch < 1:
+        raise ValueError(f"--global-batch {global_batch} must be >= 1")
+    env = {**os.environ, PLAN_TARGET: target, **({PLAN_GLOBAL_BATCH: str(global_batch)} if global_batch else {})}
+    return subprocess.run([sys.executable, script, *args], env=env).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
@@ -289,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if ns.command == "report":
             return report(ns.script, ns.args)
+        if ns.command == "plan":
+            return plan(ns.script, ns.args, ns.target, ns.global_batch)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate)

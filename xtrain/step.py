@@ -1,7 +1,6 @@
 """The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -16,7 +15,8 @@ from xtrain import data, precision, recompile
 from xtrain.lowering import accumulation, nan_check
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.optim import LearningRates
-from xtrain.step_options import Remat, StepOptions
+from xtrain.remat import Remat
+from xtrain.step_options import StepOptions
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
@@ -80,8 +80,11 @@ class TrainStep:
                 grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
                 regather=_regather_default() if zero3_regather is None else zero3_regather, grad_tx=grad_tx)
-            self._train, self._eval, self._program = self._build(options=options)
+            self._train, self._eval, self._program = self._build(options=options, remat=plan.layer_remat())
         else:
+            if plan.remat is not Remat.OFF:
+                raise ValueError(f"Plan(remat={plan.remat.value!r}) checkpoints each layer of the explicit "
+                                 "lowering's layer scan; use lowering='explicit' or remat='off'")
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
         self._compiled_for: recompile.Signature | None = None
@@ -256,10 +259,10 @@ class TrainStep:
     def _remat_note(self, batch: tuple, memory: dict[str, int]) -> str:
         """What activation checkpointing saves: this step's temporaries vs the same step
         compiled without it."""
-        train = self._build(options=dataclasses.replace(self.options, remat=Remat.OFF, remat_keep=()))[0]
+        train = self._build(options=self.options, remat=None)[0]
         without = report_mod.memory_of(train.lower(self.state, self._shapes(batch), self._lrs()).compile())
         saved = without["temporaries"] - memory["temporaries"]
-        return (f"activation checkpointing remat={self.options.remat.value!r}: temporaries {memory['temporaries']} B "
+        return (f"activation checkpointing remat={self.plan.remat.value!r}: temporaries {memory['temporaries']} B "
                 f"per device vs {without['temporaries']} B without (saves {saved} B)")
 
     def report(self, *batch: Any) -> report_mod.Report:
@@ -272,7 +275,7 @@ class TrainStep:
         if self.zero_whole:
             notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
                          f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
-        if self.options.remat is not Remat.OFF:
+        if self.plan.remat is not Remat.OFF:
             notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())

@@ -1,45 +1,226 @@
-"""Dense peak FLOP/s of one JAX device, by device kind and compute dtype (for MFU).
+"""Hardware profiles: what one device computes, holds and moves, per instance type.
 
-Dense figures (no structured sparsity), per JAX device: one GPU, or one NeuronCore as the
-Neuron PJRT plugin exposes it. Sources:
-- A100 (SXM and PCIe): NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS BF16/FP16,
-  156 TF32, 19.5 FP32.
-- H100 SXM: NVIDIA H100 datasheet: 989 TFLOPS BF16/FP16 (1,979 with sparsity), 495 TF32,
-  67 FP32. H100 PCIe: 756 BF16/FP16, 378 TF32, 51 FP32. H100 NVL: 835 BF16/FP16, 418 TF32, 60 FP32.
-- H200 SXM: NVIDIA H200 datasheet: the same compute as H100 SXM (989 / 495 / 67);
-  H200 NVL: 835 / 418 / 60.
-- Trainium1 (trn1): AWS Neuron docs, "Trainium Architecture": a chip (2 NeuronCore-v2)
-  delivers 190 FP16/BF16/TF32 TFLOPS and 47.5 FP32 -> 95 and 23.75 per NeuronCore.
-- Trainium2 (trn2): AWS Neuron docs, "Trainium2 Architecture": a chip (8 NeuronCore-v3)
-  delivers 667 BF16/FP16/TF32 TFLOPS and 181 FP32 -> 83.375 and 22.625 per physical core; a
-  JAX device is a logical core of 2 physical cores under trn2's default LNC=2 -> 166.75 and 45.25.
+Capacities and HBM bandwidth come from `neuron_support.topology` (one home, cited there); this
+file adds peak FLOP/s per dtype and the link bandwidths, each cited. Bandwidths are per device
+and per direction (what a ring collective's step can send), in bytes/s.
+
+`emulated()` is this machine: N XLA CPU devices time-sharing the host's cores, collectives done
+as memory copies between buffers of one process. It is calibrated by a short measurement
+(a matmul, an elementwise chain, a psum of a large and a tiny buffer over the emulated mesh),
+so predictions on it are in this host's seconds.
 """
 from __future__ import annotations
 
-T = 1e12
+import dataclasses
+import functools
+import time
+from typing import Mapping
 
-# (substring of the lowercased device_kind, {dtype: dense FLOP/s}); first match wins, so the
-# more specific names (H100 PCIe, H200 NVL) come before the general ones.
-_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("a100", {"bfloat16": 312 * T, "float16": 312 * T, "tfloat32": 156 * T, "float32": 19.5 * T}),
-    ("h100 pcie", {"bfloat16": 756 * T, "float16": 756 * T, "tfloat32": 378 * T, "float32": 51 * T}),
-    ("h100 nvl", {"bfloat16": 835 * T, "float16": 835 * T, "tfloat32": 418 * T, "float32": 60 * T}),
-    ("h200 nvl", {"bfloat16": 835 * T, "float16": 835 * T, "tfloat32": 418 * T, "float32": 60 * T}),
-    ("h100", {"bfloat16": 989 * T, "float16": 989 * T, "tfloat32": 495 * T, "float32": 67 * T}),
-    ("h200", {"bfloat16": 989 * T, "float16": 989 * T, "tfloat32": 495 * T, "float32": 67 * T}),
-    # Neuron PJRT device kinds: NC_v2 = a trn1 NeuronCore; NC_v3d = a trn2 logical core of two
-    # physical cores (LNC=2, trn2's default); NC_v3 = one trn2 physical core (LNC=1).
-    ("nc_v2", {"bfloat16": 95 * T, "float16": 95 * T, "tfloat32": 95 * T, "float32": 23.75 * T}),
-    ("nc_v3d", {"bfloat16": 166.75 * T, "float16": 166.75 * T, "tfloat32": 166.75 * T, "float32": 45.25 * T}),
-    ("nc_v3", {"bfloat16": 83.375 * T, "float16": 83.375 * T, "tfloat32": 83.375 * T, "float32": 22.625 * T}),
-)
+from neuron_support import topology
+
+GB = 1e9
+TFLOPS = 1e12
+
+# Dense (no sparsity) peak FLOP/s per device, by dtype.
+_PEAKS: dict[str, dict[str, float]] = {
+    # NVIDIA A100 SXM datasheet: 312 BF16/FP16 tensor, 156 TF32 tensor, 19.5 FP32 TFLOP/s.
+    "A100": {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
+    # NVIDIA H100 SXM datasheet: 989 BF16/FP16, 494 TF32 tensor, 67 FP32 TFLOP/s (dense).
+    "H100": {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS, "fp32": 67 * TFLOPS},
+    # NVIDIA H100 datasheet, PCIe column: 756 BF16/FP16, 378 TF32, 51 FP32 TFLOP/s (dense).
+    "H100 PCIe": {"bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS, "fp32": 51 * TFLOPS},
+    # NVIDIA H100 NVL / H200 NVL datasheets: 835 BF16/FP16, 418 TF32, 60 FP32 TFLOP/s (dense).
+    "NVL": {"bf16": 835 * TFLOPS, "fp16": 835 * TFLOPS, "tf32": 418 * TFLOPS, "fp32": 60 * TFLOPS},
+    # NVIDIA H200 datasheet: the H100 SXM's compute (989 BF16, 494 TF32, 67 FP32 dense).
+    "H200": {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS, "fp32": 67 * TFLOPS},
+    # Neuron docs, Trainium architecture: one chip (2 NeuronCore-v2) = 190 FP16/BF16/TF32 and
+    # 47.5 FP32 TFLOP/s; a device is one NeuronCore, half of that.
+    "trn1": {"bf16": 95 * TFLOPS, "fp16": 95 * TFLOPS, "tf32": 95 * TFLOPS, "fp32": 23.75 * TFLOPS},
+    # Neuron docs, Trainium2 architecture: one chip (8 NeuronCore-v3) = 667 BF16/FP16/TF32 and
+    # 181 FP32 TFLOP/s dense; a device is one logical core (LNC=2, the default), a quarter of the chip.
+    "trn2": {"bf16": 166.75 * TFLOPS, "fp16": 166.75 * TFLOPS, "tf32": 166.75 * TFLOPS, "fp32": 45.25 * TFLOPS},
+    # ... or one physical NeuronCore-v3 under LNC=1: an eighth of the chip.
+    "trn2 core": {"bf16": 83.375 * TFLOPS, "fp16": 83.375 * TFLOPS, "tf32": 83.375 * TFLOPS,
+                  "fp32": 22.625 * TFLOPS},
+}
+# JAX device_kind strings -> the rows above, most specific first (GPUs: "NVIDIA A100-SXM4-40GB",
+# "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"; the Neuron plugin names NeuronCores
+# by generation: NC_v2 = trn1, NC_v3d = a trn2 logical core of two, NC_v3 = one trn2 core).
+_KIND_KEYS = (("H100 PCIe", "H100 PCIe"), ("H100 NVL", "NVL"), ("H200 NVL", "NVL"), ("H200", "H200"),
+              ("H100", "H100"), ("A100", "A100"), ("trn2", "trn2"), ("nc_v3d", "trn2"), ("nc_v3", "trn2 core"),
+              ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
+_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "f16": "fp16",
+           "float32": "fp32", "fp32": "fp32", "f32": "fp32", "tf32": "tf32", "tfloat32": "tf32"}
+
+
+def _dtype_key(dtype: str) -> str | None:
+    return _DTYPES.get(str(dtype).lower())
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of one device of `device_kind` (jax `Device.device_kind`) computing in
-    `dtype` ("bfloat16", "float16", "tfloat32", "float32"); None when unknown (CPU, other GPUs)."""
+    """Dense peak FLOP/s of one device of `device_kind` (jax's `Device.device_kind`) for
+    `dtype` ("bf16", "bfloat16", "fp32", "tf32", ...); None when unknown (CPUs included)."""
     kind = device_kind.lower()
-    for name, peaks in _PEAKS:
-        if name in kind:
-            return peaks.get(dtype)
-    return None
+    row = next((_PEAKS[key] for needle, key in _KIND_KEYS if needle.lower() in kind), None)
+    key = _dtype_key(dtype)
+    return None if row is None or key is None else row.get(key)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """One device of a cluster, and the links between devices.
+
+    Attributes:
+        name: instance type ("trn1.32xlarge") or "emulated-cpu:N".
+        devices_per_node: devices JAX shows per instance.
+        peak_flops: dense matmul FLOP/s per device by dtype key (bf16, fp16, tf32, fp32).
+        float32_matmul: which peak an fp32 matmul runs at: "tf32" where the backend's default
+            precision uses it (XLA on NVIDIA GPUs, neuronx-cc's default matmul auto-cast), else "fp32".
+        hbm_bytes: device memory per device.
+        hbm_bytes_per_s: device memory bandwidth per device (elementwise ops are bound by it).
+        intra_node_bytes_per_s: link bandwidth per device inside one instance, one direction.
+        inter_node_bytes_per_s: network bandwidth per device between instances, one direction.
+        intra_node_latency_s, inter_node_latency_s: fixed cost of one ring step.
+        overlap: fraction of data-parallel gradient communication that can run under the backward
+            pass (asynchronous collectives); 0 where collectives block the compute.
+        notes: what the profile is, in words.
+    """
+
+    name: str
+    devices_per_node: int
+    peak_flops: Mapping[str, float]
+    float32_matmul: str = "fp32"
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+    overlap: float = 0.0
+    notes: str = ""
+
+    def matmul_flops_per_s(self, dtype: str) -> float:
+        key = _dtype_key(dtype) or "fp32"
+        key = self.float32_matmul if key == "fp32" else key
+        return self.peak_flops.get(key) or self.peak_flops["fp32"]
+
+    def with_memory(self, hbm_bytes: int) -> "HardwareProfile":
+        """The same device with `hbm_bytes` of memory (what-if and tests)."""
+        return dataclasses.replace(self, hbm_bytes=int(hbm_bytes), name=f"{self.name}[{hbm_bytes}B]")
+
+
+def _from_topology(name: str, peaks: str, *, float32_matmul: str, intra: float, inter_latency: float,
+                   overlap: float, hbm_bytes_per_s_chip: float | None = None) -> HardwareProfile:
+    t = topology.instance(name)
+    chip_bw = (t.hbm_gib_s_per_chip * 2**30) if t.hbm_gib_s_per_chip else hbm_bytes_per_s_chip
+    return HardwareProfile(
+        name=name, devices_per_node=t.devices, peak_flops=_PEAKS[peaks], float32_matmul=float32_matmul,
+        hbm_bytes=t.hbm_bytes_per_device, hbm_bytes_per_s=chip_bw / t.devices_per_chip,
+        intra_node_bytes_per_s=intra, inter_node_bytes_per_s=t.efa_gbit_s / 8 * GB / t.devices,
+        intra_node_latency_s=10e-6, inter_node_latency_s=inter_latency, overlap=overlap,
+        notes=topology.describe(t))
+
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
+    # AWS P4d page: NVLink 3 through NVSwitch, 600 GB/s per GPU (both directions) -> 300 GB/s
+    # each way; EFA 400 Gbps per instance shared by 8 GPUs (topology.py).
+    _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
+    # AWS P5 page: NVLink 4, 900 GB/s per GPU (both directions) -> 450 GB/s; EFA 3200 Gbps.
+    _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    # Assumption (not in the cited Neuron pages, which give no per-link rate): NeuronLink-v2 at
+    # ~192 GB/s per Trainium chip (4 links), shared by its 2 cores -> 96 GB/s per core.
+    # neuronx-cc auto-casts fp32 matmuls to bf16 by default (--auto-cast matmult).
+    _from_topology("trn1.2xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
+    _from_topology("trn1.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
+    _from_topology("trn1n.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
+    # HBM: Neuron docs, Trainium2 NKI guide: 96 GiB at 2.9 TB/s per chip (topology.py has no
+    # bandwidth for trn2). Assumption: NeuronLink-v3 ~1 TB/s per chip (AWS Trn2 page), 4 logical cores.
+    _from_topology("trn2.48xlarge", "trn2", float32_matmul="tf32", intra=250 * GB, inter_latency=30e-6,
+                   overlap=0.5, hbm_bytes_per_s_chip=2.9e12),
+)}
+
+
+def profile(name: str) -> HardwareProfile:
+    """A profile by instance type ("trn1.32xlarge"; SageMaker's "ml." prefix allowed)."""
+    key = name[3:] if name.startswith("ml.") else name
+    if key not in PROFILES:
+        raise ValueError(f"no hardware profile for {name!r}; known: {', '.join(PROFILES)} "
+                         "(or 'emulated' for this machine's CPU devices)")
+    return PROFILES[key]
+
+
+# -- this machine ---------------------------------------------------------------------------
+def _best_time(fn, *args, repeats: int = 5) -> float:
+    fn(*args).block_until_ready()  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _host_rates() -> tuple[float, float]:
+    """(matmul FLOP/s, elementwise bytes/s) of one emulated device running alone."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((384, 384), jnp.float32), device)
+    matmul = _best_time(jax.jit(lambda x: x @ x @ x @ x), a)
+    v = jax.device_put(jnp.ones((1 << 21,), jnp.float32), device)
+    chain = _best_time(jax.jit(lambda x: jnp.tanh(x * 1.5 + 0.5) * x), v)
+    return 3 * 2 * 384**3 / matmul, 4 * v.size * 4 / chain  # four elementwise ops, 4 bytes each
+
+
+def _collective_rates(n: int) -> tuple[float, float]:
+    """(bytes/s per device, seconds per step) of a psum over all `n` emulated devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(jax.local_devices()[:n], ("x",))
+    psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
+                                 out_specs=PartitionSpec("x")))
+    tiny = _best_time(psum, jnp.ones((n, 8), jnp.float32))
+    big = jnp.ones((n, 1 << 18), jnp.float32)
+    large = _best_time(psum, big)
+    wire = 2 * (n - 1) / n * big.nbytes / n     # ring all-reduce bytes per device
+    steps = 2 * (n - 1)
+    latency = tiny / steps
+    return wire / max(large - tiny, 1e-9), latency
+
+
+@functools.lru_cache(maxsize=None)
+def emulated(devices: int | None = None) -> HardwareProfile:
+    """This machine's emulated mesh, calibrated now (about a second; cached per process).
+
+    The devices of one process share its cores, so one device's share is 1/L of what it
+    measures alone (L: devices per process): peak and bandwidth are divided by L. Collectives
+    are memory copies inside a process; their rate and per-step latency are measured on a psum
+    over the process's devices (with one device per process, gloo between processes is not
+    measured: the memory-copy rate stands in, and the notes say so)."""
+    import os
+
+    import jax
+
+    n = devices or jax.device_count()
+    if jax.devices()[0].platform != "cpu":
+        raise ValueError(f"emulated(): the devices are {jax.devices()[0].platform}, not CPU; use "
+                         "profile('<instance type>') for real accelerators")
+    local = min(n, len(jax.local_devices()))
+    matmul, elementwise = _host_rates()
+    matmul, elementwise = matmul * n / local, elementwise * n / local  # divided by n below
+    link, latency = _collective_rates(local) if local > 1 else (elementwise / n, 0.0)
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return HardwareProfile(
+        name=f"emulated-cpu:{n}", devices_per_node=n,
+        peak_flops={"fp32": matmul / n, "bf16": matmul / n},
+        hbm_bytes=memory // n, hbm_bytes_per_s=elementwise / n,
+        intra_node_bytes_per_s=link, inter_node_bytes_per_s=link,
+        intra_node_latency_s=latency, inter_node_latency_s=latency, overlap=0.0,
+        notes=(f"{n} XLA CPU devices, {local} per process time-sharing {len(os.sched_getaffinity(0))} host "
+               f"cores; collectives are memory copies ({'measured' if local > 1 else 'NOT measured, assumed'} "
+               f"{link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); matmul "
+               f"{matmul * local / n / 1e9:.1f} GFLOP/s per process"))

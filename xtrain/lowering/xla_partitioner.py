@@ -17,7 +17,7 @@ from xtrain.frontend.model import Model
 from xtrain.lowering import accumulation
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.sharding.annotate import tracing_for
-from xtrain.step_options import Remat, StepOptions
+from xtrain.step_options import StepOptions
 
 
 @jax.tree_util.register_dataclass
@@ -67,9 +67,6 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh=None, o
                     grad_tx: GradTransforms = GradTransforms()) -> Callable:
     """The pure step: (state, batch, lrs) -> (new state, outputs); `xtrain.shard` calls in the
     model constrain to `mesh`."""
-    if options.remat is not Remat.OFF:
-        raise ValueError(f"remat={options.remat.value!r} needs lowering='explicit' (it is applied per layer "
-                         "of the explicit lowering's layer scan); use remat='off' with lowering='xla'")
 
     def train_step(state: TrainState, batch: tuple, lrs):
         key = jax.random.fold_in(state.key, state.step)

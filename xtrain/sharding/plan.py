@@ -47,6 +47,10 @@ class Plan:
             stay whole (the report lists them).
         precision: the mixed-precision policy: "fp32", "bf16", "fp16" or an
             `xtrain.Precision(...)` with per-module overrides (see xtrain.precision).
+        remat: activation checkpointing per layer of the layer scan (explicit lowering):
+            "off", "full" (keep only each layer's input; True means this), "dots" (keep matmul
+            outputs) or "selective" (keep the activations of the modules `remat_keep` names).
+        remat_keep: remat="selective": fnmatch patterns over module paths, e.g. ("blocks.*.attn",).
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -54,11 +58,14 @@ class Plan:
     notes: tuple[str, ...] = ()
     zero: int = 0
     precision: "Precision | str" = "fp32"
+    remat: "Remat | str | bool" = "off"
+    remat_keep: tuple[str, ...] = ()
 
     def __post_init__(self):
         from xtrain.precision import Precision
 
         object.__setattr__(self, "precision", Precision.of(self.precision))
+        self._check_remat()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
@@ -66,11 +73,32 @@ class Plan:
             object.__setattr__(self, "batch", _normalize(self.batch))
         object.__setattr__(self, "notes", tuple(self.notes))
 
+    def _check_remat(self) -> None:
+        from xtrain.remat import Remat
+
+        remat = {True: "full", False: "off"}[self.remat] if isinstance(self.remat, bool) else self.remat
+        try:
+            object.__setattr__(self, "remat", Remat(remat))
+        except ValueError:
+            raise ValueError(f"Plan(remat={self.remat!r}) must be one of {[r.value for r in Remat]}") from None
+        keep = (self.remat_keep,) if isinstance(self.remat_keep, str) else tuple(self.remat_keep)
+        object.__setattr__(self, "remat_keep", keep)
+        if (self.remat is Remat.SELECTIVE) != bool(keep):
+            raise ValueError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
+                             "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
+
+    def layer_remat(self):
+        """What the layer scan checkpoints (xtrain.remat.LayerRemat), or None."""
+        from xtrain.remat import LayerRemat, Remat
+
+        return None if self.remat is Remat.OFF else LayerRemat(self.remat, self.remat_keep)
+
     def __str__(self) -> str:
         """One line per rule, then the notes: what `print(plan)` shows."""
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
         mixed = "" if self.precision.compute.value == "fp32" else f", precision={self.precision.compute.value}"
-        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed})"]
+        remat = "" if self.remat.value == "off" else f", remat={self.remat.value}"
+        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat})"]
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]

@@ -26,7 +26,7 @@ def _kept(x: Sharded) -> Sharded:
     """Tags a value remat='selective' keeps (its module matched remat_keep)."""
     from jax.ad_checkpoint import checkpoint_name
 
-    from xtrain.step_options import KEPT
+    from xtrain.remat import KEPT
 
     return dataclasses.replace(x, value=checkpoint_name(x.value, KEPT))
 

@@ -29,7 +29,8 @@ from xtrain.lowering.explicit.layout import Layout
 from xtrain.lowering.xla_partitioner import TrainState
 from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.plan import Spec, _axes_of
-from xtrain.step_options import LayerRemat, StepOptions
+from xtrain.remat import LayerRemat
+from xtrain.step_options import StepOptions
 
 
 def _layout(spec: Spec, ndim: int) -> Layout:
@@ -106,12 +107,13 @@ def _global_args(state: TrainState, batch: tuple):
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync,
           scan_layers: bool = True, zero: int = 0, optimizer_specs: dict[str, Spec] | None = None,
-          regather: bool = True, options: StepOptions = StepOptions(), grad_tx: GradTransforms = GradTransforms()):
+          regather: bool = True, options: StepOptions = StepOptions(), grad_tx: GradTransforms = GradTransforms(),
+          remat: LayerRemat | None = None):
     """jit-compiled (train_step, eval_step, program) for the explicit lowering.
 
     train_step(state, batch, lrs) -> (state, {"loss", and "grad_norm" when computed})."""
     gradient_sync.check_axes(sync, dict(mesh.shape))
-    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat=options.layer_remat)
+    program = Program(model, mesh, param_specs, batch_spec, scan_layers, remat=remat)
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}

@@ -1,0 +1,129 @@
+"""FLOPs per device of a (nested) jaxpr, by op class.
+
+Counts the operations an op must do, not what a backend fuses away:
+  dot_general     2 x output elements x contracted size (one multiply, one add per term)
+  conv            2 x output elements x (kernel window x input features per group)
+  elementwise     one per output element (add, mul, exp, select, ...); transcendentals also
+                  counted apart, as XLA's cost analysis does
+  reduce          one per input element (sum, max, argmax, cumulative ops)
+Loops multiply their body by the trip count (scan's `length`); a `while` whose trip count is
+not static counts its body once and is listed in `unknown_loops`. Inside `shard_map` shapes
+are already per device, so xtrain's explicit program gives per-device FLOPs directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jax.extend import core as jcore
+
+TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
+                            "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "lgamma",
+                            "digamma", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"})
+ELEMENTWISE = TRANSCENDENTAL | frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "neg", "max", "min", "abs", "sign", "floor", "ceil",
+    "round", "integer_pow", "square", "select_n", "clamp", "nextafter", "is_finite", "exp2", "and", "or",
+    "not", "xor", "eq", "ne", "lt", "le", "gt", "ge"})
+REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+                    "reduce_precision"})
+
+
+@dataclasses.dataclass
+class Flops:
+    """FLOPs of one program per device, by op class."""
+
+    dot: float = 0.0
+    conv: float = 0.0
+    elementwise: float = 0.0
+    transcendental: float = 0.0   # included in `elementwise` too
+    reduce: float = 0.0
+    unknown_loops: int = 0        # while loops counted once (trip count not static)
+    matmul_dtypes: dict = dataclasses.field(default_factory=dict)  # operand dtype -> dot + conv FLOPs
+
+    @property
+    def matmul(self) -> float:
+        """dot_general + convolution: the work a tensor engine does."""
+        return self.dot + self.conv
+
+    @property
+    def total(self) -> float:
+        return self.dot + self.conv + self.elementwise + self.reduce
+
+    def add(self, other: "Flops", times: float = 1.0) -> None:
+        for f in ("dot", "conv", "elementwise", "transcendental", "reduce"):
+            setattr(self, f, getattr(self, f) + times * getattr(other, f))
+        self.unknown_loops += other.unknown_loops
+        for dtype, value in other.matmul_dtypes.items():
+            self.matmul_dtypes[dtype] = self.matmul_dtypes.get(dtype, 0.0) + times * value
+
+    @property
+    def matmul_dtype(self) -> str:
+        """The operand dtype doing most matmul FLOPs ("float32" when there are none)."""
+        return max(self.matmul_dtypes, key=self.matmul_dtypes.get) if self.matmul_dtypes else "float32"
+
+
+def _size(aval) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def _dot(eqn) -> float:
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2.0 * _size(eqn.outvars[0].aval) * math.prod(lhs[d] for d in contract)
+
+
+def _conv(eqn) -> float:
+    rhs = eqn.invars[1].aval.shape
+    out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+    # rhs holds (out features, in features / groups, *window): each output element reads
+    # one kernel column of in/groups x window terms
+    return 2.0 * _size(eqn.outvars[0].aval) * math.prod(rhs) / rhs[out_feature_dim]
+
+
+def _trip_count(eqn) -> tuple[float, bool]:
+    """(times the sub-jaxprs run, whether that is known)."""
+    name = str(eqn.primitive)
+    if name == "scan":
+        return float(eqn.params["length"]), True
+    if name == "while":
+        return 1.0, False
+    return 1.0, True
+
+
+def _op(eqn, acc: Flops) -> None:
+    name = str(eqn.primitive)
+    if name in ("dot_general", "conv_general_dilated"):
+        value = _dot(eqn) if name == "dot_general" else _conv(eqn)
+        if name == "dot_general":
+            acc.dot += value
+        else:
+            acc.conv += value
+        dtype = str(eqn.invars[0].aval.dtype)
+        acc.matmul_dtypes[dtype] = acc.matmul_dtypes.get(dtype, 0.0) + value
+    elif name in ELEMENTWISE:
+        n = sum(_size(v.aval) for v in eqn.outvars)
+        acc.elementwise += n
+        acc.transcendental += n if name in TRANSCENDENTAL else 0
+    elif name in REDUCE:
+        acc.reduce += sum(_size(v.aval) for v in eqn.invars)
+
+
+def count(jaxpr) -> Flops:
+    """FLOPs of a jaxpr or ClosedJaxpr, sub-jaxprs included (scan bodies x length; `cond`
+    counts its most expensive branch)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    acc = Flops()
+    for eqn in jaxpr.eqns:
+        _op(eqn, acc)
+        subs = list(jcore.jaxprs_in_params(eqn.params))
+        if not subs:
+            continue
+        times, known = _trip_count(eqn)
+        if str(eqn.primitive) == "cond":
+            acc.add(max((count(s) for s in subs), key=lambda f: f.total))
+            continue
+        for sub in subs:
+            acc.add(count(sub), times)
+        acc.unknown_loops += 0 if known else 1
+    return acc

@@ -1,0 +1,208 @@
+"""Predicted step time and memory of a lowered training step on a hardware profile.
+
+    step = (compute + exposed communication) x (m + p - 1) / m        p stages, m microbatches
+
+compute        matmul FLOPs / peak(dtype) + elementwise and reduction traffic / HBM bandwidth
+communication  per collective, ring cost on the link its group spans: wire bytes / bandwidth +
+               ring steps x latency (tree latency, 2 log2 n, where that is fewer steps);
+               a group whose devices sit on one instance uses the intra-node link, else the
+               inter-node one (its slowest hop)
+exposed        tensor-parallel and other collectives inside the forward/backward are on the
+               critical path; data-parallel ones (gradient sync, ZeRO gathers) depend only on
+               their own layer's tensors, so `profile.overlap` of the compute can hide them
+bubble         the GPipe/1F1B bubble (p - 1) / (m + p - 1) of a pipeline of p stages: the
+               per-device program is then one stage's, and the factor above stretches it
+Memory per device comes from XLA's memory analysis when the step was compiled, else from the
+graph (`memory_from_graph`: the state's shards plus the peak of live temporaries).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from xtrain.cost.flops import Flops
+from xtrain.cost.hardware import HardwareProfile
+from xtrain.lowering.report import Collective
+
+INTRA, INTER = "intra-node", "inter-node"
+_RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
+               "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
+               "collective-permute": lambda n: 1}
+ELEMENT_BYTES = 4  # traffic per elementwise/reduction FLOP (fp32 read-modify-write, fused chains)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """Pipeline shape of a plan (stages=1: no pipeline)."""
+
+    stages: int = 1
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.stages < 1 or self.microbatches < 1:
+            raise ValueError(f"Pipeline(stages={self.stages}, microbatches={self.microbatches}): both must be >= 1")
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of a stage's time: (p - 1) / (m + p - 1)."""
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Bytes per device of one step."""
+
+    total: int
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0        # temporaries beyond the state: activations, gathered weights, buffers
+    source: str = "graph"       # "xla" (compiled memory analysis) or "graph" (lowered program)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """What one lowered step does on each device."""
+
+    flops: Flops
+    collectives: Sequence[Collective]
+    mesh: Mapping[str, int]               # axis sizes, in device order (last axis fastest)
+    data_axes: tuple[str, ...]            # axes the batch is split on
+    memory: Memory
+    tokens: int                           # tokens per global step
+    pipeline: Pipeline = Pipeline()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted step of one plan on one profile."""
+
+    compute_s: float
+    comm_s: Mapping[str, float]           # per link (intra-node / inter-node), before overlap
+    exposed_comm_s: float
+    bubble_s: float
+    step_s: float
+    memory_bytes: int
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+
+
+def link_of(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> str:
+    """Whether a collective over `axes` stays inside one instance (device ids numbered
+    row-major over the mesh, `devices_per_node` to an instance)."""
+    names = list(mesh)
+    strides = {a: math.prod(mesh[b] for b in names[i + 1:]) for i, a in enumerate(names)}
+    span = 1 + sum((mesh[a] - 1) * strides[a] for a in axes)  # ids of the group holding device 0
+    return INTRA if span <= devices_per_node else INTER
+
+
+def collective_seconds(c: Collective, link: str, profile: HardwareProfile) -> float:
+    n = c.group_size
+    if n <= 1:
+        return 0.0
+    bandwidth = profile.intra_node_bytes_per_s if link == INTRA else profile.inter_node_bytes_per_s
+    latency = profile.intra_node_latency_s if link == INTRA else profile.inter_node_latency_s
+    steps = min(_RING_STEPS.get(c.kind, lambda n: 1)(n), max(1, 2 * math.ceil(math.log2(n))))
+    return c.wire_bytes / bandwidth + steps * latency
+
+
+def compute_seconds(flops: Flops, profile: HardwareProfile) -> float:
+    matmul = flops.matmul / profile.matmul_flops_per_s(flops.matmul_dtype)
+    return matmul + (flops.elementwise + flops.reduce) * ELEMENT_BYTES / profile.hbm_bytes_per_s
+
+
+def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, float], float, float]:
+    """(seconds per link, seconds of data-parallel collectives, seconds of the others)."""
+    per_link = {INTRA: 0.0, INTER: 0.0}
+    data_parallel = other = 0.0
+    for c in cost.collectives:
+        link = link_of(c.axes, cost.mesh, profile.devices_per_node)
+        seconds = collective_seconds(c, link, profile)
+        per_link[link] += seconds
+        if set(c.axes) <= set(cost.data_axes):
+            data_parallel += seconds
+        else:
+            other += seconds
+    return per_link, data_parallel, other
+
+
+def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | None = None) -> Prediction:
+    """Step time, throughput and fit of `cost` on `profile`.
+
+    Args:
+        model_flops: matmul FLOPs per device without recomputation (for MFU of checkpointed
+            plans); default: the program's own.
+    """
+    compute = compute_seconds(cost.flops, profile)
+    per_link, data_parallel, other = communication(cost, profile)
+    exposed = other + max(0.0, data_parallel - profile.overlap * compute)
+    stretch = 1.0 / (1.0 - cost.pipeline.bubble_fraction)
+    step = (compute + exposed) * stretch
+    flops = cost.flops.matmul if model_flops is None else model_flops
+    peak = profile.matmul_flops_per_s(cost.flops.matmul_dtype)
+    return Prediction(compute_s=compute, comm_s=per_link, exposed_comm_s=exposed,
+                      bubble_s=step - (compute + exposed), step_s=step, memory_bytes=cost.memory.total,
+                      fits=cost.memory.total <= profile.hbm_bytes, tokens_per_s=cost.tokens / step,
+                      mfu=flops / step / peak)
+
+
+# -- memory ---------------------------------------------------------------------------------
+def memory_from_compiled(compiled, state: Mapping[str, int]) -> Memory:
+    """XLA's memory analysis of a compiled step: arguments + outputs not aliased to them +
+    temporaries; `state` is the parameters/gradients/optimizer split (report.state_memory)."""
+    stats = compiled.memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+             + stats.temp_size_in_bytes)
+    return Memory(total=int(total), parameters=state.get("parameters", 0), gradients=state.get("gradients", 0),
+                  optimizer=state.get("optimizer", 0), activations=int(stats.temp_size_in_bytes), source="xla")
+
+
+def _nbytes(aval) -> int:
+    shape = getattr(aval, "shape", None)
+    if shape is None:
+        return 0
+    try:
+        itemsize = np.dtype(aval.dtype).itemsize
+    except TypeError:  # PRNG key arrays: two uint32 words per key
+        itemsize = 8
+    return math.prod(shape) * itemsize
+
+
+def peak_live_bytes(jaxpr) -> int:
+    """Largest sum of live intermediate values over a jaxpr's equations in program order
+    (inputs and outputs excluded; a loop adds its body's own peak while it runs)."""
+    from jax.extend import core as jcore
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    last_use: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                last_use[v] = i
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    live = peak = 0
+    for i, eqn in enumerate(jaxpr.eqns):
+        inner = max((peak_live_bytes(s) for s in jcore.jaxprs_in_params(eqn.params)), default=0)
+        created = sum(_nbytes(v.aval) for v in eqn.outvars)
+        peak = max(peak, live + created + inner)
+        live += sum(_nbytes(v.aval) for v in eqn.outvars if v in last_use or v in outputs)
+        dying = {v for v in eqn.invars if isinstance(v, jcore.Var) and last_use.get(v) == i}
+        live -= sum(_nbytes(v.aval) for v in dying if v not in outputs and v not in inputs)
+    return peak
+
+
+def memory_from_graph(per_device_jaxpr, state: Mapping[str, int]) -> Memory:
+    """Per-device memory of a lowered (not compiled) step: the state shards (`state`:
+    parameters, gradients, optimizer bytes) held all step, plus the peak of live
+    intermediates of the per-device program (activations, gathered weights; gradients are
+    intermediates there and counted in that peak, not twice)."""
+    temporaries = peak_live_bytes(per_device_jaxpr)
+    held = state.get("parameters", 0) + state.get("optimizer", 0)
+    return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
+                  gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),
+                  activations=int(max(0, temporaries - state.get("gradients", 0))), source="graph")

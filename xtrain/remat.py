@@ -1,0 +1,47 @@
+"""Activation checkpointing per layer of the layer scan (`Plan(remat=...)`, explicit lowering):
+what each layer keeps for the backward pass and what it recomputes."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+
+KEPT = "xtrain.remat.kept"  # checkpoint_name of the values remat='selective' keeps
+
+
+class Remat(enum.Enum):
+    """Activation checkpointing of each layer of the layer scan (explicit lowering).
+
+    off    keep every activation of the forward pass for the backward pass.
+    full   keep only each layer's input; recompute the layer in the backward pass.
+    dots   keep matmul outputs, recompute the rest (norms, activations, softmax).
+    selective  keep the activations of the modules named by `remat_keep` (module-path
+           patterns), recompute the rest of the layer.
+    """
+
+    OFF = "off"
+    FULL = "full"
+    DOTS = "dots"
+    SELECTIVE = "selective"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRemat:
+    """What the layer scan checkpoints (built from the Plan; read by the explicit lowering)."""
+
+    mode: Remat
+    keep: tuple[str, ...] = ()
+
+    def policy(self):
+        """jax.checkpoint policy of one layer (None: save nothing but the layer's input)."""
+        import jax
+
+        if self.mode is Remat.DOTS:
+            return jax.checkpoint_policies.dots_saveable
+        if self.mode is Remat.SELECTIVE:
+            return jax.checkpoint_policies.save_only_these_names(KEPT)
+        return None
+
+    def keeps(self, path: str) -> bool:
+        """Whether values computed in module `path` (or a module inside a kept one) are kept."""
+        return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*") for p in self.keep)
