@@ -38,7 +38,7 @@ def gpt_case():
 def wrapped_gpt(d=32, layers=2, vocab=64, seq=16):
     torch.manual_seed(0)
     model = GPT(vocab=vocab, d=d, layers=layers, seq=seq)
-    wrapped, tx, _ = _torch_model(model, adamw(model.parameters()), None)
+    wrapped, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
     return model, wrapped, tx
 
 

@@ -237,7 +237,7 @@ def search_torch(module, optimizer, batch: tuple, profile: HardwareProfile, devi
     from xtrain.api import _torch_model
     from xtrain.cost.auto import _host_batch
 
-    wrapped, tx, _ = _torch_model(module, optimizer, loss_fn)
+    wrapped, tx, _, _ = _torch_model(module, optimizer, loss_fn)
     return search(wrapped, tx, _host_batch(batch), profile, devices, module=module, **kwargs)
 
 
