@@ -60,7 +60,9 @@ class TrainStep:
         self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
-        if lowering == "explicit":
+        if plan.pipeline is not None:
+            self._train, self._eval, self._program = self._pipeline(grad_sync, lowering)
+        elif lowering == "explicit":
             self._train, self._eval, self._program = explicit_step.build(
                 model, tx, self.shardings, mesh, self.param_specs, self.batch_spec, grad_sync or GradSync(),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
@@ -68,6 +70,15 @@ class TrainStep:
         else:
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh)
         self._last_batch: tuple | None = None
+
+    def _pipeline(self, grad_sync: GradSync | None, lowering: str):
+        from xtrain.lowering.pipeline import step as pipeline_step
+
+        if lowering != "explicit":
+            raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
+        return pipeline_step.build(self.model, self.tx, self.shardings, self.mesh, self.param_specs, self.batch_spec,
+                                   grad_sync or GradSync(), self.plan.pipeline, zero=self.plan.zero,
+                                   optimizer_specs=self.optimizer_specs)
 
     def _initial_state(self, params: dict, optimized: set[str], seed: int) -> TrainState:
         opt_params = {n: v for n, v in params.items() if n in optimized}
@@ -150,6 +161,7 @@ class TrainStep:
                          f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
+            notes += self._program.describe() if self.plan.pipeline is not None else []
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):
                 notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")
         else:

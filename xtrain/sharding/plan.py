@@ -51,6 +51,15 @@ class Plan:
     batch: Sequence[AxisEntry] | str | None = None
     notes: tuple[str, ...] = ()
     zero: int = 0
+    pipeline: "Pipeline | None" = None
+
+    def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
+                      split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe") -> "Plan":
+        """This plan with pipeline parallelism over mesh axis `axis` (see xtrain.sharding.pipeline.Pipeline)."""
+        from xtrain.sharding.pipeline import pipeline
+
+        return dataclasses.replace(self, pipeline=pipeline(stages, microbatches, schedule, split,
+                                                           virtual_stages, axis))
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -64,6 +73,8 @@ class Plan:
         """One line per rule, then the notes: what `print(plan)` shows."""
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
         lines = [f"Plan(batch={batch}, zero={self.zero})"]
+        if self.pipeline is not None:
+            lines.append(f"  {self.pipeline}")
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]
