@@ -83,13 +83,15 @@ def _arrivals(table: Table, kind: Kind, t: int, s: int):
     return 1, vs // p, op.microbatch
 
 
-def _slots_needed(table: Table, arrivals: dict) -> int:
-    """Smallest K such that microbatches held at once on one (stage, chunk) differ mod K."""
+def _slots_needed(table: Table, held: dict) -> int:
+    """Smallest K such that the microbatches one (stage, chunk) holds at any tick differ mod K
+    (held: (stage, chunk) -> microbatch -> [first tick held, last tick used])."""
     span = 1
-    for (s, c), intervals in arrivals.items():
-        for i, (lo, hi) in intervals.items():
-            live = [j for j, (a, b) in intervals.items() if a <= hi and lo <= b]
-            span = max(span, max(live) - min(live) + 1)
+    for intervals in held.values():
+        for t in range(len(table.ticks)):
+            live = [i for i, (lo, hi) in intervals.items() if lo <= t <= hi]
+            if live:
+                span = max(span, max(live) - min(live) + 1)
     return span
 
 
