@@ -50,8 +50,12 @@ PARITY = [("gpipe", 2, 4, 1, "auto"), ("1f1b", 2, 4, 1, "auto"), ("interleaved",
 def test_schedule_matches_torch(schedule, pipe, layers, v, split):
     model, batches, reference = gpt_case(layers)
     plan = xtrain.Plan().with_pipeline(stages=pipe, microbatches=4, schedule=schedule, virtual_stages=v, split=split)
-    result, step = train(model, sgd, batches, dict(pipe=pipe, data=-1), plan, reference)
+    # 1F1B on pipe=2 lays 'pipe' innermost (neighbouring stages on adjacent cores), the others outermost
+    mesh = dict(data=-1, pipe=pipe) if (schedule, pipe) == ("1f1b", 2) else dict(pipe=pipe, data=-1)
+    result, step = train(model, sgd, batches, mesh, plan, reference)
     assert_parity(result)
+    if pipe == 2 and schedule != "interleaved":
+        check_trainium(step, batches[0], inner=schedule == "1f1b")
     per_stage = step._program.layers.valid.sum(-1).ravel().tolist()
     assert sum(per_stage) == layers
     if split != "auto":
@@ -63,6 +67,15 @@ def test_schedule_matches_torch(schedule, pipe, layers, v, split):
         assert "stage 0: prologue (embeddings), blocks.0..blocks." in text
         assert "stage 3: blocks." in text and "epilogue (head, loss)" in text
         assert "activations held per stage (microbatch inputs): [4, 3, 2, 1]" in text
+
+
+def check_trainium(step, batch, inner: bool):
+    """No cond, no dynamic loop, aligned replica groups; the ring of stages is a ring of adjacent
+    cores only when 'pipe' is the mesh's innermost axis."""
+    from neuron_support import emulate
+
+    found = emulate.check_step(step, *batch, cluster=emulate.virtual_cluster("trn1.32xlarge"))
+    assert {f.rule for f in found} == (set() if inner else {"permute-ring"}), found
 
 
 # -- 3D: pipe x tensor x data on HF models -----------------------------------------------------

@@ -45,6 +45,8 @@ class Plan:
             1: optimizer state split; 2: also gradients reduce-scattered; 3: also parameters
             split (gathered per use). Tensors with no dimension divisible by the data size
             stay whole (the report lists them).
+        pipeline: pipeline parallelism (stages, microbatches, schedule, split); set it with
+            `plan.with_pipeline(...)`. None: no pipeline.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)

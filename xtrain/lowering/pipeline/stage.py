@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -129,5 +128,3 @@ def stage_rows(stacked: list, layers: Layers, stage) -> list:
     index = take(layers.index, stage)  # (v, Lc)
     return [jnp.take(s, index, axis=0) for s in stacked]
 
-
-__all__ = ["Layers", "Stage", "ring", "take", "microbatch", "stack_layers", "stage_rows", "jax"]

@@ -15,6 +15,12 @@ stages and run microbatch by microbatch over the `pipe` mesh axis.
 Parameters are stored whole on every stage (replicated over `pipe`); each stage gathers the
 rows of its own layers. Activation memory is what pipelining divides here; splitting the
 stored parameters over stages is not done (the report says so).
+
+Trainium: the activations travel by `ppermute` around the full ring of stages (its permutes
+must be rings of adjacent cores: lay `pipe` over neighbouring cores). The gradient all-reduce
+spans `pipe` and the data axes; its replica groups are aligned contiguous blocks of cores only
+when those are the mesh's innermost axes, e.g. Mesh(tensor=2, pipe=2, data=2) rather than
+Mesh(pipe=2, tensor=2, data=2); check a plan with examples/train_gpt.py --emulate.
 """
 from __future__ import annotations
 
