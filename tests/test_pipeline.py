@@ -56,6 +56,12 @@ def test_schedule_matches_torch(schedule, pipe, layers, v, split):
     assert_parity(result)
     if pipe == 2 and schedule != "interleaved":
         check_trainium(step, batches[0], inner=schedule == "1f1b")
+    if pipe == 2 and schedule != "gpipe":  # eval: the GPipe forward loop (v = 1) or the interleaved table
+        trained = GPT(layers=layers)
+        trained.load_state_dict(result.reference_state)
+        with torch.no_grad():
+            expected = trained.eval()(*batches[0]).item()
+        assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
     per_stage = step._program.layers.valid.sum(-1).ravel().tolist()
     assert sum(per_stage) == layers
     if split != "auto":
