@@ -81,7 +81,9 @@ def cut(closed, path_of, param_names: list[str], num_buffers: int, where: str) -
     epi_needs += [v for v in parts if v in defined and v not in epi_needs]
     pro_outs = list(dict.fromkeys([*blocks.init, *blocks.shared, *epi_needs]))
     prologue = _jaxpr(jaxpr.constvars, jaxpr.invars, pro_outs, pro_eqns)
-    epilogue = _jaxpr(jaxpr.constvars, [*jaxpr.invars, *pro_outs, *blocks.outputs], parts, epi_eqns)
+    # a prologue output may be an input itself (a model whose blocks read the batch directly)
+    epi_ins = list(dict.fromkeys([*jaxpr.invars, *pro_outs, *blocks.outputs]))
+    epilogue = _jaxpr(jaxpr.constvars, epi_ins, parts, epi_eqns)
     index = {v: i for i, v in enumerate(params)}
     layer_params = [[param_names[index[v]] for v in layer] for layer in blocks.per_layer]
     return Cut(blocks, prologue, epilogue, layer_params, weighted)

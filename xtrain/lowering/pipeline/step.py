@@ -24,6 +24,8 @@ Mesh(pipe=2, tensor=2, data=2); check a plan with examples/train_gpt.py --emulat
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -196,8 +198,6 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync, pipeline: Pipeline,
           zero: int = 0, optimizer_specs: dict[str, Spec] | None = None):
     """jit-compiled (train_step, eval_step, program) of the pipeline lowering."""
-    import dataclasses
-
     if zero > 1:
         raise ValueError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={zero})): its gradients "
                          "are accumulated over microbatches before the data-parallel reduction")
