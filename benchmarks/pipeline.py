@@ -7,7 +7,8 @@ bubble, and pipeline vs pure data parallel on the same model. One command, one p
 
 Per configuration:
   ticks, bubble   from the schedule table (idle share of (tick, stage) slots)
-  step            median wall time of step(x, y) after --warmup untimed steps
+  step            median wall time of step(x, y) after --warmup untimed steps; configurations
+                  take turns step by step (rounds), so a busy machine slows all alike
   per tick        step / ticks: what one lockstep tick really costs. A GPipe tick runs a
                   forward or a backward; a 1F1B / interleaved tick runs a forward and a
                   backward (one vjp) on every stage, masked where the table says idle or the
@@ -62,7 +63,8 @@ def configs(m: int):
     return out
 
 
-def run_one(args, mesh, pipeline, batches):
+def build(args, mesh, pipeline, batches):
+    """(step, first-step seconds incl. compilation, per-device memory analysis)."""
     import torch
 
     import xtrain
@@ -74,18 +76,8 @@ def run_one(args, mesh, pipeline, batches):
     step = xtrain.compile(model, xtrain.Mesh(**mesh), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           plan=plan)
     start = time.perf_counter()
-    losses = [step(*batches[0])["loss"]]
-    compile_s = time.perf_counter() - start
-    seconds = []
-    for i, b in enumerate(batches[1:]):
-        start = time.perf_counter()
-        losses.append(step(*b)["loss"])
-        if i + 1 >= args.warmup:
-            seconds.append(time.perf_counter() - start)
-    memory = step.compiled(*batches[0]).memory_analysis()
-    ticks, bubble = (1, 0.0) if pipeline is None else (len(step._program.table.ticks), step._program.table.bubble())
-    return dict(step_ms=1e3 * statistics.median(seconds), compile_s=compile_s, temp=memory.temp_size_in_bytes,
-                args=memory.argument_size_in_bytes, ticks=ticks, bubble=bubble, loss=losses[-1])
+    step(*batches[0])
+    return step, time.perf_counter() - start, step.compiled(*batches[0]).memory_analysis()
 
 
 def main(argv=None):
@@ -99,13 +91,27 @@ def main(argv=None):
     tokens, _ = split_corpus(default_corpus())
     rng = np.random.default_rng(0)
     batches = [sample_batch(tokens, rng, args.batch, args.seq) for _ in range(1 + args.warmup + args.steps)]
+    built = [(label, pipeline, *build(args, mesh, pipeline, batches)) for label, mesh, pipeline in configs(args.microbatches)]
+    # rounds: every configuration steps once per round, so load from other processes on a
+    # shared machine falls on all of them alike
+    seconds = {label: [] for label, *_ in built}
+    losses = {}
+    for r, b in enumerate(batches[1:]):
+        for label, _, step, _, _ in built:
+            start = time.perf_counter()
+            losses[label] = step(*b)["loss"]
+            if r >= args.warmup:
+                seconds[label].append(time.perf_counter() - start)
     rows = []
-    for label, mesh, pipeline in configs(args.microbatches):
-        r = run_one(args, mesh, pipeline, batches)
+    for label, pipeline, step, compile_s, memory in built:
+        table = None if pipeline is None else step._program.table
+        r = dict(step_ms=1e3 * statistics.median(seconds[label]), compile_s=compile_s, temp=memory.temp_size_in_bytes,
+                 args=memory.argument_size_in_bytes, ticks=1 if table is None else len(table.ticks),
+                 bubble=0.0 if table is None else table.bubble(), loss=losses[label])
         rows.append((label, r))
         print(f"{label:24s} step {r['step_ms']:8.1f} ms  ticks {r['ticks']:3d}  bubble {r['bubble']:6.1%}  "
               f"per tick {r['step_ms'] / r['ticks']:7.1f} ms  temporaries {r['temp'] / 2**20:7.2f} MiB  "
-              f"arguments {r['args'] / 2**20:6.2f} MiB  loss {r['loss']:.4f}  (compile {r['compile_s']:.0f} s)",
+              f"arguments {r['args'] / 2**20:6.2f} MiB  loss {r['loss']:.4f}  (first step {r['compile_s']:.0f} s)",
               flush=True)
     write(args, rows)
 
@@ -115,7 +121,7 @@ def write(args, rows):
              f"GPT (examples/gpt_model.py): {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
              f"global batch {args.batch}, {args.microbatches} microbatches, SGD; median of {args.steps} steps.",
              "Emulated devices share the host's cores: a step's time is the work of all 8 devices (bubble "
-             "ticks included), not a real pipeline's overlap.", "",
+             "ticks included), not a real pipeline's overlap. Configurations take turns step by step.", "",
              "| configuration | step ms | ticks | bubble | ms per tick | temporaries MiB | arguments MiB |",
              "|---|---|---|---|---|---|---|"]
     for label, r in rows:
