@@ -49,7 +49,8 @@ PARITY = [("gpipe", 2, 4, 1, "auto"), ("1f1b", 2, 4, 1, "auto"), ("interleaved",
 @pytest.mark.parametrize("schedule,pipe,layers,v,split", PARITY)
 def test_schedule_matches_torch(schedule, pipe, layers, v, split):
     model, batches, reference = gpt_case(layers)
-    plan = xtrain.Plan().with_pipeline(stages=pipe, microbatches=4, schedule=schedule, virtual_stages=v, split=split)
+    plan = xtrain.Plan().with_pipeline(stages=pipe, microbatches=4, schedule=schedule, virtual_stages=v, split=split,
+                                       checkpoint=(schedule, pipe) == ("gpipe", 4))  # recomputed stages: same numbers
     # 1F1B on pipe=2 lays 'pipe' innermost (neighbouring stages on adjacent cores), the others outermost
     mesh = dict(data=-1, pipe=pipe) if (schedule, pipe) == ("1f1b", 2) else dict(pipe=pipe, data=-1)
     result, step = train(model, sgd, batches, mesh, plan, reference)
@@ -112,11 +113,11 @@ def test_pipe_tensor_data_on_hf_models(name, schedule):
 
 # -- memory -----------------------------------------------------------------------------------
 
-def _temporaries(schedule, microbatches):
+def _temporaries(schedule, microbatches, checkpoint=False):
     torch.manual_seed(0)
     model = GPT(layers=4, d=64, seq=32)
-    step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()),
-                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=microbatches, schedule=schedule))
+    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=microbatches, schedule=schedule, checkpoint=checkpoint)
+    step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()), plan=plan)
     (batch,) = token_batches(1, batch=4 * microbatches * 2, seq=32)
     return step.compiled(*batch).memory_analysis().temp_size_in_bytes
 
@@ -127,6 +128,8 @@ def test_1f1b_temporaries_stay_flat_as_microbatches_double_gpipe_grows():
     assert gpipe[1] > 1.5 * gpipe[0], gpipe
     assert one_f_one_b[1] <= 1.05 * one_f_one_b[0], one_f_one_b
     assert one_f_one_b[1] < gpipe[1]
+    # GPipe with the stage checkpointed keeps stage inputs only: less, though still m of them
+    assert _temporaries("gpipe", 16, checkpoint=True) < 0.7 * gpipe[1]
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ class Pipeline:
             the module paths where stages 1..p-1 start, e.g. ("blocks.2", "blocks.5").
         virtual_stages: chunks per stage for "interleaved" (v >= 2); 1 otherwise.
         axis: the mesh axis the stages are laid along.
+        checkpoint: GPipe only: keep each stage's input per microbatch and recompute the
+            stage's forward in the backward (activation checkpointing per stage) instead of
+            keeping every activation. 1F1B and interleaved always work this way.
     """
 
     stages: int
@@ -32,6 +35,7 @@ class Pipeline:
     split: Split = "auto"
     virtual_stages: int = 1
     axis: str = "pipe"
+    checkpoint: bool = False
 
     def __post_init__(self):
         if self.stages < 2:
@@ -69,6 +73,6 @@ class Pipeline:
 
 
 def pipeline(stages: int, microbatches: int, schedule: str = "1f1b", split: Sequence[str] | str = "auto",
-             virtual_stages: int = 1, axis: str = "pipe") -> Pipeline:
+             virtual_stages: int = 1, axis: str = "pipe", checkpoint: bool = False) -> Pipeline:
     return Pipeline(stages=stages, microbatches=microbatches, schedule=schedule, split=split,
-                    virtual_stages=virtual_stages, axis=axis)
+                    virtual_stages=virtual_stages, axis=axis, checkpoint=checkpoint)

@@ -56,12 +56,13 @@ class Plan:
     pipeline: "Pipeline | None" = None
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
-                      split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe") -> "Plan":
+                      split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
+                      checkpoint: bool = False) -> "Plan":
         """This plan with pipeline parallelism over mesh axis `axis` (see xtrain.sharding.pipeline.Pipeline)."""
         from xtrain.sharding.pipeline import pipeline
 
         return dataclasses.replace(self, pipeline=pipeline(stages, microbatches, schedule, split,
-                                                           virtual_stages, axis))
+                                                           virtual_stages, axis, checkpoint))
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):

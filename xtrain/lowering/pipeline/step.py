@@ -258,8 +258,10 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         if pipeline.schedule == "gpipe":
             def loss_of(block, other):
                 chunks = [w[0] for w in rows(block)]
-                total, count = executors.gpipe_forward(
-                    lambda x, mb, active: run(chunks, other, x, mb, 0), x0, mbs, p, m, axis)
+                tick = lambda x, mb, active: run(chunks, other, x, mb, 0)
+                # checkpoint: the backward recomputes the stage from its input, as 1F1B does
+                total, count = executors.gpipe_forward(jax.checkpoint(tick) if pipeline.checkpoint else tick,
+                                                       x0, mbs, p, m, axis)
                 total, count = lax.psum(total, axis), lax.psum(count, axis)
                 return total / count, (total, count)
 
