@@ -85,6 +85,25 @@ def check_trainium(step, batch, inner: bool):
     assert {f.rule for f in found} == (set() if inner else {"permute-ring"}), found
 
 
+def test_dropout_masks_agree_between_gpipe_and_1f1b():
+    """Each microbatch draws its own dropout stream, the same whether its backward is autodiff
+    of the forward (GPipe) or a recomputation in a later tick (1F1B)."""
+    torch.manual_seed(0)
+    model, batches = GPT(layers=2, dropout=0.2), token_batches(2, batch=16)
+    losses = {}
+    for schedule in ("gpipe", "1f1b"):
+        plan = xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule=schedule)
+        candidate = GPT(layers=2, dropout=0.2)
+        candidate.load_state_dict(model.state_dict())
+        step = xtrain.compile(candidate, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(candidate.parameters()), plan=plan)
+        losses[schedule] = [step(*b)["loss"] for b in batches]
+    assert losses["gpipe"] == pytest.approx(losses["1f1b"], rel=1e-5)
+    plain = GPT(layers=2)  # the same weights without dropout: the masks do change the loss
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert losses["gpipe"][0] != pytest.approx(plain(*batches[0]).item(), rel=1e-3)
+
+
 # -- 3D: pipe x tensor x data on HF models -----------------------------------------------------
 
 @functools.cache

@@ -137,7 +137,7 @@ def _store(buffer, arrived, entry):
 def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
     """(loss sum, count) over all microbatches on this stage (nonzero on the last stage).
 
-    run(x, batch_mb, active) -> (activation out, sum, count) is this stage's function."""
+    run(x, (batch_mb, i), active) -> (activation out, sum, count) is this stage's function."""
     stage = lax.axis_index(axis)
     send = ring(axis, p, 1)
 
@@ -145,7 +145,8 @@ def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
         x, total, count = carry
         i = t - stage
         active = (i >= 0) & (i < m)
-        y, s, c = run(x, microbatch(batch, jnp.clip(i, 0, m - 1)), active)
+        i = jnp.clip(i, 0, m - 1)
+        y, s, c = run(x, (microbatch(batch, i), i), active)
         zero = jnp.zeros_like(s)
         total, count = total + jnp.where(active, s, zero), count + jnp.where(active, c, zero)
         return ([send(v) for v in y], total, count), None
@@ -160,12 +161,14 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
                 p: int, v: int, axis: str):
     """(loss sum, count, chunk grads (v, Lc, ...), other grads) for the 1F1B-family tables.
 
-    run(chunk_params, other, x, batch_mb, chunk) -> (activation out, sum, count)."""
+    run(chunk_params, other, x, (batch_mb, i), chunk) -> (activation out, sum, count)."""
     stage = lax.axis_index(axis)
     forward, backward = ring(axis, p, 1), ring(axis, p, -1)
     K = tables.slots
-    # kept inputs and arrived cotangents: (v, K, ...) per activation array
-    buf = lambda: [jnp.zeros((v, K) + x.shape, x.dtype) for x in x0]
+    # kept inputs and arrived cotangents: (v, K, ...) per activation array; integer carries
+    # (a dropout key threaded through the blocks) have no cotangent
+    real = [jnp.issubdtype(x.dtype, jnp.inexact) for x in x0]
+    buf = lambda xs: [jnp.zeros((v, K) + x.shape, x.dtype) for x in xs]
     last_stage = lambda c: (stage == p - 1) & (c == v - 1)
 
     def tick(carry, t):
@@ -173,24 +176,26 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
         slot = i % K
         x = [b[c, slot] for b in inputs]
-        mb = microbatch(batch, i)
+        mb = (microbatch(batch, i), i)
         params_c = [w[c] for w in chunks]
         (y, s, n), vjp = jax.vjp(lambda w, o, x: run(w, o, x, mb, c), params_c, other, x)
         is_b, is_f, last = kind == Kind.BACKWARD, kind == Kind.FORWARD, last_stage(c)
-        gy = [jnp.where(is_b & ~last, b[c, slot], jnp.zeros_like(b[c, slot])) for b in cotangents]
+        gy = iter(_like([jnp.where(is_b & ~last, b[c, slot], jnp.zeros_like(b[c, slot])) for b in cotangents],
+                        [a for a, r in zip(y, real) if r]))
+        gy = [next(gy) if r else np.zeros(a.shape, jax.dtypes.float0) for a, r in zip(y, real)]
         g_sum = jnp.where(is_b & last, 1.0, 0.0).astype(s.dtype)
-        d_chunk, d_other, dx = vjp(_like((gy, g_sum, jnp.zeros_like(n)), (y, s, n)))
+        d_chunk, d_other, dx = vjp((gy, *_like((g_sum, jnp.zeros_like(n)), (s, n))))
         g_chunks = [g.at[c].add(d) for g, d in zip(g_chunks, d_chunk)]
         g_other = jax.tree.map(jnp.add, g_other, d_other)
         zero = jnp.zeros_like(s)
         total, count = total + jnp.where(is_f & last, s, zero), count + jnp.where(is_f & last, n, zero)
         act_in, grad_in = take(tables.act_in, t)[stage], take(tables.grad_in, t)[stage]
         inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
-        cotangents = [_store(b, backward(d), grad_in) for b, d in zip(cotangents, dx)]
+        cotangents = [_store(b, backward(d), grad_in) for b, d in zip(cotangents, [d for d, r in zip(dx, real) if r])]
         return (inputs, cotangents, g_chunks, g_other, total, count), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (buf(), buf(), [jnp.zeros_like(w) for w in chunks], jax.tree.map(jnp.zeros_like, other), zero, zero)
+    init = (buf(x0), buf([x for x, r in zip(x0, real) if r]), [jnp.zeros_like(w) for w in chunks], jax.tree.map(jnp.zeros_like, other), zero, zero)
     T = tables.kind.shape[0]
     (_, _, g_chunks, g_other, total, count), _ = scan_tree(tick, init, jnp.arange(T), T)
     return total, count, g_chunks, g_other

@@ -45,7 +45,10 @@ ZERO = Cost(0.0, 0, 0)
 
 def _nbytes(var) -> int:
     aval = var.aval
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
+    if not hasattr(aval, "shape"):
+        return 0
+    itemsize = getattr(aval.dtype, "itemsize", None)  # PRNG key types (dropout) are not numpy dtypes
+    return int(math.prod(aval.shape)) * (itemsize if itemsize is not None else 8)
 
 
 def _sub_jaxprs(eqn):

@@ -228,11 +228,14 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         return [jnp.zeros(s.shape, s.dtype) for s in init]
 
     def stage_fn(runner, stage, templates, named, rest):
-        """run(chunk params, other params, x, batch_mb, chunk, valid) for this device."""
+        """run(chunk params, other params, x, (batch_mb, i), chunk) for this device."""
         index = lax.axis_index(axis)
 
-        def run(chunk_params, other, x, batch_mb, c):
-            env = runner.env({**named, **other}, rest, batch_mb)
+        def run(chunk_params, other, x, mb, c):
+            batch_mb, i = mb
+            # microbatch i draws its own dropout stream (the same in its forward and backward ticks)
+            keyed = rest[:-1] + [jax.random.fold_in(rest[-1], i)]
+            env = runner.env({**named, **other}, keyed, batch_mb)
             params = [dataclasses.replace(t, value=w) for t, w in zip(templates, chunk_params)]
             valid = take(program.layers.valid, index)[c]
             return stage(env, x, params, valid, (index == 0) & (c == 0), (index == p - 1) & (c == v - 1))
