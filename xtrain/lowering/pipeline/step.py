@@ -142,7 +142,7 @@ class PipelineProgram:
                 mods.append("epilogue (head, loss)")
                 cost = cost + self.epilogue_cost
             lines.append(f"  stage {vs % p.stages}" + (f" chunk {vs // p.stages}" if p.virtual_stages > 1 else "")
-                         + f": {', '.join(mods)}; {cost.flops / 1e6:.2f} MFLOP/microbatch, params "
+                         + f": {', '.join(mods)}; {cost.flops / 1e6:.2f} MFLOP per microbatch (all of it, before data/tensor splits), params "
                          f"{cost.param_bytes / 2**20:.2f} MiB, activations {cost.activation_bytes / 2**20:.2f} MiB")
         held = [table.held(s) for s in range(p.stages)]
         lines.append(f"  activations held per stage (microbatch inputs): {held}; lockstep SPMD: "
