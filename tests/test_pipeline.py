@@ -130,6 +130,20 @@ def test_pipe_tensor_data_on_hf_models(name, schedule):
     assert any(k == "all-reduce" and "tensor" in a for k, a in kinds)
 
 
+def test_interleaved_pipe_tensor_data_with_zero1_adamw():
+    torch.manual_seed(0)
+    model, batches = GPT(layers=4), token_batches(4, batch=16)
+
+    def adamw_gpt(params):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+    mesh = dict(tensor=2, data=2, pipe=2)
+    plan = dataclasses.replace(plans.megatron(model, mesh), zero=1).with_pipeline(
+        stages=2, microbatches=2, schedule="interleaved", virtual_stages=2)
+    result, _ = train(model, adamw_gpt, batches, mesh, plan, torch_reference(model, adamw_gpt, batches))
+    assert_parity(result)
+
+
 # -- memory -----------------------------------------------------------------------------------
 
 def _temporaries(schedule, microbatches, checkpoint=False):
