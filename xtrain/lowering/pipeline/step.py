@@ -242,6 +242,30 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
         return run
 
+    def gpipe_grads(run, rows, block, other, x0, mbs):
+        """Autodiff of the forward ticks: the backward ticks in reverse, every activation kept
+        (or, with checkpoint, every stage input)."""
+        def loss_of(block, other):
+            chunks = [w[0] for w in rows(block)]
+            tick = lambda x, mb, active: run(chunks, other, x, mb, 0)
+            total, count = executors.gpipe_forward(jax.checkpoint(tick) if pipeline.checkpoint else tick,
+                                                   x0, mbs, p, m, axis)
+            total, count = lax.psum(total, axis), lax.psum(count, axis)
+            return total / count, (total, count)
+
+        (loss, _), (g_block, g_other) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(block, other)
+        return loss, g_block, g_other
+
+    def table_grads(run, rows, block, other, x0, mbs):
+        """The 1F1B-family table: gradients of the loss *sum*, divided by the total count at the
+        end (the count is known only after the last forward; the scaling is linear)."""
+        chunks, pull = jax.vjp(rows, block)
+        total, count, g_chunks, g_other = executors.table_grads(run, chunks, other, x0, mbs, program.ticks, p, v, axis)
+        (g_block,) = pull(g_chunks)
+        total, count = lax.psum(total, axis), lax.psum(count, axis)
+        scale = lambda g: g / count.astype(g.dtype)
+        return total / count, jax.tree.map(scale, g_block), jax.tree.map(scale, g_other)
+
     def loss_and_grads(state, batch, key, shapes):
         runner, stage = setup(True, shapes)
         params = {n: lax.pcast(w, grad_axes[n] + (axis,), to="varying") for n, w in state.params.items()}
@@ -258,26 +282,8 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         def rows(block):
             return stage_rows(stack_layers(block, runner.cut.layer_params), program.layers, index)
 
-        if pipeline.schedule == "gpipe":
-            def loss_of(block, other):
-                chunks = [w[0] for w in rows(block)]
-                tick = lambda x, mb, active: run(chunks, other, x, mb, 0)
-                # checkpoint: the backward recomputes the stage from its input, as 1F1B does
-                total, count = executors.gpipe_forward(jax.checkpoint(tick) if pipeline.checkpoint else tick,
-                                                       x0, mbs, p, m, axis)
-                total, count = lax.psum(total, axis), lax.psum(count, axis)
-                return total / count, (total, count)
-
-            (loss, _), (g_block, g_other) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(block, other)
-        else:
-            chunks, pull = jax.vjp(rows, block)
-            total, count, g_chunks, g_other = executors.table_grads(run, chunks, other, x0, mbs, program.ticks,
-                                                                    p, v, axis)
-            (g_block,) = pull(g_chunks)
-            total, count = lax.psum(total, axis), lax.psum(count, axis)
-            loss = total / count
-            scale = lambda g: g / count.astype(g.dtype)
-            g_block, g_other = jax.tree.map(scale, g_block), jax.tree.map(scale, g_other)
+        grads_of = gpipe_grads if pipeline.schedule == "gpipe" else table_grads
+        loss, g_block, g_other = grads_of(run, rows, block, other, x0, mbs)
         grads = {n: g for n, g in {**g_block, **g_other}.items() if n in state.params}
         return loss, grads
 
