@@ -13,7 +13,8 @@
 Every tick sends one activation forward and one cotangent backward around the ring of stages
 (`ppermute`); what a stage receives, and where it keeps it, is read from static tables.
 A tick of `table` runs forward and backward on every stage (the masking of lockstep SPMD): a
-tick costs F + B whatever the stage does, where a GPipe tick costs F or B.
+tick costs F + B whatever the stage does, where a GPipe tick costs F or B; only the warm-up
+ticks, before any stage's first backward, run the forward alone.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class TickTables:
     act_in: np.ndarray      # (T, p, 3) activation arriving at the end of the tick: valid, chunk, slot
     grad_in: np.ndarray     # (T, p, 3) cotangent arriving: valid, chunk, slot
     slots: int              # K
+    warmup: int             # ticks before the first backward anywhere: forward only
 
 
 def _arrivals(table: Table, kind: Kind, t: int, s: int):
@@ -115,7 +117,8 @@ def tick_tables(table: Table) -> TickTables:
     slots = _slots_needed(table, uses)
     act[..., 2] %= slots
     grad[..., 2] %= slots
-    return TickTables(kind, micro, chunk, act, grad, slots)
+    warmup = int(np.argmax((kind == Kind.BACKWARD).any(axis=1)))
+    return TickTables(kind, micro, chunk, act, grad, slots, warmup)
 
 
 def _like(cotangents, primals):
@@ -171,6 +174,17 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     buf = lambda xs: [jnp.zeros((v, K) + x.shape, x.dtype) for x in xs]
     last_stage = lambda c: (stage == p - 1) & (c == v - 1)
 
+    def forward_tick(carry, t):
+        """A warm-up tick: no stage runs a backward yet, so no vjp and no cotangents."""
+        inputs, cotangents, g_chunks, g_other, total, count = carry
+        kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
+        y, s, n = run([w[c] for w in chunks], other, [b[c, i % K] for b in inputs], (microbatch(batch, i), i), c)
+        keep = (kind == Kind.FORWARD) & last_stage(c)
+        total, count = total + jnp.where(keep, s, jnp.zeros_like(s)), count + jnp.where(keep, n, jnp.zeros_like(n))
+        act_in = take(tables.act_in, t)[stage]
+        inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
+        return (inputs, cotangents, g_chunks, g_other, total, count), None
+
     def tick(carry, t):
         inputs, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
@@ -196,6 +210,7 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
 
     zero = jnp.zeros((), jnp.float32)
     init = (buf(x0), buf([x for x, r in zip(x0, real) if r]), [jnp.zeros_like(w) for w in chunks], jax.tree.map(jnp.zeros_like, other), zero, zero)
-    T = tables.kind.shape[0]
-    (_, _, g_chunks, g_other, total, count), _ = scan_tree(tick, init, jnp.arange(T), T)
+    T, warm = tables.kind.shape[0], tables.warmup
+    carry, _ = scan_tree(forward_tick, init, jnp.arange(warm), warm) if warm else (init, None)
+    (_, _, g_chunks, g_other, total, count), _ = scan_tree(tick, carry, jnp.arange(warm, T), T - warm)
     return total, count, g_chunks, g_other
