@@ -31,9 +31,10 @@ class Cut:
     weighted: bool          # the loss is sum / count (exact accumulation over microbatches)
 
 
-def _jaxpr(constvars, invars, outvars, eqns) -> jcore.Jaxpr:
+def _jaxpr(constvars, invars, outvars, eqns, part: str) -> jcore.Jaxpr:
     return jcore.Jaxpr(constvars=constvars, invars=invars, outvars=outvars, eqns=eqns,
-                       effects=jcore.no_effects if hasattr(jcore, "no_effects") else set())
+                       effects=jcore.no_effects if hasattr(jcore, "no_effects") else set(),
+                       debug_info=jcore.DebugInfo("xtrain pipeline", part, None, None))  # without one JAX warns
 
 
 def _used(eqns, outvars) -> set:
@@ -80,10 +81,10 @@ def cut(closed, path_of, param_names: list[str], num_buffers: int, where: str) -
                  if v in defined and v not in blocks.outputs]
     epi_needs += [v for v in parts if v in defined and v not in epi_needs]
     pro_outs = list(dict.fromkeys([*blocks.init, *blocks.shared, *epi_needs]))
-    prologue = _jaxpr(jaxpr.constvars, jaxpr.invars, pro_outs, pro_eqns)
+    prologue = _jaxpr(jaxpr.constvars, jaxpr.invars, pro_outs, pro_eqns, "prologue")
     # a prologue output may be an input itself (a model whose blocks read the batch directly)
     epi_ins = list(dict.fromkeys([*jaxpr.invars, *pro_outs, *blocks.outputs]))
-    epilogue = _jaxpr(jaxpr.constvars, epi_ins, parts, epi_eqns)
+    epilogue = _jaxpr(jaxpr.constvars, epi_ins, parts, epi_eqns, "epilogue")
     index = {v: i for i, v in enumerate(params)}
     layer_params = [[param_names[index[v]] for v in layer] for layer in blocks.per_layer]
     return Cut(blocks, prologue, epilogue, layer_params, weighted)
