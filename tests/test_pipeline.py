@@ -198,6 +198,23 @@ def test_error_batch_not_divisible_by_data_times_microbatches():
         step(*token_batches(1, batch=12)[0])
 
 
+def test_error_model_without_repeated_blocks():
+    from models import MLP, mlp_batches
+
+    model = MLP()
+    step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()),
+                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
+    with pytest.raises(ValueError, match=r"pipeline parallelism needs repeated blocks .* none were found"):
+        step(*mlp_batches(1, batch=16)[0])
+
+
+def test_error_pipeline_with_xla_lowering():
+    model = GPT(layers=2)
+    with pytest.raises(ValueError, match=r"pipeline parallelism needs lowering='explicit' \(got 'xla'\)"):
+        xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()), lowering="xla",
+                       plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
+
+
 def test_error_zero2_with_pipeline():
     model = GPT(layers=2)
     plan = xtrain.Plan(zero=2).with_pipeline(stages=2, microbatches=2)
