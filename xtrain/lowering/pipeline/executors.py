@@ -74,7 +74,7 @@ class TickTables:
 
 def _arrivals(table: Table, kind: Kind, t: int, s: int):
     """What stage s receives at the end of tick t: (valid, chunk, microbatch)."""
-    p, v = table.stages, table.chunks
+    p = table.stages
     src = (s - 1) % p if kind == Kind.FORWARD else (s + 1) % p
     op = table.ticks[t][src]
     if op is None or op.kind != kind:

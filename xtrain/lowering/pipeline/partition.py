@@ -17,7 +17,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
-from xtrain.lowering.explicit.layer_scan import _block_key, _segments
+from xtrain.lowering.explicit.layer_scan import _segments
 
 FLOPS_PER_BYTE = 100.0  # ridge point of a GPU/Trainium-class chip: where memory traffic costs as much as math
 
