@@ -74,7 +74,9 @@ class TrainStep:
         self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
-        if lowering == "explicit":
+        if plan.pipeline is not None:
+            self._train, self._eval, self._program = self._pipeline(grad_sync, lowering, options, grad_tx)
+        elif lowering == "explicit":
             self._build = functools.partial(
                 explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
                 grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
@@ -97,6 +99,16 @@ class TrainStep:
             aliases.setdefault(name, []).append(alias)
         params = checkpoint.load_sharded(source, abstract, shardings, aliases)
         return params, self.model.initial_buffers(source)
+
+    def _pipeline(self, grad_sync: GradSync | None, lowering: str, options: StepOptions, grad_tx: GradTransforms):
+        from xtrain.lowering.pipeline import step as pipeline_step
+
+        if lowering != "explicit":
+            raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
+        return pipeline_step.build(self.model, self.tx, self.shardings, self.mesh, self.param_specs, self.batch_spec,
+                                   grad_sync or GradSync(comm_dtype=self.plan.precision.wire_dtype),
+                                   self.plan.pipeline, zero=self.plan.zero, optimizer_specs=self.optimizer_specs,
+                                   options=options, grad_tx=grad_tx, remat=self.plan.layer_remat())
 
     def _initial_state(self, params: dict, buffers: dict, optimized: set[str], seed: int) -> TrainState:
         opt_params = {n: v for n, v in params.items() if n in optimized}
@@ -279,6 +291,7 @@ class TrainStep:
             notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
+            notes += self._program.describe() if self.plan.pipeline is not None else []
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):
                 notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")
         else:

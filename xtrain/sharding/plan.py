@@ -51,6 +51,8 @@ class Plan:
             "off", "full" (keep only each layer's input; True means this), "dots" (keep matmul
             outputs) or "selective" (keep the activations of the modules `remat_keep` names).
         remat_keep: remat="selective": fnmatch patterns over module paths, e.g. ("blocks.*.attn",).
+        pipeline: pipeline parallelism (stages, microbatches, schedule, split); set it with
+            `plan.with_pipeline(...)`. None: no pipeline.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -60,6 +62,16 @@ class Plan:
     precision: "Precision | str" = "fp32"
     remat: "Remat | str | bool" = "off"
     remat_keep: tuple[str, ...] = ()
+    pipeline: "Pipeline | None" = None
+
+    def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
+                      split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
+                      checkpoint: bool = False) -> "Plan":
+        """This plan with pipeline parallelism over mesh axis `axis` (see xtrain.sharding.pipeline.Pipeline)."""
+        from xtrain.sharding.pipeline import pipeline
+
+        return dataclasses.replace(self, pipeline=pipeline(stages, microbatches, schedule, split,
+                                                           virtual_stages, axis, checkpoint))
 
     def __post_init__(self):
         from xtrain.precision import Precision
@@ -99,6 +111,8 @@ class Plan:
         mixed = "" if self.precision.compute.value == "fp32" else f", precision={self.precision.compute.value}"
         remat = "" if self.remat.value == "off" else f", remat={self.remat.value}"
         lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat})"]
+        if self.pipeline is not None:
+            lines.append(f"  {self.pipeline}")
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]

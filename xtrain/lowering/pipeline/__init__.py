@@ -1,0 +1,9 @@
+"""Pipeline parallelism over a `pipe` mesh axis.
+
+    schedule.py    the schedule tables (GPipe, 1F1B, interleaved): who does what at each tick
+    partition.py   per-layer costs measured on the traced graph; cutting layers into stages
+    graph.py       the traced model cut into prologue, repeated blocks, epilogue
+    stage.py       one stage's work on one microbatch, as selects (no branches)
+    executors.py   the tables run as scans over ticks, with ppermute around the ring of stages
+    step.py        the training step: trace, partition, execute, sync gradients, update
+"""

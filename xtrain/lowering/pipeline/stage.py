@@ -1,0 +1,130 @@
+"""One pipeline stage's work on one microbatch, on local shards.
+
+Every device runs the same program (SPMD over the `pipe` axis); what differs per stage is data:
+which layers it holds (a row of `Layers`), whether it starts the pipeline (its input is the
+prologue's output, not the neighbour's activation) and whether it ends it (it computes the loss).
+Those choices are selects on values known per device, never branches: Trainium runs neither
+`lax.cond` nor data-dependent loops. So every stage also evaluates the prologue and epilogue of
+its microbatch and throws the result away unless it is the first / last stage: the price of
+lockstep SPMD, small for a transformer (embedding lookup; final norm, head and loss).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from xtrain.lowering.explicit import collectives as C
+from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.scan import scan_with_stable_carry
+from xtrain.lowering.pipeline.graph import Cut
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """Layer of each (stage, chunk, slot); stages with fewer layers pad with masked slots."""
+
+    index: np.ndarray   # (p, v, Lc) int: layer number (0 in padding slots)
+    valid: np.ndarray   # (p, v, Lc) bool
+    starts: tuple[int, ...]  # first layer of each virtual stage c * p + s, in virtual-stage order
+
+    @staticmethod
+    def from_starts(starts: list[int], num_layers: int, stages: int, chunks: int) -> "Layers":
+        bounds = list(starts) + [num_layers]
+        width = max(b - a for a, b in zip(bounds, bounds[1:]))
+        index = np.zeros((stages, chunks, width), dtype=np.int32)
+        valid = np.zeros((stages, chunks, width), dtype=bool)
+        for vs in range(stages * chunks):
+            c, s = divmod(vs, stages)
+            n = bounds[vs + 1] - bounds[vs]
+            index[s, c, :n] = np.arange(bounds[vs], bounds[vs + 1])
+            valid[s, c, :n] = True
+        return Layers(index, valid, tuple(starts))
+
+    def of_stage(self, vs: int, num_layers: int) -> range:
+        bounds = list(self.starts) + [num_layers]
+        return range(bounds[vs], bounds[vs + 1])
+
+
+class Stage:
+    """Interprets the cut graph for one microbatch: prologue -> this chunk's layers -> epilogue."""
+
+    def __init__(self, ctx: Context, cut: Cut, consts):
+        self.ctx, self.cut, self.consts = ctx, cut, consts
+        self.carry_layouts = None  # layouts of the activation passed between stages (set by `prologue`)
+
+    def prologue(self, env: dict) -> list[Sharded]:
+        """Runs the prologue into `env`; returns the block input (carries, whole values)."""
+        outs = interpret(self.ctx, self.cut.prologue, self.consts, [env[v] for v in self.cut.prologue.invars])
+        env.update(zip(self.cut.prologue.outvars, outs))
+        init = [C.resolve(self.ctx, env[v]) for v in self.cut.blocks.init]
+        self.carry_layouts = [x.layout for x in init]
+        return init
+
+    def layers(self, carry: list[Sharded], shared: list[Sharded], params: list[Sharded], valid) -> list:
+        """The chunk's layers as one scan; `params` hold (Lc, ...) stacked values, `valid` (Lc,)."""
+        ctx, body, path = self.ctx, self.cut.blocks.body, self.ctx.path
+
+        def step(values, xs):
+            ctx.path = path
+            layer, ok = xs[:-1], xs[-1]
+            ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry, values)] + shared
+                   + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)])
+            outs = interpret(ctx, body, [], ins)
+            outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
+            return [jnp.where(ok, o, v) for o, v in zip(outs, values)], None  # padding slot: identity
+
+        final, _ = scan_with_stable_carry(step, [x.value for x in carry], [p.value for p in params] + [valid])
+        return [dataclasses.replace(x, value=v) for x, v in zip(carry, final)]
+
+    def epilogue(self, env: dict) -> tuple:
+        """(sum, count) of the loss over the microbatch, replicated (count 1 when unweighted)."""
+        outs = interpret(self.ctx, self.cut.epilogue, self.consts, [env[v] for v in self.cut.epilogue.invars])
+        outs = [C.replicate(self.ctx, o).value for o in outs]
+        total = outs[0]
+        count = outs[1].astype(total.dtype) if self.cut.weighted else jnp.ones((), total.dtype)
+        return total, count
+
+    def __call__(self, env: dict, x: list, params: list[Sharded], valid, first, last):
+        """(activation out, loss sum, count) of one microbatch. `x`: the incoming activation
+        (local values); `first` / `last`: traced booleans."""
+        env = dict(env)
+        init = self.prologue(env)
+        carry = [dataclasses.replace(i, value=jnp.where(first, i.value, v)) for i, v in zip(init, x)]
+        shared = [env[v] for v in self.cut.blocks.shared]
+        out = self.layers(carry, shared, params, valid)
+        env.update(zip(self.cut.blocks.outputs, out))
+        total, count = self.epilogue(env)
+        zero = jnp.zeros((), total.dtype)
+        return [o.value for o in out], jnp.where(last, total, zero), jnp.where(last, count, zero)
+
+
+def ring(axis: str, size: int, shift: int):
+    """ppermute around the ring of pipeline stages (Trainium permutes only around rings)."""
+    perm = [(s, (s + shift) % size) for s in range(size)]
+    return lambda x: lax.ppermute(x, axis, perm)
+
+
+def take(table: np.ndarray, index):
+    """Row `index` (traced) of a static table."""
+    return jnp.asarray(table)[index]
+
+
+def microbatch(batch_leaves: list, i) -> list:
+    """Microbatch `i` of leaves shaped (m, b, ...)."""
+    return [lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False) for x in batch_leaves]
+
+
+def stack_layers(values: dict, layer_params: list[list[str]]) -> list:
+    """Per body parameter position: every layer's local value stacked, (L, ...)."""
+    return [jnp.stack([values[layer[k]] for layer in layer_params]) for k in range(len(layer_params[0]))]
+
+
+def stage_rows(stacked: list, layers: Layers, stage) -> list:
+    """This stage's chunks of the stacked layers, (v, Lc, ...), by gathering rows."""
+    index = take(layers.index, stage)  # (v, Lc)
+    return [jnp.take(s, index, axis=0) for s in stacked]
+
