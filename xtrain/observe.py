@@ -26,52 +26,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import jax
-from jax.extend import core as jex_core
 
+from xtrain.cost import flops
 from xtrain.cost.hardware import peak_flops
 
 
 # -- model FLOPs from the traced graph --------------------------------------------------------
 
-def _dot_flops(eqn) -> float:
-    lhs = eqn.invars[0].aval
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    k = math.prod(lhs.shape[d] for d in contract)
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-
-
-def _conv_flops(eqn) -> float:
-    rhs = eqn.invars[1].aval  # kernel: its non-output-feature dims are summed per output
-    out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs.shape) / out_features
-
-
-def _sub_jaxprs(eqn) -> Iterator:
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jex_core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jex_core.Jaxpr):
-                yield v
-
-
 def matmul_flops(jaxpr) -> float:
     """FLOPs of every dot_general and convolution in `jaxpr` (a Jaxpr or ClosedJaxpr), nested
-    calls included; a scan body counts `length` times, a cond its costliest branch."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            total += _dot_flops(eqn)
-        elif name == "conv_general_dilated":
-            total += _conv_flops(eqn)
-        elif name == "cond":
-            total += max(matmul_flops(b) for b in eqn.params["branches"])
-        else:
-            inner = sum(matmul_flops(j) for j in _sub_jaxprs(eqn))
-            total += inner * (eqn.params["length"] if name == "scan" else 1)
-    return total
+    calls included; a scan body counts `length` times (xtrain.cost.flops)."""
+    return flops.count(jaxpr).matmul
 
 
 def model_flops(step, *batch: Any) -> float:

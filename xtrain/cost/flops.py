@@ -109,21 +109,31 @@ def _op(eqn, acc: Flops) -> None:
         acc.reduce += sum(_size(v.aval) for v in eqn.invars)
 
 
-def count(jaxpr) -> Flops:
-    """FLOPs of a jaxpr or ClosedJaxpr, sub-jaxprs included (scan bodies x length; `cond`
-    counts its most expensive branch)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+def of_eqn(eqn) -> Flops:
+    """FLOPs of one equation, its sub-jaxprs included (scan bodies x length; `cond` counts its
+    most expensive branch)."""
     acc = Flops()
-    for eqn in jaxpr.eqns:
-        _op(eqn, acc)
-        subs = list(jcore.jaxprs_in_params(eqn.params))
-        if not subs:
-            continue
-        times, known = _trip_count(eqn)
-        if str(eqn.primitive) == "cond":
-            acc.add(max((count(s) for s in subs), key=lambda f: f.total))
-            continue
-        for sub in subs:
-            acc.add(count(sub), times)
-        acc.unknown_loops += 0 if known else 1
+    _op(eqn, acc)
+    subs = list(jcore.jaxprs_in_params(eqn.params))
+    if not subs:
+        return acc
+    if str(eqn.primitive) == "cond":
+        acc.add(max((count(s) for s in subs), key=lambda f: f.total))
+        return acc
+    times, known = _trip_count(eqn)
+    for sub in subs:
+        acc.add(count(sub), times)
+    acc.unknown_loops += 0 if known else 1
     return acc
+
+
+def of_eqns(eqns) -> Flops:
+    acc = Flops()
+    for eqn in eqns:
+        acc.add(of_eqn(eqn))
+    return acc
+
+
+def count(jaxpr) -> Flops:
+    """FLOPs of a jaxpr or ClosedJaxpr, sub-jaxprs included."""
+    return of_eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns)

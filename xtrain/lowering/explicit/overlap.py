@@ -8,29 +8,9 @@ collective is on the critical path wherever it is placed.
 """
 from __future__ import annotations
 
-import math
-
 from jax.extend import core as jcore
 
-
-def eqn_flops(eqn) -> float:
-    """Multiply-add FLOPs of one equation (dot_general, conv), nested programs included."""
-    name = str(eqn.primitive)
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lc)
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape  # (O, I/groups, *window) in the default layout
-        spec = eqn.params["dimension_numbers"].rhs_spec
-        window = math.prod(rhs[d] for d in spec[2:])
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * rhs[spec[1]] * window
-    repeat = eqn.params.get("length", 1) if name == "scan" else 1
-    return repeat * sum(jaxpr_flops(sub) for sub in jcore.jaxprs_in_params(eqn.params))
-
-
-def jaxpr_flops(jaxpr) -> float:
-    return sum(eqn_flops(e) for e in jaxpr.eqns)
+from xtrain.cost import flops
 
 
 def _ancestors(jaxpr) -> list[int]:
@@ -62,7 +42,7 @@ class Region:
     def __init__(self, jaxpr):
         self.jaxpr = jaxpr
         self.anc = _ancestors(jaxpr)
-        self.flops = [eqn_flops(e) for e in jaxpr.eqns]
+        self.flops = [flops.of_eqn(e).matmul for e in jaxpr.eqns]
 
     def overlap(self, index: int) -> float:
         return independent_flops(self.jaxpr, index, self.anc, self.flops)

@@ -17,6 +17,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.cost import flops as cost_flops
 from xtrain.lowering.explicit.layer_scan import _segments
 
 FLOPS_PER_BYTE = 100.0  # ridge point of a GPU/Trainium-class chip: where memory traffic costs as much as math
@@ -51,30 +52,9 @@ def _nbytes(var) -> int:
     return int(math.prod(aval.shape)) * (itemsize if itemsize is not None else 8)
 
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jcore.Jaxpr):
-                yield v
-
-
-def _eqn_flops(eqn) -> float:
-    subs = list(_sub_jaxprs(eqn))
-    if subs:
-        inner = sum(flops(s.eqns) for s in subs)
-        return inner * eqn.params.get("length", 1)  # a scan runs its body `length` times
-    if str(eqn.primitive) == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
-    return float(sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars))
-
-
 def flops(eqns) -> float:
-    """FLOPs of a list of equations (nested jaxprs included)."""
-    return sum(_eqn_flops(e) for e in eqns)
+    """FLOPs of a list of equations (nested jaxprs included; xtrain.cost.flops)."""
+    return cost_flops.of_eqns(eqns).total
 
 
 def cost_of(eqns, param_vars: set) -> Cost:
