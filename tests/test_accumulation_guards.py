@@ -59,7 +59,8 @@ def test_a_new_batch_shape_is_refused_naming_the_input():
         "this step would recompile: the batch differs from the one it was compiled for (batch argument 0: "
         "shape (16, 16) dtype int32 -> shape (16, 8) dtype int32; batch argument 1: shape (16, 16) dtype "
         "int32 -> shape (16, 8) dtype int32). Pad or bucket batches to a fixed set of shapes, or pass "
-        "xtrain.compile(..., allow_recompile=True) to compile one step per shape")
+        "xtrain.compile(..., allow_recompile=True) to compile one step per shape (or allow_recompile=N for N "
+        "shapes, e.g. N buckets)")
     assert step.step_count == 1, "the refused call must not train"
 
 
@@ -75,6 +76,12 @@ def test_a_dtype_change_is_named_and_allow_recompile_lets_it_through():
     allowed(x, y)
     allowed(x[:8], y[:8])
     assert allowed.compilations == 2
+    third = MLP()
+    two = xtrain.compile(third, xtrain.Mesh(data=8), optimizer=sgd(third.parameters()), allow_recompile=2)
+    two(x, y), two(x[:8], y[:8]), two(x, y)
+    with pytest.raises(ValueError, match=r"already has its 2 \(allow_recompile=2\) \(batch argument 0: shape "
+                                         r"\(16, 12\) dtype float32 -> shape \(24, 12\)"):
+        two(torch.cat([x, x[:8]]), torch.cat([y, y[:8]]))
 
 
 # -- NaN detection ---------------------------------------------------------------------------

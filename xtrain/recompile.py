@@ -18,16 +18,20 @@ def _describe(entry: Any) -> str:
     return f"shape {entry[0]} dtype {entry[1]}"
 
 
-def check(compiled_for: Signature, now: Signature) -> None:
-    """Raises ValueError naming every batch argument whose shape/dtype (or value) changed."""
-    if compiled_for == now:
+def check(seen: list[Signature], now: Signature, limit: float) -> None:
+    """Raises ValueError when `now` would be compiled beyond `limit` shapes, naming every batch
+    argument whose shape/dtype (or value) differs from the first compiled one."""
+    if now in seen or len(seen) < limit:
         return
-    if len(compiled_for) != len(now):
-        changes = [f"{len(compiled_for)} batch arguments -> {len(now)}"]
+    first = seen[0]
+    if len(first) != len(now):
+        changes = [f"{len(first)} batch arguments -> {len(now)}"]
     else:
         changes = [f"batch argument {i}: {_describe(a)} -> {_describe(b)}"
-                   for i, (a, b) in enumerate(zip(compiled_for, now)) if a != b]
+                   for i, (a, b) in enumerate(zip(first, now)) if a != b]
+    budget = "" if limit == 1 else f" and it already has its {int(limit)} (allow_recompile={int(limit)})"
     raise ValueError(
-        "this step would recompile: the batch differs from the one it was compiled for ("
+        f"this step would recompile: the batch differs from the one it was compiled for{budget} ("
         + "; ".join(changes) + "). Pad or bucket batches to a fixed set of shapes, or pass "
-        "xtrain.compile(..., allow_recompile=True) to compile one step per shape")
+        "xtrain.compile(..., allow_recompile=True) to compile one step per shape "
+        "(or allow_recompile=N for N shapes, e.g. N buckets)")

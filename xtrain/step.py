@@ -89,7 +89,7 @@ class TrainStep:
                                  "lowering's layer scan; use lowering='explicit' or remat='off'")
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
-        self._compiled_for: recompile.Signature | None = None
+        self._compiled_for: list[recompile.Signature] = []  # batch signatures compiled so far
 
     def _load_initial(self, source, abstract: dict, shardings: dict) -> tuple[dict, dict]:
         from xtrain import checkpoint
@@ -158,9 +158,9 @@ class TrainStep:
 
     def _guard(self, placed: tuple) -> None:
         now = recompile.signature(placed)
-        if self._compiled_for is not None and not self.options.allow_recompile:
-            recompile.check(self._compiled_for, now)
-        self._compiled_for = self._compiled_for or now
+        recompile.check(self._compiled_for, now, self.options.shape_limit)
+        if now not in self._compiled_for:
+            self._compiled_for.append(now)
 
     def _nan_evidence(self, placed: tuple):
         """detect_nan: what the forward reads this step (the state is donated to the step)."""

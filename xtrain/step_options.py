@@ -19,17 +19,29 @@ class StepOptions:
             xtrain.lowering.accumulation for what that assumes).
         detect_nan: check every step's loss and gradient norm; on a non-finite one, skip the
             update and raise FloatingPointError naming the first module whose output is not finite.
-        allow_recompile: let a batch of another shape or dtype compile a new step; by default it
-            is an error naming the input that changed.
+        allow_recompile: how many batch shapes (and dtypes) the step may compile: False (one:
+            any other is an error naming the input that changed), an integer N (e.g. the number
+            of buckets of a bucketing loader) or True (no limit).
     """
 
     clip_grad_norm: float | None = None
     accumulate: int = 1
     detect_nan: bool = False
-    allow_recompile: bool = False
+    allow_recompile: bool | int = False
 
     def __post_init__(self):
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive number or None")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate={self.accumulate!r} must be an integer >= 1 (micro-batches per step)")
+        if not isinstance(self.allow_recompile, bool) and not (isinstance(self.allow_recompile, int)
+                                                                 and self.allow_recompile >= 1):
+            raise ValueError(f"allow_recompile={self.allow_recompile!r} must be True, False or a number of batch "
+                             "shapes >= 1")
+
+    @property
+    def shape_limit(self) -> float:
+        """Batch shapes the step may compile."""
+        if isinstance(self.allow_recompile, bool):
+            return float("inf") if self.allow_recompile else 1
+        return self.allow_recompile
