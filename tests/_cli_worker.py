@@ -3,6 +3,14 @@ import json
 import os
 import sys
 
+
+def report(record: dict) -> None:
+    # one write per record: with unbuffered output print() writes the text and the newline
+    # apart, and the other rank's record can land between them
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 import xtrain
 
 if "--jax" in sys.argv:
@@ -12,9 +20,7 @@ if "--jax" in sys.argv:
     from xtrain.runtime import emulated_cluster
 
     cluster = emulated_cluster()
-    print(json.dumps({"rank": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
-                      "local_devices": jax.local_device_count(), "axes": cluster.axes if cluster else None}),
-          flush=True)
+    report({"rank": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
+            "local_devices": jax.local_device_count(), "axes": cluster.axes if cluster else None})
 else:
-    print(json.dumps({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
-                      "args": sys.argv[1:]}), flush=True)
+    report({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "args": sys.argv[1:]})

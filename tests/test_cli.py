@@ -1,6 +1,7 @@
 """The `xtrain` command: `xtrain env` in a subprocess, `xtrain run`'s torchrun command line per
 backend and environment (pure), and real `xtrain run` launches on CPU."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -98,7 +99,11 @@ def test_run_bad_flags(opts, message):
 
 
 def ranks(stdout: str) -> list[dict]:
-    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    """Every worker's JSON record. The workers share one stdout, so a record need not start a
+    line (another process's output can precede it on the same line): decode from each `{"rank"`."""
+    decoder = json.JSONDecoder()
+    found = [decoder.raw_decode(stdout, m.start())[0] for m in re.finditer(r'\{"rank"', stdout)]
+    return sorted(found, key=lambda r: r["rank"])
 
 
 def test_run_launches_torchrun():
