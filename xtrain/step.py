@@ -38,8 +38,10 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 def _regather_default() -> bool:
     """ZeRO-3 re-gathers weights in the backward pass (remat) except on XLA's CPU runtime: there
-    the re-gather inside the layer scan deadlocks its collective rendezvous (seen with jax
-    0.10.2 on 8 emulated devices; the weights are then kept from the forward pass)."""
+    independent collectives can start in a different order on different emulated devices (seen
+    with jax 0.10.2, 8 devices, a clipping or gradient-sync all-reduce beside the backward scan's
+    re-gathers: 7 devices wait in an all-gather, 1 in an all-reduce) and the rendezvous never
+    completes. The weights are then kept from the forward pass."""
     from xtrain.runtime import backend
 
     return backend() != "cpu"
