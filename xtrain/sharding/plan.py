@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
+
+if TYPE_CHECKING:  # imported lazily at run time (they import jax)
+    from xtrain.precision import Precision
+    from xtrain.remat import Remat
+    from xtrain.sharding.pipeline import Pipeline
 
 AxisEntry = Union[str, tuple[str, ...], None]
 Spec = tuple[AxisEntry, ...]

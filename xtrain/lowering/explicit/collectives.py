@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,9 @@ import numpy as np
 from jax import lax
 
 from xtrain.lowering.explicit.layout import Axes, Layout
+
+if TYPE_CHECKING:
+    from xtrain.remat import LayerRemat
 
 from jax._src.lax.parallel import all_gather_invariant  # noqa: E402  (no public name in jax 0.10)
 
