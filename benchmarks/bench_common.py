@@ -53,6 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def gloo_rank_slice(args) -> tuple[int, int, slice]:
+    """(rank, world, this rank's rows of the global batch) of a torch.distributed (gloo) worker."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} is not divisible by {world} processes")
+    return rank, world, slice(rank * args.batch // world, (rank + 1) * args.batch // world)
+
+
 def build_model(args):
     """The example's GPT (or a tiny HF Llama), with the same initial weights in every process
     and framework; `model(x, y)` returns the mean next-token loss."""

@@ -15,13 +15,9 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 def main() -> None:
     args = bench_common.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        raise ValueError(f"--batch {args.batch} is not divisible by {world} processes")
+    rank, world, local = bench_common.gloo_rank_slice(args)
     model = DistributedDataParallel(bench_common.build_model(args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    local = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)

@@ -22,16 +22,12 @@ def blocks(model) -> list[torch.nn.Module]:
 
 def main() -> None:
     args = bench_common.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        raise ValueError(f"--batch {args.batch} is not divisible by {world} processes")
+    rank, world, local = bench_common.gloo_rank_slice(args)
     model = bench_common.build_model(args)
     for block in blocks(model):
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    local = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
 
     def step(x, y) -> float:
         opt.zero_grad(set_to_none=True)

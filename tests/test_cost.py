@@ -16,22 +16,12 @@ import xtrain
 from xtrain.api import _torch_model
 from xtrain.cost import flops, hardware, search
 from xtrain.cost.program import abstract_step
-from xtrain.testing import assert_parity, run_parity, torch_reference
+from xtrain.testing import assert_parity, run_parity
 
-from models import GPT, token_batches
+from models import GPT
+from test_zero import adamw, gpt_case  # one GPT case and torch reference, shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-
-
-@functools.cache
-def gpt_case():
-    torch.manual_seed(0)
-    model, batches = GPT(layers=2), token_batches()
-    return model, batches, torch_reference(model, adamw, batches)
 
 
 @functools.cache
