@@ -41,7 +41,8 @@ def main(file: str, out: str) -> None:
     if jax.process_index() == 0:
         with open(out, "w") as f:
             json.dump(dict(gained=[int(g) for g in gained.reshape(-1)], loss=loss, processes=jax.process_count(),
-                           sharded=sorted(n for n, s in step.param_specs.items() if s)), f)
+                           sharded=sorted(n for n, s in step.param_specs.items() if any(s)),
+                           whole=sorted(n for n, s in step.param_specs.items() if not any(s))), f)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import torch
 
+from xtrain.frontend.stacked import member
+
 # Options that change the update rule and that xtrain does not translate (value = torch default).
 _UNSUPPORTED = {
     "SGD": {"dampening": 0, "maximize": False},
@@ -113,7 +115,7 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
                 groups[name] = index
     if len(transforms) == 1:
         return transforms["0"], groups
-    labels = lambda params: {n: str(groups[n]) for n in params}
+    labels = lambda params: {n: str(groups[member(n, 0)]) for n in params}  # a stacked family: its layer 0's
     return optax.multi_transform(transforms, labels), groups
 
 
@@ -145,4 +147,4 @@ def scale_by_lr(updates: Mapping, lrs, groups: Mapping[str, int] | None) -> dict
     transformations passed by the user (groups=None: their lr is inside the transformation)."""
     if groups is None:
         return dict(updates)
-    return {n: u * lrs[groups[n]].astype(u.dtype) for n, u in updates.items()}
+    return {n: u * lrs[groups[member(n, 0)]].astype(u.dtype) for n, u in updates.items()}

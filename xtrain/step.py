@@ -17,6 +17,7 @@ from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.optim import LearningRates
 from xtrain.remat import Remat
 from xtrain.step_options import StepOptions
+from xtrain.frontend import stacked
 from xtrain.frontend.model import Model
 from xtrain.lowering import report as report_mod
 from xtrain.lowering import xla_partitioner
@@ -56,17 +57,24 @@ class TrainStep:
                  zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None,
                  options: StepOptions = StepOptions(), learning_rates: LearningRates | None = None):
         model = precision.apply_policy(model, plan.precision)
-        self.model, self.mesh, self.plan, self.tx = model, mesh, plan, tx
+        self.mesh, self.plan, self.tx = mesh, plan, tx
         self.lowering, self.options, self.learning_rates = lowering, options, learning_rates
         grad_tx = GradTransforms(options.clip_grad_norm, learning_rates.groups if learning_rates else None,
                                  options.detect_nan, plan.precision.loss_scale)
         mesh_axes = dict(mesh.shape)
-        abstract = model.param_shapes()
-        shapes = {n: p.shape for n, p in abstract.items()}
+        shapes = {n: p.shape for n, p in model.param_shapes().items()}
         self.batch_spec = plan.batch_spec(mesh_axes)
         data_axes = tuple(a for e in self.batch_spec for a in _axes_of(e))
         self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
             shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
+        self.model, self.stacking = model, stacked.Stacking({})
+        if stacked.wanted(scan_layers, plan.pipeline, learning_rates):
+            self.model, self.stacking = stacked.stack_model(model, self.param_specs, self.optimizer_specs, optimized,
+                                                            learning_rates.groups)
+            self.param_specs = self.stacking.stack_specs(self.param_specs)
+            self.optimizer_specs = self.stacking.stack_specs(self.optimizer_specs)
+            optimized = set(self.stacking.stored_names(optimized))
+        model, abstract = self.model, self.model.param_shapes()
         named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
         if init_from is None:
             params, buffers = model.initial_params(), model.initial_buffers()

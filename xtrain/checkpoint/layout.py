@@ -7,6 +7,7 @@ reader assembles any region it needs from the pieces that overlap it.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -90,19 +91,35 @@ def assemble(name: str, want: Region, dtype: np.dtype, pieces: Iterable[dict],
     return out
 
 
+def stacked_reader(layers: Sequence[Callable[[Region], np.ndarray]], dtype: np.dtype) -> Callable[[Region], np.ndarray]:
+    """Region reader of a stacked (L, ...) tensor stored as L per-layer tensors: row k of the
+    region comes from `layers[k]` (a reader of layer k's own regions)."""
+    def read(want: Region) -> np.ndarray:
+        (lo, hi), rest = want[0], want[1:]
+        return np.stack([layers[k](rest) for k in range(lo, hi)]).astype(dtype, copy=False)
+    return read
+
+
+def layer_reader(stacked: Callable[[Region], np.ndarray], k: int) -> Callable[[Region], np.ndarray]:
+    """Region reader of layer k of a tensor stored stacked (L, ...)."""
+    return lambda want: stacked(((k, k + 1),) + tuple(want))[0]
+
+
 def make_array(name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
                read_region: Callable[[Region], np.ndarray]) -> jax.Array:
-    """A global array on `sharding` whose local shards are read region by region (each distinct
-    region once, even when devices hold replicas)."""
-    cache: dict[Region, np.ndarray] = {}
-
-    def shard(index):
-        region = region_of(index, shape)
-        if region not in cache:
-            cache[region] = read_region(region)
-        return cache[region]
-
-    try:
-        return jax.make_array_from_callback(shape, sharding, shard)
-    finally:
-        cache.clear()
+    """A global array on `sharding` whose local shards are read region by region: each distinct
+    region once (devices holding replicas share the read) and placed before the next is read,
+    so at most one region is on the host beside what the devices already hold."""
+    indices = sharding.addressable_devices_indices_map(shape)
+    regions = {device: region_of(index, shape) for device, index in indices.items()}
+    left = collections.Counter(regions.values())
+    held: dict[Region, np.ndarray] = {}
+    shards = []
+    for device, region in regions.items():
+        if region not in held:
+            held[region] = np.asarray(read_region(region), dtype=dtype)
+        shards.append(jax.device_put(held[region], device))
+        left[region] -= 1
+        if not left[region]:
+            del held[region]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from xtrain.checkpoint.layout import CheckpointError, make_array, read_slice
+from xtrain.checkpoint.layout import CheckpointError, make_array, read_slice, stacked_reader
+from xtrain.frontend import stacked
 
 INDEX_SUFFIX = ".index.json"  # HF's sharded checkpoints: model.safetensors.index.json
 
@@ -73,17 +74,23 @@ def load_sharded(source: str | os.PathLike, shapes: Mapping[str, jax.ShapeDtypeS
     where = tensor_locations(source)
     out = {}
     for name, want in shapes.items():
-        key = _find(name, list((aliases or {}).get(name, [])), where, source)
-        file, shape, _ = where[key]
-        if shape != tuple(want.shape):
-            raise CheckpointError(f"{file}: tensor {key!r} has shape {list(shape)} but the model's {name} has "
-                                  f"{list(want.shape)}")
-        out[name] = make_array(name, shape, jnp.dtype(want.dtype), shardings[name],
-                               _region_reader(file, key, jnp.dtype(want.dtype)))
+        dtype = jnp.dtype(want.dtype)
+        if stacked.is_stacked(name):  # files hold the layers under their own names
+            layers = [_region_reader(stacked.member(name, k), tuple(want.shape[1:]), dtype, aliases, where, source)
+                      for k in range(want.shape[0])]
+            read = stacked_reader(layers, dtype)
+        else:
+            read = _region_reader(name, tuple(want.shape), dtype, aliases, where, source)
+        out[name] = make_array(name, tuple(want.shape), dtype, shardings[name], read)
     return out
 
 
-def _region_reader(file: Path, key: str, dtype: np.dtype):
+def _region_reader(name: str, shape: tuple, dtype: np.dtype, aliases, where: dict, source):
+    key = _find(name, list((aliases or {}).get(name, [])), where, source)
+    file, stored, _ = where[key]
+    if stored != shape:
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {list(stored)} but the model's {name} has "
+                              f"{list(shape)}")
     return lambda region: read_slice(str(file), key, region).astype(dtype, copy=False)
 
 

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, named_leaves, read_slice, region_of
+from xtrain.checkpoint.layout import (CheckpointError, assemble, layer_reader, make_array, named_leaves, read_slice,
+                                      region_of, stacked_reader)
+from xtrain.frontend import stacked
 
 FORMAT = "xtrain-checkpoint"
 VERSION = 1
@@ -79,15 +81,33 @@ def host_pieces(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, dict], dict
     arrays, pieces, tensors = {}, {}, {}
     for name, leaf in named_leaves(tree).items():
         leaf = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
-        tensors[name] = {"shape": list(leaf.shape), "dtype": jnp.dtype(leaf.dtype).name}
         for k, shard in enumerate(leaf.addressable_shards):
             if shard.replica_id != 0:
                 continue
-            key = f"{name}#{k}"
             # a copy: the step donates its state, so the device buffer is reused by the next step
-            arrays[key] = np.array(shard.data, copy=True)
-            pieces[key] = {"tensor": name, "region": [list(r) for r in region_of(shard.index, leaf.shape)]}
+            data, region = np.array(shard.data, copy=True), region_of(shard.index, leaf.shape)
+            for tensor, piece, where in _per_layer(name, data, region):
+                arrays[f"{tensor}#{k}"] = piece
+                pieces[f"{tensor}#{k}"] = {"tensor": tensor, "region": [list(r) for r in where]}
+        for tensor, (shape, dtype) in _per_layer_info(name, leaf).items():
+            tensors[tensor] = {"shape": shape, "dtype": dtype}
     return arrays, pieces, tensors
+
+
+def _per_layer(name: str, data: np.ndarray, region) -> list:
+    """A shard of a stacked leaf (`params/model.layers.*.w`) as one piece per layer, stored
+    under the layers' own names, so checkpoints do not depend on how the step stores blocks."""
+    if not stacked.is_stacked(name):
+        return [(name, data, region)]
+    (lo, hi), rest = region[0], tuple(region[1:])
+    return [(stacked.member(name, k), np.ascontiguousarray(data[k - lo]), rest) for k in range(lo, hi)]
+
+
+def _per_layer_info(name: str, leaf) -> dict[str, tuple[list, str]]:
+    dtype = jnp.dtype(leaf.dtype).name
+    if not stacked.is_stacked(name):
+        return {name: (list(leaf.shape), dtype)}
+    return {stacked.member(name, k): (list(leaf.shape[1:]), dtype) for k in range(leaf.shape[0])}
 
 
 class SaveHandle:
@@ -221,34 +241,58 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _check_fits(path: Path, manifest: dict, target: dict[str, Any]) -> None:
+def _sources(path: Path, manifest: dict, target: dict[str, Any]) -> dict[str, tuple[list, str, Any]]:
+    """For each target leaf: (global shape, dtype, region reader) from the checkpoint. A leaf the
+    step stores stacked (`model.layers.*.w`) reads from per-layer tensors and a per-layer leaf
+    from a stacked tensor (xtrain.frontend.stacked), so either layout loads into either."""
     saved = manifest["tensors"]
-    missing, unexpected = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+    stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name]))
+    out, used = {}, set()
+    for name, leaf in target.items():
+        fam = stacked.family(name)
+        if name in saved:
+            out[name], _ = stored(name), used.add(name)
+        elif stacked.is_stacked(name) and leaf.ndim and all(stacked.member(name, k) in saved
+                                                            for k in range(leaf.shape[0])):
+            members = [stacked.member(name, k) for k in range(leaf.shape[0])]
+            layers = [stored(m) for m in members]
+            for m, (shape, dtype, _) in zip(members, layers):
+                _check_leaf(path, m, shape, dtype, leaf.shape[1:], leaf.dtype)
+            used.update(members)
+            out[name] = ([len(layers)] + layers[0][0], layers[0][1],
+                         stacked_reader([layer[2] for layer in layers], jnp.dtype(layers[0][1])))
+        elif fam is not None and fam[0] in saved and fam[1] < saved[fam[0]]["shape"][0]:
+            shape, dtype, read = stored(fam[0])
+            out[name], _ = (shape[1:], dtype, layer_reader(read, fam[1])), used.add(fam[0])
+    missing, unexpected = sorted(set(target) - set(out)), sorted(set(saved) - used)
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not hold this step's state: missing {missing[:8]}, unexpected "
             f"{unexpected[:8]} (saved from a different model or optimizer?)")
     for name, leaf in target.items():
-        shape, dtype = list(saved[name]["shape"]), saved[name]["dtype"]
-        if shape != list(leaf.shape) or dtype != jnp.dtype(leaf.dtype).name:
-            raise CheckpointError(f"checkpoint {path}: {name} was saved as {dtype}{shape} but this step "
-                                  f"holds {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
+        _check_leaf(path, name, out[name][0], out[name][1], leaf.shape, leaf.dtype)
+    return out
+
+
+def _check_leaf(path: Path, name: str, shape: list, dtype: str, want_shape, want_dtype) -> None:
+    if shape != list(want_shape) or dtype != jnp.dtype(want_dtype).name:
+        raise CheckpointError(f"checkpoint {path}: {name} was saved as {dtype}{shape} but this step "
+                              f"holds {jnp.dtype(want_dtype).name}{list(want_shape)}")
 
 
 def restore(path: str | os.PathLike, target: Any) -> tuple[dict[str, jax.Array], dict]:
     """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
-    mesh and plan). Each process reads only the regions its devices hold. Returns
-    ({logical name: array}, manifest)."""
+    mesh and plan, block parameters stacked or per layer). Each process reads only the regions
+    its devices hold. Returns ({logical name: array}, manifest)."""
     path = Path(path)
     manifest = read_manifest(path)
     leaves = named_leaves(target)
-    _check_fits(path, manifest, leaves)
-    return {name: _read_tensor(path, name, manifest["tensors"][name], leaf.sharding)
+    sources = _sources(path, manifest, leaves)
+    return {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
             for name, leaf in leaves.items()}, manifest
 
 
-def _read_tensor(path: Path, name: str, info: dict, sharding: jax.sharding.Sharding) -> jax.Array:
+def _reader(path: Path, name: str, info: dict):
     dtype = jnp.dtype(info["dtype"])
     read_piece = lambda piece, local: read_slice(str(path / piece["file"]), piece["key"], local)
-    read_region = lambda want: assemble(name, want, dtype, info["pieces"], read_piece)
-    return make_array(name, tuple(info["shape"]), dtype, sharding, read_region)
+    return lambda want: assemble(name, want, dtype, info["pieces"], read_piece)

@@ -39,6 +39,29 @@ def module_path(ctx: Context, eqn, outer: str) -> str:
     return path
 
 
+def _live(jaxpr, repeated) -> set[int]:
+    """Indices of the equations whose results are used. Where the layer scan reads a stacked
+    parameter directly, the per-layer slices the traced model took of it are dead: not emitting
+    them keeps the program the same size whatever the depth."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    ends = {r.stop - 1: r for r in repeated}
+    live: set[int] = set()
+    index = len(jaxpr.eqns) - 1
+    while index >= 0:
+        if index in ends:
+            blocks = ends[index]
+            live.update(range(blocks.start, blocks.stop))
+            needed.update(v for v in blocks.inputs() if isinstance(v, jcore.Var))
+            index = blocks.start - 1
+            continue
+        eqn = jaxpr.eqns[index]
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.add(index)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        index -= 1
+    return live
+
+
 def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], repeated=()) -> list[Sharded]:
     """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values.
 
@@ -68,9 +91,10 @@ def _run(ctx: Context, jaxpr, consts, args, repeated) -> list[Sharded]:
         env[var] = arg
     outer = ctx.path
     starts = {r.start: r for r in repeated}
+    live = _live(jaxpr, repeated) if repeated else range(len(jaxpr.eqns))
     skip_until = 0
     for index, eqn in enumerate(jaxpr.eqns):
-        if index < skip_until:
+        if index < skip_until or index not in live:
             continue
         if index in starts:
             env.update(emit_repeated_blocks(ctx, starts[index], read))

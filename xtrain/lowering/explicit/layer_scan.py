@@ -38,6 +38,20 @@ class RepeatedBlocks:
     shared: list               # shared vars
     per_layer: list[list]      # per block: its parameter vars, in body invar order
     outputs: list              # the last block's carry outputs (vars used after the blocks)
+    stacked: list = dataclasses.field(default_factory=list)  # per param position: the (L, ...) input
+    #                            whose layer k block k reads (stacked storage), or None
+
+    def stacked_input(self, position: int):
+        return self.stacked[position] if self.stacked else None
+
+    def inputs(self) -> list:
+        """The vars the scan reads: carries, shared values, and per parameter position the
+        stacked input or else every layer's value."""
+        out = list(self.init) + list(self.shared)
+        for position in range(len(self.per_layer[0])):
+            source = self.stacked_input(position)
+            out += [source] if source is not None else [layer[position] for layer in self.per_layer]
+        return out
 
 
 def _block_key(path: str):
@@ -165,11 +179,42 @@ def _describe(jaxpr, run, param_vars: set):
         outputs=[last[i].outvars[j] for _, (i, j) in carry_src])
 
 
+def layer_views(jaxpr, param_vars) -> dict:
+    """Vars that are layer k of a stacked parameter input (`slice` of row k, then `squeeze` of
+    the layer dim, as xtrain.frontend.stacked hands layers to the model): {var: (input, k)}."""
+    params, rows, views = set(param_vars), {}, {}
+    for eqn in jaxpr.eqns:
+        name = str(eqn.primitive)
+        if name == "slice" and eqn.invars[0] in params:
+            x = eqn.invars[0].aval
+            start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+            strides = eqn.params["strides"] or (1,) * x.ndim
+            whole = all(s == 0 and l == n for s, l, n in zip(start[1:], limit[1:], x.shape[1:]))
+            if limit[0] - start[0] == 1 and whole and set(strides) == {1}:
+                rows[eqn.outvars[0]] = (eqn.invars[0], start[0])
+        elif name == "squeeze" and eqn.params["dimensions"] == (0,) and eqn.invars[0] in rows:
+            views[eqn.outvars[0]] = rows[eqn.invars[0]]
+    return views
+
+
+def _stacked_inputs(blocks: RepeatedBlocks, views: dict) -> list:
+    """Per parameter position: the stacked input whose row k every block k reads, or None."""
+    out = []
+    for position in range(len(blocks.per_layer[0])):
+        sources = [views.get(layer[position]) for layer in blocks.per_layer]
+        whole = sources[0] is not None and sources[0][0].aval.shape[0] == blocks.length
+        same = whole and all(s is not None and s == (sources[0][0], k) for k, s in enumerate(sources))
+        out.append(sources[0][0] if same else None)
+    return out
+
+
 def find_repeated_blocks(jaxpr, path_of, param_vars) -> list[RepeatedBlocks]:
-    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr`."""
+    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr`. Block
+    parameters may be inputs or layers of stacked inputs (layer_views)."""
+    views = layer_views(jaxpr, param_vars)
     found = []
     for run in _runs(_segments(jaxpr, path_of)):
-        blocks = _describe(jaxpr, run, set(param_vars))
+        blocks = _describe(jaxpr, run, set(param_vars) | set(views))
         if blocks is not None:
-            found.append(blocks)
+            found.append(dataclasses.replace(blocks, stacked=_stacked_inputs(blocks, views)))
     return found

@@ -44,16 +44,29 @@ def _remat(body, remat):
     return body if remat is None else jax.checkpoint(body, policy=remat.policy())
 
 
+def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read) -> tuple[Sharded, object]:
+    """One block parameter position: (layer 0's Sharded, the (L, ...) local values the scan
+    runs over). With stacked storage that is the stored parameter itself (no copy); otherwise
+    the layers' values are stacked here, each at block 0's layout."""
+    source = blocks.stacked_input(position)
+    if source is not None:
+        whole = read(source)
+        if whole.layout.dims[0] or whole.layout.partial:  # stacked specs never split the layer dim
+            raise AssertionError(f"stacked parameter {whole.shape} has its layer dimension split: {whole.layout}")
+        layer = Sharded(None, Layout(whole.layout.dims[1:]), whole.shape[1:], whole.dtype, param=whole.param)
+        return layer, whole.value
+    layers = [read(layer[position]) for layer in blocks.per_layer]
+    layers = [C.relayout(ctx, x, layers[0].layout) for x in layers]
+    return layers[0], jnp.stack([x.value for x in layers])
+
+
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     """One lax.scan over the first block's equations; returns the env entries of the last
     block's outputs."""
     init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
     shared = [read(v) for v in blocks.shared]
-    layers = [[read(v) for v in layer] for layer in blocks.per_layer]
-    first = layers[0]
-    # all layers of one parameter position share block 0's layout
-    layers = [[C.relayout(ctx, p, f.layout) for p, f in zip(layer, first)] for layer in layers]
-    stacked = [jnp.stack([layer[k].value for layer in layers]) for k in range(len(first))]
+    first, stacked = zip(*[_layer_position(ctx, blocks, k, read) for k in range(len(blocks.per_layer[0]))]) \
+        if blocks.per_layer[0] else ((), ())
     carry_layouts = [x.layout for x in init]
     path = ctx.path
 
@@ -65,7 +78,8 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         return [o.value for o in outs], None
 
-    final, _ = scan_with_stable_carry(_remat(body, ctx.remat), [x.value for x in init], stacked, length=blocks.length)
+    final, _ = scan_with_stable_carry(_remat(body, ctx.remat), [x.value for x in init], list(stacked),
+                                     length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

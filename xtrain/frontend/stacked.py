@@ -1,0 +1,173 @@
+"""Block parameters stored stacked: one (L, ...) array per position in a repeated block.
+
+A torch transformer names its layers' parameters `model.layers.0.mlp.up_proj.weight`,
+`model.layers.1.mlp.up_proj.weight`, ... xtrain stores such a family as one array
+`model.layers.*.mlp.up_proj.weight` with a leading layer dimension. The layer scan then reads
+each layer's slice straight from it, so nothing is stacked or unstacked per step, and the
+optimizer update, gradient synchronisation and ZeRO bookkeeping are a handful of operations
+whatever the depth (their cost and the compile time stay flat in depth).
+
+`StackedModel` wraps a Model: it presents the stacked names and shapes to the rest of xtrain
+and hands the wrapped model its per-layer tensors as slices of the stacked ones. Everything a
+user sees keeps the per-layer names: `state_dict`, `export`, checkpoints loaded under another
+layout (xtrain.checkpoint reads either form into either form).
+
+A family is stacked only when every layer 0..L-1 has the tensor and all agree on everything
+that is decided per tensor: shape, dtype, trainability, optimizer param group, and the plan's
+parameter and optimizer-state specs. Otherwise the family stays per layer (still correct;
+the scan then stacks those values itself).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from typing import Any, Callable, Hashable, Iterable, Mapping
+
+import numpy as np
+from jax import lax
+
+from xtrain.frontend.model import Model
+
+MARK = "*"  # the layer index's place in a stacked name
+_LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")  # outermost numbered container, as the layer scan
+
+
+def member(name: str, k: int) -> str:
+    """Layer k's name in a stacked family; a name that is not stacked is returned as it is."""
+    return name.replace(f".{MARK}.", f".{k}.", 1)
+
+
+def family(name: str) -> tuple[str, int] | None:
+    """(stacked name, layer index) of a per-layer name, or None."""
+    match = _LAYER.match(name)
+    return (f"{match.group(1)}.{MARK}.{match.group(3)}", int(match.group(2))) if match else None
+
+
+def is_stacked(name: str) -> bool:
+    return f".{MARK}." in name
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacking:
+    """Which per-layer tensors are stored as one stacked array: {stacked name: members}."""
+
+    groups: Mapping[str, tuple[str, ...]]
+
+    @classmethod
+    def find(cls, names: Iterable[str], agree: Callable[[str], Hashable]) -> "Stacking":
+        """The families of `names` with layers 0..L-1 (L >= 2) all present and equal under
+        `agree` (the per-tensor decisions that must match to share one array)."""
+        found: dict[str, dict[int, str]] = defaultdict(dict)
+        for name in names:
+            if (fam := family(name)) is not None:
+                found[fam[0]][fam[1]] = name
+        groups = {}
+        for stacked, layers in found.items():
+            members = tuple(layers[k] for k in range(len(layers)) if k in layers)
+            if len(members) >= 2 and len(members) == len(layers) and len({agree(m) for m in members}) == 1:
+                groups[stacked] = members
+        return cls(groups)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def stored_names(self, names: Iterable[str]) -> list[str]:
+        """`names` with each stacked family replaced by its stacked name (at its first member)."""
+        of = {m: s for s, members in self.groups.items() for m in members}
+        out: list[str] = []
+        for n in names:
+            s = of.get(n, n)
+            if s == n or n == self.groups[s][0]:
+                out.append(s)
+        return out
+
+    def stack_dict(self, values: Mapping[str, Any], combine: Callable[[list], Any] = np.stack) -> dict:
+        """Per-layer dict -> stored dict (`combine` joins a family's values)."""
+        out = {}
+        for n in self.stored_names(values):
+            out[n] = combine([values[m] for m in self.groups[n]]) if n in self.groups else values[n]
+        return out
+
+    def unstack_dict(self, values: Mapping[str, Any], take: Callable[[Any, int], Any] = lambda x, k: x[k]) -> dict:
+        """Stored dict -> per-layer dict (`take(value, k)` is layer k of a stacked value)."""
+        out = {}
+        for n, v in values.items():
+            if n in self.groups:
+                out.update({m: take(v, k) for k, m in enumerate(self.groups[n])})
+            else:
+                out[n] = v
+        return out
+
+    def stack_specs(self, specs: Mapping[str, tuple]) -> dict[str, tuple]:
+        """A stacked tensor's spec: its members' spec after a whole (unsplit) layer dimension."""
+        return self.stack_dict(specs, combine=lambda same: (None,) + tuple(same[0]))
+
+    def stack_shapes(self, shapes: Mapping[str, Any]) -> dict[str, Any]:
+        import jax
+
+        return self.stack_dict(shapes, combine=lambda same: jax.ShapeDtypeStruct(
+            (len(same),) + tuple(same[0].shape), same[0].dtype))
+
+
+def _slice_layer(x, k: int):
+    return lax.index_in_dim(x, k, 0, keepdims=False)  # slice + squeeze: the layer scan reads through it
+
+
+class StackedModel(Model):
+    """`inner` with its block parameters stored stacked (see module docstring)."""
+
+    def __init__(self, inner: Model, stacking: Stacking):
+        self.inner, self.stacking, self.name = inner, stacking, inner.name
+
+    def __getattr__(self, attr: str):  # loss_fn, module, name_of, ... of the wrapped model
+        if attr in ("inner", "stacking"):
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    @property
+    def param_aliases(self) -> dict[str, str]:
+        return getattr(self.inner, "param_aliases", {})
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        return self.stacking.stack_dict(self.inner.initial_params())
+
+    def param_shapes(self) -> dict[str, Any]:
+        return self.stacking.stack_shapes(self.inner.param_shapes())
+
+    def initial_buffers(self, source: Any = None) -> dict[str, np.ndarray]:
+        return self.inner.initial_buffers(source)
+
+    def trainable(self) -> dict[str, bool]:
+        return self.stacking.stack_dict(self.inner.trainable(), combine=lambda same: same[0])
+
+    def apply(self, params, buffers, key, batch, *, training: bool):
+        return self.inner.apply(self.stacking.unstack_dict(params, _slice_layer), buffers, key, batch,
+                                training=training)
+
+    def module_paths(self) -> frozenset[str]:
+        return self.inner.module_paths()
+
+    def export_state(self, params, buffers) -> dict:
+        return self.inner.export_state(self.stacking.unstack_dict(params), buffers)
+
+
+def wanted(scan_layers: bool, pipeline: Any, learning_rates: Any) -> bool:
+    """Stacked storage goes with the layer scan (scan_layers=True), for optimizers xtrain
+    translated from torch (a user's optax transformation may depend on the parameter tree's
+    structure; JAX code scans its own stacked parameters). The pipeline step cuts the graph by
+    per-layer parameter names and keeps them."""
+    return scan_layers and pipeline is None and learning_rates is not None
+
+
+def stack_model(model: Model, specs: Mapping[str, tuple], optimizer_specs: Mapping[str, tuple],
+                optimized: set[str], groups: Mapping[str, int] | None) -> tuple[Model, Stacking]:
+    """The model with every stackable family stored stacked (`model` itself when none is)."""
+    shapes = model.param_shapes()
+
+    def agree(name: str) -> Hashable:
+        return (tuple(shapes[name].shape), str(shapes[name].dtype), name in optimized,
+                (groups or {}).get(name), tuple(specs[name]), tuple(optimizer_specs[name]))
+
+    stacking = Stacking.find(shapes, agree)
+    return (StackedModel(model, stacking), stacking) if stacking else (model, stacking)
