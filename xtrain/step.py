@@ -68,12 +68,11 @@ class TrainStep:
         self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
             shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
         self.model, self.stacking = model, stacked.Stacking({})
-        if stacked.wanted(scan_layers, plan.pipeline, learning_rates):
-            self.model, self.stacking = stacked.stack_model(model, self.param_specs, self.optimizer_specs, optimized,
-                                                            learning_rates.groups)
-            self.param_specs = self.stacking.stack_specs(self.param_specs)
-            self.optimizer_specs = self.stacking.stack_specs(self.optimizer_specs)
-            optimized = set(self.stacking.stored_names(optimized))
+        if stacked.wanted(scan_layers, plan.pipeline, learning_rates is not None):
+            stored = stacked.stack_blocks(model, self.param_specs, self.optimizer_specs, optimized,
+                                          learning_rates.groups)
+            self.model, self.stacking, optimized = stored.model, stored.stacking, stored.optimized
+            self.param_specs, self.optimizer_specs = stored.param_specs, stored.optimizer_specs
         model, abstract = self.model, self.model.param_shapes()
         named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
         if init_from is None:

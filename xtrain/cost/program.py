@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from xtrain.frontend import stacked
 from xtrain.frontend.model import Model
 from xtrain.lowering import xla_partitioner
 from xtrain.lowering.explicit import step as explicit_step
@@ -58,7 +59,7 @@ def _state_bytes(params, opt_state, param_specs, optimizer_specs, grad_specs, si
 
 def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping[str, int], plan: Plan,
                   batch: tuple, *, grad_sync: GradSync | None = None, scan_layers: bool = True,
-                  regather: bool = True) -> AbstractStep:
+                  regather: bool = True, stack_blocks: bool = True) -> AbstractStep:
     """Traces the explicit lowering's training step for a mesh of axis `sizes`.
 
     Args:
@@ -67,6 +68,8 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
         sizes: mesh axis sizes in device order, e.g. {"data": 64, "tensor": 2}.
         plan: the plan (its zero stage and remat included).
         batch: the global batch as arrays or jax.ShapeDtypeStruct.
+        stack_blocks: block parameters stored stacked, as xtrain.compile stores a torch
+            model's (xtrain.frontend.stacked).
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
@@ -76,6 +79,10 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     data_axes = tuple(a for e in batch_spec for a in _axes_of(e))
     param_specs, optimizer_specs, _ = zero_mod.specs_for_stage(
         shapes, plan.param_specs(shapes, sizes), sizes, data_axes, plan.zero)
+    if stacked.wanted(scan_layers, plan.pipeline, stack_blocks):  # as xtrain.compile stores a torch model
+        stored = stacked.stack_blocks(model, param_specs, optimizer_specs, set(params), None)
+        model, param_specs, optimizer_specs = stored.model, stored.param_specs, stored.optimizer_specs
+        params = stored.stacking.stack_shapes(params)
     opt_state = jax.eval_shape(tx.init, params)
     state = TrainState(params=params, frozen={}, buffers={n: jax.ShapeDtypeStruct(b.shape, b.dtype)
                                                           for n, b in model.initial_buffers().items()},

@@ -152,17 +152,29 @@ class StackedModel(Model):
         return self.inner.export_state(self.stacking.unstack_dict(params), buffers)
 
 
-def wanted(scan_layers: bool, pipeline: Any, learning_rates: Any) -> bool:
+def wanted(scan_layers: bool, pipeline: Any, torch_optimizer: bool) -> bool:
     """Stacked storage goes with the layer scan (scan_layers=True), for optimizers xtrain
     translated from torch (a user's optax transformation may depend on the parameter tree's
     structure; JAX code scans its own stacked parameters). The pipeline step cuts the graph by
     per-layer parameter names and keeps them."""
-    return scan_layers and pipeline is None and learning_rates is not None
+    return scan_layers and pipeline is None and torch_optimizer
 
 
-def stack_model(model: Model, specs: Mapping[str, tuple], optimizer_specs: Mapping[str, tuple],
-                optimized: set[str], groups: Mapping[str, int] | None) -> tuple[Model, Stacking]:
-    """The model with every stackable family stored stacked (`model` itself when none is)."""
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A step's model and per-tensor decisions, in the names and shapes the step stores."""
+
+    model: Model
+    stacking: Stacking
+    param_specs: dict[str, tuple]
+    optimizer_specs: dict[str, tuple]
+    optimized: set[str]
+
+
+def stack_blocks(model: Model, specs: Mapping[str, tuple], optimizer_specs: Mapping[str, tuple],
+                 optimized: set[str], groups: Mapping[str, int] | None) -> Stored:
+    """Every stackable family of `model` stored stacked (`model` itself when there is none),
+    with the specs and the set of optimized tensors under the stored names."""
     shapes = model.param_shapes()
 
     def agree(name: str) -> Hashable:
@@ -170,4 +182,5 @@ def stack_model(model: Model, specs: Mapping[str, tuple], optimizer_specs: Mappi
                 (groups or {}).get(name), tuple(specs[name]), tuple(optimizer_specs[name]))
 
     stacking = Stacking.find(shapes, agree)
-    return (StackedModel(model, stacking), stacking) if stacking else (model, stacking)
+    return Stored(StackedModel(model, stacking) if stacking else model, stacking, stacking.stack_specs(specs),
+                  stacking.stack_specs(optimizer_specs), set(stacking.stored_names(optimized)))
