@@ -50,6 +50,9 @@ def test_state_is_stacked_and_the_user_sees_layers():
     state = step.state_dict()
     assert state.keys() == model.state_dict().keys()
     np.testing.assert_array_equal(state["blocks.2.attn.q.weight"].numpy(), np.asarray(q[2]))
+    families = len(step.stacking.groups)
+    assert f"{families} block parameter families stored stacked (4 layers each); the layer scan reads {families} " \
+           "of them in place" in str(step.report(*token_batches(1)[0]))
 
 
 @pytest.mark.parametrize("saved_stacked", [True, False], ids=["stacked->per-layer", "per-layer->stacked"])

@@ -286,6 +286,19 @@ class TrainStep:
         return (f"activation checkpointing remat={self.plan.remat.value!r}: temporaries {memory['temporaries']} B "
                 f"per device vs {without['temporaries']} B without (saves {saved} B)")
 
+    def _stacking_notes(self) -> list[str]:
+        if not self.stacking or self.plan.pipeline is not None:
+            return []
+        groups = self.stacking.groups
+        unscanned = sorted(n for n in groups if n not in self._program.scanned)
+        lengths = sorted({len(m) for m in groups.values()})
+        notes = [f"{len(groups)} block parameter families stored stacked ({'/'.join(map(str, lengths))} layers each); "
+                 f"the layer scan reads {len(groups) - len(unscanned)} of them in place"]
+        if unscanned:
+            notes.append(f"stored stacked but outside any layer scan (each layer sliced out every step): {unscanned[:6]}"
+                         f"{' ...' if len(unscanned) > 6 else ''}")
+        return notes
+
     def report(self, *batch: Any) -> report_mod.Report:
         """Collectives and per-device memory of the compiled training step, for `batch`'s
         shapes or the last batch trained on."""
@@ -300,6 +313,7 @@ class TrainStep:
             notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
+            notes += self._stacking_notes()
             notes += self._program.describe() if self.plan.pipeline is not None else []
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):
                 notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")

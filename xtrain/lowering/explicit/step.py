@@ -48,6 +48,7 @@ class Program:
         self.batch_axes = tuple(a for e in batch_spec for a in _axes_of(e))
         self.ctx: Context | None = None
         self.repeated: list = []
+        self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
 
     def _input_layouts(self, params, buffers, key, batch) -> list[Layout]:
         spec_tree = (
@@ -70,6 +71,8 @@ class Program:
         layouts = self._input_layouts(*global_args)
         avals = jax.tree.leaves(global_args)
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
+        by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
+        self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
 
         num_params = len(jax.tree.leaves(global_args[0]))
 
