@@ -82,6 +82,8 @@ def runs(args) -> list[Run]:
     first = args.lowerings.split(",")[0]
     out.append(Run(key="xtrain-1proc", label=f"xtrain (lowering={first})", launch="1 process x 1 CPU device",
                    worker="bench_xtrain.py", processes=1, extra=("--lowering", first)))
+    out.append(Run(key="jit", label="plain jax.jit of the traced model (no xtrain lowering)", launch="1 process",
+                   worker="bench_jit.py", processes=1))
     out.append(Run(key="ddp", label="PyTorch DDP (gloo)", launch=f"torchrun, {n} processes",
                    worker="bench_ddp.py", processes=n))
     out.append(Run(key="eager", label="torch eager", launch="1 process", worker="bench_eager.py", processes=1))
@@ -187,6 +189,8 @@ def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
         lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")
     lines.append(f"| DDP / eager | {ms['ddp'] / ms['eager']:.2f} |")
     lines.append(f"| xtrain 1 process / eager (compute only, same work) | {ms['xtrain-1proc'] / ms['eager']:.2f} |")
+    lines.append(f"| xtrain 1 process / plain jax.jit (xtrain's lowering, same XLA) | {ms['xtrain-1proc'] / ms['jit']:.2f} |")
+    lines.append(f"| plain jax.jit / eager (XLA CPU code vs torch kernels) | {ms['jit'] / ms['eager']:.2f} |")
     return lines
 
 
@@ -206,7 +210,8 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         "- losses: xtrain and eager train on the whole global batch from the same weights, so their "
         "losses agree; DDP's is rank 0's half of the batch",
         "- reading: the 1-process xtrain row is the compiled program alone (no communication) on the "
-        "work eager does; a 2-process row minus half of it is roughly communication and rank skew",
+        "work eager does; a 2-process row minus half of it is roughly communication and rank skew; the plain "
+        "jax.jit row is the same traced model compiled by XLA without xtrain (what XLA's CPU code costs)",
         f"- command: python benchmarks/ddp_vs_xtrain.py {' '.join(sys.argv[1:])}".rstrip(),
         "",
     ]
