@@ -81,7 +81,7 @@ def main() -> None:
         model, layers, scan = args.child
         print(json.dumps(measure(model, int(layers), bool(int(scan)))))
         return
-    rows, results = [], {}
+    rows, results, load = [], {}, os.getloadavg()[0]
     for model in ("gpt2", "llama"):
         for scan in (True, False):
             for layers in (2, 8):
@@ -97,7 +97,9 @@ def main() -> None:
     head = [
         "# Compile time against depth (issue 3)", "",
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, 8 emulated CPU devices",
+        f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, 8 emulated CPU devices; "
+        f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after (other jobs share the cores: times "
+        "are noisy, the program sizes are exact)",
         "- models: HF GPT-2 (n_embd 64, 4 heads) and HF Llama (hidden 64, GQA 4/2 heads), vocab 256; batch 16 x 32; "
         "AdamW; data=8; explicit lowering; compilation cache off; one fresh process per row",
         "- stored params: tensors in the TrainState (with the layer scan, block parameters are stored stacked per "
