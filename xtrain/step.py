@@ -304,7 +304,7 @@ class TrainStep:
         shapes or the last batch trained on."""
         compiled = self.compiled(*batch)
         sizes = dict(self.mesh.shape)
-        replicated = [n for n, s in self.param_specs.items() if not s]
+        replicated = [n for n, s in self.param_specs.items() if not any(s)]
         notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
         if self.zero_whole:
             notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
