@@ -123,7 +123,8 @@ def test_emulated_profile_is_calibrated_on_this_machine():
 @functools.cache
 def emulated_search():
     model, wrapped, tx = wrapped_gpt()
-    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, module=model)
+    # no pipeline candidates here: tests/test_cost_pipeline.py searches those
+    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, module=model, pipe_degrees=(1,))
 
 
 def test_search_lists_every_candidate_and_picks_a_fitting_one():
@@ -150,7 +151,7 @@ def test_tiny_memory_marks_what_does_not_fit_and_never_picks_it():
     limit = (by_name["dp8"] + min(by_name.values())) // 2       # DDP does not fit, something does
     model, wrapped, tx = wrapped_gpt()
     tiny = hardware.emulated(8).with_memory(limit)
-    result = search.search(wrapped, tx, host_batch(), tiny, 8, module=model)
+    result = search.search(wrapped, tx, host_batch(), tiny, 8, module=model, pipe_degrees=(1,))
     rows = {r.candidate.name: r for r in result.rows}
     assert not rows["dp8"].prediction.fits and "NO" in str(result)
     assert "needs" in rows["dp8"].reason and "> " in rows["dp8"].reason
@@ -187,12 +188,13 @@ def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     assert result.best.prediction.memory_bytes <= limit
 
 
-def test_pipeline_candidates_are_refused_until_a_pipeline_plan_exists():
-    with pytest.raises(ValueError, match="no pipeline plan to lower"):
-        search.candidates(8, hardware.emulated(8), pipe_degrees=(1, 2))
+def test_pipeline_bubble_is_the_schedule_tables_or_the_formula():
     from xtrain.cost.model import Pipeline
 
     assert Pipeline(stages=4, microbatches=8).bubble_fraction == pytest.approx(3 / 11)
+    assert Pipeline(stages=4, microbatches=8, idle=0.1).bubble_fraction == 0.1   # e.g. interleaved
+    with pytest.raises(ValueError, match=r"Pipeline\(idle=1.0\): the idle share must be in \[0, 1\)"):
+        Pipeline(stages=2, microbatches=2, idle=1.0)
 
 
 # -- training ---------------------------------------------------------------------------------

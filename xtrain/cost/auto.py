@@ -15,6 +15,7 @@ import numpy as np
 from xtrain.cost import hardware
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.cost.search import SearchResult, search
+from xtrain.sharding.plan import Plan
 
 PLAN_TARGET = "XTRAIN_PLAN_TARGET"          # set by `xtrain plan --target`
 PLAN_GLOBAL_BATCH = "XTRAIN_PLAN_GLOBAL_BATCH"  # set by `xtrain plan --global-batch`
@@ -71,10 +72,19 @@ def _scaled(batch: tuple, global_batch: int) -> tuple:
 
 class PlanProbe:
     """What `xtrain.compile` returns under `xtrain plan`: its first call prints the search for
-    the target and exits the process (status 0)."""
+    the target and exits the process (status 0).
 
-    def __init__(self, wrapped, tx, module, spec: str):
+    A training script reads a few things of its step before the first call (a Loader places
+    batches on `step.mesh` by `step.batch_spec`, a Monitor counts `step.mesh.size` devices, a
+    resumed run starts at `step.step_count`): the probe answers them for the local devices and
+    the script's mesh, so the script reaches its first step unchanged."""
+
+    step_count = 0
+
+    def __init__(self, wrapped, tx, module, spec: str, mesh=None):
         self.wrapped, self.tx, self.module, self.spec = wrapped, tx, module, spec
+        self.mesh = mesh  # jax Mesh of the local devices (the script's own), or None
+        self.batch_spec = Plan().batch_spec(dict(mesh.shape)) if mesh is not None else ()
 
     def __call__(self, *batch: Any):
         profile, devices = target(self.spec)
@@ -104,10 +114,12 @@ def _agreed(result: SearchResult):
 class AutoStep:
     """`plan="auto"`: at the first `step(*batch)` the search runs for the current devices and
     the pick is compiled; every later call (and attribute) goes to that TrainStep.
-    `step.search` holds the full SearchResult."""
+    `step.search` holds the full SearchResult. `pipelines=False` leaves pipeline plans out
+    (compile options the pipeline step refuses, e.g. accumulate > 1)."""
 
-    def __init__(self, wrapped, tx, module, devices: int, build: Callable):
+    def __init__(self, wrapped, tx, module, devices: int, build: Callable, pipelines: bool = True):
         self._wrapped, self._tx, self._module, self._devices = wrapped, tx, module, devices
+        self._pipelines = pipelines
         self._build = build  # (mesh sizes, plan) -> TrainStep
         self._step = None
         self.search: SearchResult | None = None
@@ -117,7 +129,8 @@ class AutoStep:
             from xtrain.step import _regather_default
 
             self.search = search(self._wrapped, self._tx, _host_batch(batch), current_profile(), self._devices,
-                                 module=self._module, regather=_regather_default())
+                                 module=self._module, regather=_regather_default(),
+                                 pipe_degrees=None if self._pipelines else (1,))
             if self.search.best is None:
                 raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
             best = _agreed(self.search).candidate
