@@ -231,8 +231,12 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = GPT(layers=2)
     step = xtrain.compile(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    x, y = token_batches(n=1)[0]
-    step(x, y)
+    # a training script reads its step's mesh before the first call (as examples/train_gpt.py does)
+    loader = xtrain.Loader(token_batches(n=1), step=step)
+    monitor = xtrain.Monitor(step, progress=False)
+    for x, y in loader:
+        with monitor.step(tokens=x.size) as rec:
+            rec["loss"] = step(x, y)["loss"]
     print("trained: the probe did not stop the script")
 """)
 
@@ -246,6 +250,7 @@ def test_cli_plan_lists_candidates_for_a_trainium_target(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "xtrain plan for trn1.2xlarge (2 devices)" in out.stdout and "pick: dp2" in out.stdout
     assert "dp1xtp2" in out.stdout and "trained" not in out.stdout
+    assert "dp1xpp2 gpipe m2" in out.stdout and "33.3%" in out.stdout      # 2 blocks: a 2-stage pipeline row
     bad = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "trn1.32xlarge:x", str(script)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "node count after ':' must be a positive integer" in bad.stderr
