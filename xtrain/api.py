@@ -115,7 +115,7 @@ def _special_plan(plan, lowering: str, wrapped, tx, module, mesh: Mesh, build, p
 
     module = module if hasattr(module, "named_modules") else None
     if os.environ.get(auto.PLAN_TARGET):
-        return auto.PlanProbe(wrapped, tx, module, os.environ[auto.PLAN_TARGET], mesh.build())
+        return auto.PlanProbe(wrapped, tx, module, os.environ[auto.PLAN_TARGET])
     if isinstance(plan, str) and plan != "auto":
         raise ValueError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
     if plan != "auto":

@@ -15,7 +15,6 @@ import numpy as np
 from xtrain.cost import hardware
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.cost.search import SearchResult, search
-from xtrain.sharding.plan import Plan
 
 PLAN_TARGET = "XTRAIN_PLAN_TARGET"          # set by `xtrain plan --target`
 PLAN_GLOBAL_BATCH = "XTRAIN_PLAN_GLOBAL_BATCH"  # set by `xtrain plan --global-batch`
@@ -76,15 +75,20 @@ class PlanProbe:
 
     A training script reads a few things of its step before the first call (a Loader places
     batches on `step.mesh` by `step.batch_spec`, a Monitor counts `step.mesh.size` devices, a
-    resumed run starts at `step.step_count`): the probe answers them for the local devices and
-    the script's mesh, so the script reaches its first step unchanged."""
+    resumed run starts at `step.step_count`): the probe answers them with a one-device mesh of
+    this host (the probe reads only the batch's shapes, and the script's own mesh may not fit
+    the devices here), so the script reaches its first step unchanged."""
 
     step_count = 0
+    batch_spec = ("data",)
 
-    def __init__(self, wrapped, tx, module, spec: str, mesh=None):
+    def __init__(self, wrapped, tx, module, spec: str):
+        import jax
+
+        from xtrain.sharding.mesh import Mesh
+
         self.wrapped, self.tx, self.module, self.spec = wrapped, tx, module, spec
-        self.mesh = mesh  # jax Mesh of the local devices (the script's own), or None
-        self.batch_spec = Plan().batch_spec(dict(mesh.shape)) if mesh is not None else ()
+        self.mesh = Mesh(data=1).build(jax.local_devices()[:1])
 
     def __call__(self, *batch: Any):
         profile, devices = target(self.spec)
