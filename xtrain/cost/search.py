@@ -208,25 +208,29 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     if bad:
         raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
                          f"divisors of {devices}, e.g. {_divisors(devices)}")
-    if tensor_degrees is None:
-        from neuron_support import topology
-
-        allowed = topology.INSTANCES.get(profile.name.split("[")[0])
-        groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
-        tensor_degrees = [t for t in _divisors(math.gcd(devices, profile.devices_per_node))
-                          if groups is None or t in groups]
     out = []
     for p in pipe_degrees:
-        for t in (t for t in tensor_degrees if devices % (t * p) == 0):
-            data = devices // (t * p)
-            zeros = [z for z in zero_stages if z <= (3 if p == 1 else 1)] if data > 1 else [0]
-            if p == 1:
-                out += [Candidate(data=data, tensor=t, zero=z, remat=r) for z in zeros for r in remat]
-                continue
-            for m in (microbatches or (p, 2 * p, 4 * p)):
-                out += [Candidate(data=data, tensor=t, zero=z, pipe=p, microbatches=m, schedule=s, remat=r)
-                        for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
+        for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
+            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules)
     return out
+
+
+def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
+    """Divisors of the devices of one instance; on Trainium, replica-group sizes a node supports."""
+    from neuron_support import topology
+
+    allowed = topology.INSTANCES.get(profile.name.split("[")[0])
+    groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
+    return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
+
+
+def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules) -> list[Candidate]:
+    """The candidates of one (data, tensor, pipe) mesh."""
+    zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
+    if pipe == 1:
+        return [Candidate(data=data, tensor=tensor, zero=z, remat=r) for z in zeros for r in remat]
+    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r)
+            for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
 
 
 def _tokens(batch: tuple) -> int:
