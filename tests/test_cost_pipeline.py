@@ -2,6 +2,7 @@
 lowered by the pipeline step itself (its bubble ticks are in the program's compute), refused
 with a reason when the batch or the layer count does not allow them, never picked past the
 device's memory, and a picked pipeline plan trains like torch."""
+import copy
 import functools
 
 import numpy as np
@@ -12,7 +13,8 @@ import xtrain
 from xtrain.api import _torch_model
 from xtrain.cost import hardware, search
 from xtrain.cost.search import Candidate
-from xtrain.testing import assert_parity, run_parity
+from xtrain.testing import assert_parity
+from xtrain.testing.parity import ParityResult
 
 from models import GPT, MLP
 from test_zero import adamw, gpt_case  # GPT(layers=2), its batches and torch reference
@@ -138,9 +140,11 @@ def test_short_memory_lowers_1f1b_and_never_picks_what_does_not_fit():
     assert all(r.prediction.memory_bytes <= limit for r in result.rows if r.usable)
 
 
-def test_a_picked_pipeline_plan_trains_like_torch():
+def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
     """The search's public knob (candidate_list) restricted to pipelines: the pick is compiled
-    from its Candidate (mesh and plan, as plan='auto' does) and trained against torch."""
+    from its Candidate (mesh and plan, as plan='auto' does). Its program has the FLOPs and
+    collectives the search lowered for an abstract mesh, XLA's memory analysis is close to the
+    graph estimate, and it trains like torch."""
     model, batches, reference = gpt_case()                       # global batch 16, AdamW
     net, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
     listed = [Candidate(data=4, pipe=2, microbatches=2), Candidate(data=4, pipe=2, microbatches=4, zero=1),
@@ -149,5 +153,13 @@ def test_a_picked_pipeline_plan_trains_like_torch():
     result = search.search(net, tx, (x, y), PROFILE, 8, module=model, candidate_list=listed)
     best = result.best.candidate
     assert best.pipe == 2, str(result)
-    assert_parity(run_parity(model, adamw, batches, xtrain.Mesh(**best.mesh), plan=best.plan(model),
-                             reference=reference))
+    candidate = copy.deepcopy(model)
+    step = xtrain.compile(candidate, xtrain.Mesh(**best.mesh), optimizer=adamw(candidate.parameters()),
+                          plan=best.plan(candidate))
+    compiled = search.compiled_step_cost(step, x, y)
+    assert compiled.flops.matmul == result.best.cost.flops.matmul
+    assert sorted((c.kind, c.axes, c.payload_bytes) for c in compiled.collectives) == \
+        sorted((c.kind, c.axes, c.payload_bytes) for c in result.best.cost.collectives)
+    assert 0.8 < result.best.cost.memory.total / compiled.memory.total < 1.6   # graph vs XLA (measured ~1.2)
+    losses = [step(*b)["loss"] for b in batches]
+    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
