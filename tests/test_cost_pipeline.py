@@ -163,3 +163,12 @@ def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
     assert 0.8 < result.best.cost.memory.total / compiled.memory.total < 1.6   # graph vs XLA (measured ~1.2)
     losses = [step(*b)["loss"] for b in batches]
     assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+
+
+def test_plan_auto_leaves_pipelines_out_when_accumulating():
+    """The pipeline step refuses accumulate > 1 (its microbatches accumulate already), so
+    plan='auto' does not offer it a pipeline (the search then runs with pipe_degrees=(1,))."""
+    model, _, _ = gpt_case()
+    plain = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
+    accumulating = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto", accumulate=2)
+    assert plain._pipelines and not accumulating._pipelines
