@@ -159,15 +159,23 @@ class SearchResult:
                 name = row.candidate.name.split(" ")[0] + f" ({same} variants)" if same > 1 else row.candidate.name
                 lines.append(f"{mark}{name:<{NAME}}{'-':>14}{'-':>6}{'':>60}  {row.reason}")
                 continue
-            comm = sum(p.comm_s.values())
-            bubble = f"{row.cost.pipeline.bubble_fraction:.1%}" if row.candidate.pipe > 1 else "-"
-            lines.append(f"{mark}{row.candidate.name:<{NAME}}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
-                         f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
-                         f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}")
+            lines.append(mark + _predicted(row))
         pick = f"pick: {self.best.candidate.name}" if self.best else "pick: none fits this device's memory"
-        bubble = ("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it is "
-                  "inside compute ms, not added")
-        return "\n".join(lines + [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}", bubble])
+        lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
+        if any(r.candidate.pipe > 1 for r in self.rows):
+            lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
+                         "is inside compute ms, not added")
+        return "\n".join(lines)
+
+
+def _predicted(row: Row) -> str:
+    """A listing line of a lowered candidate."""
+    p = row.prediction
+    comm = sum(p.comm_s.values())
+    bubble = f"{row.cost.pipeline.bubble_fraction:.1%}" if row.candidate.pipe > 1 else "-"
+    return (f"{row.candidate.name:<{NAME}}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
+            f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
+            f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}")
 
 
 def _run(rows: Sequence[Row], reason: str):
