@@ -1,5 +1,5 @@
-"""Cost model vs measurement on this machine: predicted and measured step time of 10 candidate
-plans on 8 emulated CPU devices (Spearman rank correlation), and predicted FLOPs vs XLA's
+"""Cost model vs measurement on this machine: predicted and measured step time of 13 candidate
+plans (3 of them pipelines) on 8 emulated CPU devices (Spearman rank correlation), and predicted FLOPs vs XLA's
 cost analysis. Prints one `RESULT {json}` line; benchmarks/run.py runs it.
 
     python benchmarks/cost_check.py --model gpt --layers 2 --d-model 128
@@ -25,7 +25,10 @@ import bench_common  # noqa: E402
 
 PLANS = [dict(data=8), dict(data=8, zero=1), dict(data=8, zero=2), dict(data=8, zero=3), dict(data=8, remat=True),
          dict(data=4, tensor=2), dict(data=4, tensor=2, zero=1), dict(data=4, tensor=2, zero=3),
-         dict(data=2, tensor=4), dict(data=1, tensor=8)]
+         dict(data=2, tensor=4), dict(data=1, tensor=8),
+         # pipelines of the 2 blocks (batch 16 = data 4 x microbatches x rows)
+         dict(data=4, pipe=2, microbatches=2), dict(data=4, pipe=2, microbatches=4),
+         dict(data=4, pipe=2, microbatches=4, schedule="1f1b")]
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -16,7 +16,7 @@ process), median over every timed step:
 Also: compile time (xtrain's first step), peak RSS per process, xtrain's per-device memory
 (XLA's memory analysis) and wire bytes per step (step.report()), DDP's and FSDP2's wire bytes
 from their algorithms (ring all-reduce of the gradients; all-gather twice + reduce-scatter).
-Then benchmarks/cost_check.py: 10 candidate plans on 8 emulated devices, predicted vs measured
+Then benchmarks/cost_check.py: 13 candidate plans (3 pipelines) on 8 emulated devices, predicted vs measured
 (Spearman), predicted FLOPs vs XLA's cost analysis. On a GPU or Trainium host the suite runs
 benchmarks/accelerator_step.py instead (tokens/s and MFU there).
 """

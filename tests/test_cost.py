@@ -123,7 +123,8 @@ def test_emulated_profile_is_calibrated_on_this_machine():
 @functools.cache
 def emulated_search():
     model, wrapped, tx = wrapped_gpt()
-    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, module=model)
+    # no pipeline candidates here: tests/test_cost_pipeline.py searches those
+    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, module=model, pipe_degrees=(1,))
 
 
 def test_search_lists_every_candidate_and_picks_a_fitting_one():
@@ -150,7 +151,7 @@ def test_tiny_memory_marks_what_does_not_fit_and_never_picks_it():
     limit = (by_name["dp8"] + min(by_name.values())) // 2       # DDP does not fit, something does
     model, wrapped, tx = wrapped_gpt()
     tiny = hardware.emulated(8).with_memory(limit)
-    result = search.search(wrapped, tx, host_batch(), tiny, 8, module=model)
+    result = search.search(wrapped, tx, host_batch(), tiny, 8, module=model, pipe_degrees=(1,))
     rows = {r.candidate.name: r for r in result.rows}
     assert not rows["dp8"].prediction.fits and "NO" in str(result)
     assert "needs" in rows["dp8"].reason and "> " in rows["dp8"].reason
@@ -187,12 +188,13 @@ def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     assert result.best.prediction.memory_bytes <= limit
 
 
-def test_pipeline_candidates_are_refused_until_a_pipeline_plan_exists():
-    with pytest.raises(ValueError, match="no pipeline plan to lower"):
-        search.candidates(8, hardware.emulated(8), pipe_degrees=(1, 2))
+def test_pipeline_bubble_is_the_schedule_tables_or_the_formula():
     from xtrain.cost.model import Pipeline
 
     assert Pipeline(stages=4, microbatches=8).bubble_fraction == pytest.approx(3 / 11)
+    assert Pipeline(stages=4, microbatches=8, idle=0.1).bubble_fraction == 0.1   # e.g. interleaved
+    with pytest.raises(ValueError, match=r"Pipeline\(idle=1.0\): the idle share must be in \[0, 1\)"):
+        Pipeline(stages=2, microbatches=2, idle=1.0)
 
 
 # -- training ---------------------------------------------------------------------------------
@@ -229,8 +231,12 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = GPT(layers=2)
     step = xtrain.compile(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    x, y = token_batches(n=1)[0]
-    step(x, y)
+    # a training script reads its step's mesh before the first call (as examples/train_gpt.py does)
+    loader = xtrain.Loader(token_batches(n=1), step=step)
+    monitor = xtrain.Monitor(step, progress=False)
+    for x, y in loader:
+        with monitor.step(tokens=x.size) as rec:
+            rec["loss"] = step(x, y)["loss"]
     print("trained: the probe did not stop the script")
 """)
 
@@ -244,6 +250,7 @@ def test_cli_plan_lists_candidates_for_a_trainium_target(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "xtrain plan for trn1.2xlarge (2 devices)" in out.stdout and "pick: dp2" in out.stdout
     assert "dp1xtp2" in out.stdout and "trained" not in out.stdout
+    assert "dp1xpp2 gpipe m2" in out.stdout and "33.3%" in out.stdout      # 2 blocks: a 2-stage pipeline row
     bad = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "trn1.32xlarge:x", str(script)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "node count after ':' must be a positive integer" in bad.stderr

@@ -101,13 +101,14 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
                          grad_sync=grad_sync, scan_layers=scan_layers, zero3_regather=zero3_regather,
                          init_from=init_from, options=options, learning_rates=learning_rates)
 
-    special = _special_plan(plan, lowering, wrapped, tx, model, mesh, build)
+    special = _special_plan(plan, lowering, wrapped, tx, model, mesh, build, pipelines=accumulate == 1)
     return special if special is not None else build(mesh.build(), plan or Plan())
 
 
-def _special_plan(plan, lowering: str, wrapped, tx, module, mesh: Mesh, build):
+def _special_plan(plan, lowering: str, wrapped, tx, module, mesh: Mesh, build, pipelines: bool = True):
     """The step for `xtrain plan` (a probe that prints the search) and for plan="auto"; None
-    for an ordinary Plan."""
+    for an ordinary Plan. `pipelines`: plan="auto" may pick a pipeline (the pipeline step
+    refuses accumulate > 1: its microbatches accumulate already)."""
     import os
 
     from xtrain.cost import auto
@@ -126,4 +127,5 @@ def _special_plan(plan, lowering: str, wrapped, tx, module, mesh: Mesh, build):
     devices = len(job_devices())
     if math.prod(mesh.resolve(devices).values()) != devices:
         raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
-    return auto.AutoStep(wrapped, tx, module, devices, lambda sizes, chosen: build(Mesh(**sizes).build(), chosen))
+    return auto.AutoStep(wrapped, tx, module, devices, lambda sizes, chosen: build(Mesh(**sizes).build(), chosen),
+                         pipelines=pipelines)

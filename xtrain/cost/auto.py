@@ -71,10 +71,24 @@ def _scaled(batch: tuple, global_batch: int) -> tuple:
 
 class PlanProbe:
     """What `xtrain.compile` returns under `xtrain plan`: its first call prints the search for
-    the target and exits the process (status 0)."""
+    the target and exits the process (status 0).
+
+    A training script reads a few things of its step before the first call (a Loader places
+    batches on `step.mesh` by `step.batch_spec`, a Monitor counts `step.mesh.size` devices, a
+    resumed run starts at `step.step_count`): the probe answers them with a one-device mesh of
+    this host (the probe reads only the batch's shapes, and the script's own mesh may not fit
+    the devices here), so the script reaches its first step unchanged."""
+
+    step_count = 0
+    batch_spec = ("data",)
 
     def __init__(self, wrapped, tx, module, spec: str):
+        import jax
+
+        from xtrain.sharding.mesh import Mesh
+
         self.wrapped, self.tx, self.module, self.spec = wrapped, tx, module, spec
+        self.mesh = Mesh(data=1).build(jax.local_devices()[:1])
 
     def __call__(self, *batch: Any):
         profile, devices = target(self.spec)
@@ -104,10 +118,12 @@ def _agreed(result: SearchResult):
 class AutoStep:
     """`plan="auto"`: at the first `step(*batch)` the search runs for the current devices and
     the pick is compiled; every later call (and attribute) goes to that TrainStep.
-    `step.search` holds the full SearchResult."""
+    `step.search` holds the full SearchResult. `pipelines=False` leaves pipeline plans out
+    (compile options the pipeline step refuses, e.g. accumulate > 1)."""
 
-    def __init__(self, wrapped, tx, module, devices: int, build: Callable):
+    def __init__(self, wrapped, tx, module, devices: int, build: Callable, pipelines: bool = True):
         self._wrapped, self._tx, self._module, self._devices = wrapped, tx, module, devices
+        self._pipelines = pipelines
         self._build = build  # (mesh sizes, plan) -> TrainStep
         self._step = None
         self.search: SearchResult | None = None
@@ -117,7 +133,8 @@ class AutoStep:
             from xtrain.step import _regather_default
 
             self.search = search(self._wrapped, self._tx, _host_batch(batch), current_profile(), self._devices,
-                                 module=self._module, regather=_regather_default())
+                                 module=self._module, regather=_regather_default(),
+                                 pipe_degrees=None if self._pipelines else (1,))
             if self.search.best is None:
                 raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
             best = _agreed(self.search).candidate

@@ -1,6 +1,6 @@
 """Predicted step time and memory of a lowered training step on a hardware profile.
 
-    step = (compute + exposed communication) x (m + p - 1) / m        p stages, m microbatches
+    step = compute + exposed communication
 
 compute        matmul FLOPs / peak(dtype) + elementwise and reduction traffic / HBM bandwidth
 communication  per collective, ring cost on the link its group spans: wire bytes / bandwidth +
@@ -10,8 +10,14 @@ communication  per collective, ring cost on the link its group spans: wire bytes
 exposed        tensor-parallel and other collectives inside the forward/backward are on the
                critical path; data-parallel ones (gradient sync, ZeRO gathers) depend only on
                their own layer's tensors, so `profile.overlap` of the compute can hide them
-bubble         the GPipe/1F1B bubble (p - 1) / (m + p - 1) of a pipeline of p stages: the
-               per-device program is then one stage's, and the factor above stretches it
+               (not in a pipeline: its gradients are complete only after the last
+               microbatch's backward, so their sync waits for all the compute)
+bubble         a pipeline's per-device program is lockstep SPMD: every stage runs every tick
+               of the schedule, the idle ones on masked data, so the program's FLOPs and
+               permutes already hold the bubble ((m + p - 1) ticks each way for GPipe with p
+               stages and m microbatches, not m). It is reported, not added again:
+               bubble_s = compute x the schedule's idle share ((p - 1) / (m + p - 1) for
+               GPipe and 1F1B)
 Memory per device comes from XLA's memory analysis when the step was compiled, else from the
 graph (`memory_from_graph`: the state's shards plus the peak of live temporaries).
 """
@@ -36,18 +42,29 @@ ELEMENT_BYTES = 4  # traffic per elementwise/reduction FLOP (fp32 read-modify-wr
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pipeline:
-    """Pipeline shape of a plan (stages=1: no pipeline)."""
+    """Pipeline shape of a plan (stages=1: no pipeline).
+
+    Attributes:
+        stages, microbatches: p and m.
+        idle: the schedule table's share of idle (tick, stage) slots when known (it is
+            smaller than the formula for interleaved schedules); None: (p - 1) / (m + p - 1).
+    """
 
     stages: int = 1
     microbatches: int = 1
+    idle: float | None = None
 
     def __post_init__(self):
         if self.stages < 1 or self.microbatches < 1:
             raise ValueError(f"Pipeline(stages={self.stages}, microbatches={self.microbatches}): both must be >= 1")
+        if self.idle is not None and not 0 <= self.idle < 1:
+            raise ValueError(f"Pipeline(idle={self.idle}): the idle share must be in [0, 1)")
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a stage's time: (p - 1) / (m + p - 1)."""
+        """Idle share of a stage's time: the table's, else (p - 1) / (m + p - 1)."""
+        if self.idle is not None:
+            return self.idle
         return (self.stages - 1) / (self.microbatches + self.stages - 1)
 
 
@@ -83,7 +100,7 @@ class Prediction:
     compute_s: float
     comm_s: Mapping[str, float]           # per link (intra-node / inter-node), before overlap
     exposed_comm_s: float
-    bubble_s: float
+    bubble_s: float                       # part of compute_s (pipeline ticks with no work), not extra
     step_s: float
     memory_bytes: int
     fits: bool
@@ -139,13 +156,15 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
     """
     compute = compute_seconds(cost.flops, profile)
     per_link, data_parallel, other = communication(cost, profile)
-    exposed = other + max(0.0, data_parallel - profile.overlap * compute)
-    stretch = 1.0 / (1.0 - cost.pipeline.bubble_fraction)
-    step = (compute + exposed) * stretch
+    pipelined = cost.pipeline.stages > 1
+    hidden = 0.0 if pipelined else profile.overlap * compute  # a pipeline syncs after its last backward
+    exposed = other + max(0.0, data_parallel - hidden)
+    step = compute + exposed  # a pipeline's bubble ticks are in its program's compute (module docstring)
+    bubble = compute * cost.pipeline.bubble_fraction if pipelined else 0.0
     flops = cost.flops.matmul if model_flops is None else model_flops
     peak = profile.matmul_flops_per_s(cost.flops.matmul_dtype)
     return Prediction(compute_s=compute, comm_s=per_link, exposed_comm_s=exposed,
-                      bubble_s=step - (compute + exposed), step_s=step, memory_bytes=cost.memory.total,
+                      bubble_s=bubble, step_s=step, memory_bytes=cost.memory.total,
                       fits=cost.memory.total <= profile.hbm_bytes, tokens_per_s=cost.tokens / step,
                       mfu=flops / step / peak)
 

@@ -4,7 +4,11 @@
 size with shape-only state (`jax.ShapeDtypeStruct`): nothing is allocated and no device is
 emulated, so a 128-device trn1 plan is lowered on a laptop. The result is the same jaxpr
 `TrainStep.program()` gives on real devices: FLOPs (cost.flops), collectives
-(lowering.explicit.accounting) and graph memory (cost.model) are read from it.
+(lowering.explicit.accounting) and graph memory (cost.model) are read from it. A plan with a
+pipeline is lowered by the pipeline step (lowering.pipeline.step), as `TrainStep` would.
+
+`model_facts` reads what the search needs of the model itself: how many repeated blocks a
+pipeline could split into stages, and the model's matmul FLOPs per step (for MFU).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class AbstractStep:
     optimizer_specs: dict[str, Spec]
     batch_axes: tuple[str, ...]
     state_bytes: dict[str, int]     # parameters / gradients / optimizer bytes per device
+    bubble: float = 0.0             # a pipeline schedule table's idle share of (tick, stage) slots
 
 
 def _local_bytes(shape, dtype, spec: Spec, sizes: Mapping[str, int]) -> int:
@@ -90,15 +95,59 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
                        key=jax.ShapeDtypeStruct((2,), np.uint32))
     named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
     shardings = xla_partitioner.state_shardings(state, named(param_specs), mesh, named(optimizer_specs))
-    train, _, _ = explicit_step.build(model, tx, shardings, mesh, param_specs, batch_spec, grad_sync or GradSync(),
-                                      scan_layers, zero=plan.zero, optimizer_specs=optimizer_specs,
-                                      regather=regather, remat=plan.layer_remat())
+    train, bubble = _build(model, tx, shardings, mesh, param_specs, batch_spec, plan, optimizer_specs,
+                           grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype), scan_layers, regather)
     shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     program = jax.make_jaxpr(train)(state, shaped, no_lr_groups)
     grad_specs = optimizer_specs if plan.zero == 2 else param_specs
     return AbstractStep(program, param_specs, optimizer_specs, data_axes,
-                        _state_bytes(params, opt_state, param_specs, optimizer_specs, grad_specs, sizes))
+                        _state_bytes(params, opt_state, param_specs, optimizer_specs, grad_specs, sizes), bubble)
+
+
+def _build(model, tx, shardings, mesh, param_specs, batch_spec, plan: Plan, optimizer_specs, sync: GradSync,
+           scan_layers: bool, regather: bool):
+    """(train step, bubble) of the lowering TrainStep uses for `plan`."""
+    if plan.pipeline is None:
+        train, _, _ = explicit_step.build(model, tx, shardings, mesh, param_specs, batch_spec, sync, scan_layers,
+                                          zero=plan.zero, optimizer_specs=optimizer_specs, regather=regather,
+                                          remat=plan.layer_remat())
+        return train, 0.0
+    from xtrain.lowering.pipeline import step as pipeline_step
+
+    train, _, program = pipeline_step.build(model, tx, shardings, mesh, param_specs, batch_spec, sync, plan.pipeline,
+                                            zero=plan.zero, optimizer_specs=optimizer_specs,
+                                            remat=plan.layer_remat())
+    return train, program.table.bubble()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the plan search reads of the model, independent of any plan."""
+
+    layers: int           # length of the longest run of identical blocks (0: none; no pipeline then)
+    matmul_flops: float   # dot + conv FLOPs of one training step (forward and backward) on the global batch
+
+
+def model_facts(model: Model, batch: tuple) -> ModelFacts:
+    """Traces the model once (forward, then value and gradient) on `batch`'s shapes."""
+    from xtrain.cost import flops
+    from xtrain.lowering.explicit.collectives import Context
+    from xtrain.lowering.explicit.interpreter import module_path
+    from xtrain.lowering.explicit.layer_scan import find_repeated_blocks
+
+    params = {n: jax.ShapeDtypeStruct(p.shape, p.dtype) for n, p in model.initial_params().items()}
+    buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
+    key = jax.ShapeDtypeStruct((2,), np.uint32)
+    shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
+    apply = lambda p, b, k, x: model.apply(p, b, k, x, training=True)
+    forward = jax.make_jaxpr(apply)(params, buffers, key, shaped)
+    probe = Context({}, model.module_paths())
+    param_vars = forward.jaxpr.invars[:len(params)]  # a dict's leaves come in sorted key order
+    runs = find_repeated_blocks(forward.jaxpr, lambda e: module_path(probe, e, ""), param_vars)
+    loss = lambda p, b, k, x: apply(p, b, k, x)[0]
+    both = jax.make_jaxpr(jax.value_and_grad(loss))(params, buffers, key, shaped)
+    return ModelFacts(max((r.length for r in runs), default=0), flops.count(both).matmul)
 
 
 def per_device_body(program):

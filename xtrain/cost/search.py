@@ -4,16 +4,22 @@
     print(result)                      # one row per candidate; `*` marks the pick
     result.best.candidate.plan(module) # the Plan, result.best.candidate.mesh the Mesh sizes
 
-Candidates (in the fixed order of torchtitan's parallelize: tensor, activation checkpointing,
-data/ZeRO): tensor degree t over the "tensor" axis (Megatron preset; on Trainium only the
-replica-group sizes a node supports), data degree n / (t x p) over "data" with ZeRO stage
-0-3, activation checkpointing on/off. Pipeline degrees p > 1 with m microbatches are costed
-by the model (bubble (p-1)/(m+p-1)) once a pipeline plan exists to lower them; this build has
-none, so `pipe_degrees` other than (1,) is refused with that reason.
+Candidates (in the fixed order of torchtitan's parallelize: tensor, pipeline, activation
+checkpointing, data/ZeRO): tensor degree t over the "tensor" axis (Megatron preset; on Trainium
+only the replica-group sizes a node supports), pipeline degree p over "pipe" with m
+microbatches, data degree n / (t x p) over "data" with ZeRO stage 0-3 (0-1 with a pipeline,
+all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
+per-stage checkpoint, or the 1F1B schedule, which always recomputes). Pipeline degrees by
+default: the divisors of n up to the model's number of repeated blocks, none for a model
+without repeated blocks; m in (p, 2p, 4p).
 
-Each candidate is lowered for an abstract mesh (cost.program), never run. A candidate that
-cannot be lowered (batch not divisible, no transformer blocks for tensor parallel) is listed
-with the reason; one whose memory exceeds the device is marked as not fitting and never picked.
+Each candidate is lowered for an abstract mesh (cost.program), never run; a pipeline candidate
+by the pipeline step itself, so its FLOPs, permutes between stages, gradient sync over "pipe"
+and the data axes, and memory (every stage stores all parameters) are the program's. A
+candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
+blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
+whose memory exceeds the device is marked as not fitting and never picked. A variant that only
+saves memory (remat, 1F1B) is lowered only when its plain form does not fit.
 """
 from __future__ import annotations
 
@@ -33,6 +39,10 @@ from xtrain.sharding.plan import Plan
 # model's error on elementwise traffic, which it counts unfused.
 TIE = 0.10
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
+# under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
+SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
+SCHEDULES = ("gpipe", "1f1b")
+NAME = 34  # width of the plan column
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,8 +53,10 @@ class Candidate:
         data: data-parallel degree (mesh axis "data").
         tensor: Megatron tensor-parallel degree (mesh axis "tensor"; 1: none).
         zero: ZeRO stage over "data".
-        remat: activation checkpointing of the layer stack.
+        remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
+            checkpoint of each stage, `with_pipeline(checkpoint=True)`).
         pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
+        schedule: the pipeline schedule, "gpipe" or "1f1b".
     """
 
     data: int
@@ -53,6 +65,17 @@ class Candidate:
     remat: bool = False
     pipe: int = 1
     microbatches: int = 1
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Candidate(schedule={self.schedule!r}) is not one of {SCHEDULES}")
+        if self.pipe == 1 and (self.microbatches, self.schedule) != (1, "gpipe"):
+            raise ValueError(f"Candidate(pipe=1, microbatches={self.microbatches}, schedule={self.schedule!r}): "
+                             "microbatches and schedule belong to a pipeline; set pipe >= 2")
+        if self.schedule == "1f1b" and self.remat:
+            raise ValueError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
+                             "input; use remat=False")
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -65,12 +88,13 @@ class Candidate:
     @property
     def name(self) -> str:
         parts = [f"dp{self.data}"] + ([f"tp{self.tensor}"] if self.tensor > 1 else [])
-        parts += [f"pp{self.pipe}x{self.microbatches}mb"] if self.pipe > 1 else []
-        name = "x".join(parts) + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
-        return name
+        parts += [f"pp{self.pipe}"] if self.pipe > 1 else []
+        name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
+        return name + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
 
     def plan(self, module: Any = None) -> Plan:
-        """The Plan: Megatron rules for tensor > 1 (needs the torch module), the ZeRO stage, remat."""
+        """The Plan: Megatron rules for tensor > 1 (needs the torch module), the ZeRO stage,
+        remat, the pipeline."""
         base = Plan()
         if self.tensor > 1:
             from xtrain import plans
@@ -79,10 +103,23 @@ class Candidate:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
             base = plans.megatron(module, self.mesh)
-        return dataclasses.replace(base, zero=self.zero, remat=self.remat)
+        if self.pipe == 1:
+            return dataclasses.replace(base, zero=self.zero, remat=self.remat)
+        return dataclasses.replace(base, zero=self.zero).with_pipeline(
+            stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
+
+    @property
+    def saves_memory_only(self) -> bool:
+        """Remat and 1F1B never make a step faster (more recomputation, lockstep ticks)."""
+        return self.remat or self.schedule != "gpipe"
+
+    @property
+    def plain(self) -> "Candidate":
+        """This candidate without its memory-only variants."""
+        return dataclasses.replace(self, remat=False, schedule="gpipe")
 
     def simplicity(self) -> tuple:
-        return (self.pipe, self.tensor, self.zero, self.remat)
+        return (self.pipe, self.tensor, self.zero, self.remat, self.schedule != "gpipe", self.microbatches)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,8 +146,8 @@ class SearchResult:
     best: Row | None
 
     def __str__(self) -> str:
-        head = (f"{'':2}{'plan':<24}{'memory/device':>14}{'fits':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}"
-                f"{'compute ms':>12}{'comm ms':>10}  note")
+        head = (f"{'':2}{'plan':<{NAME}}{'memory/device':>14}{'fits':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}"
+                f"{'compute ms':>12}{'comm ms':>10}{'bubble':>8}  note")
         lines = [f"xtrain plan for {self.target} ({self.profile.name}: {self.profile.notes})", head]
         for i, row in enumerate(self.rows):
             mark = "* " if row is self.best else "  "
@@ -120,14 +157,25 @@ class SearchResult:
                     continue
                 same = sum(1 for _ in _run(self.rows[i:], row.reason))
                 name = row.candidate.name.split(" ")[0] + f" ({same} variants)" if same > 1 else row.candidate.name
-                lines.append(f"{mark}{name:<24}{'-':>14}{'-':>6}{'':>52}  {row.reason}")
+                lines.append(f"{mark}{name:<{NAME}}{'-':>14}{'-':>6}{'':>60}  {row.reason}")
                 continue
-            comm = sum(p.comm_s.values())
-            lines.append(f"{mark}{row.candidate.name:<24}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
-                         f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
-                         f"{comm * 1e3:>10.3f}  {row.reason}")
+            lines.append(mark + _predicted(row))
         pick = f"pick: {self.best.candidate.name}" if self.best else "pick: none fits this device's memory"
-        return "\n".join(lines + [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"])
+        lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
+        if any(r.candidate.pipe > 1 for r in self.rows):
+            lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
+                         "is inside compute ms, not added")
+        return "\n".join(lines)
+
+
+def _predicted(row: Row) -> str:
+    """A listing line of a lowered candidate."""
+    p = row.prediction
+    comm = sum(p.comm_s.values())
+    bubble = f"{row.cost.pipeline.bubble_fraction:.1%}" if row.candidate.pipe > 1 else "-"
+    return (f"{row.candidate.name:<{NAME}}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
+            f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
+            f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}")
 
 
 def _run(rows: Sequence[Row], reason: str):
@@ -149,27 +197,48 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_degrees(devices: int, layers: int) -> list[int]:
+    """Default pipe degrees > 1: the divisors of `devices` up to `layers` repeated blocks."""
+    return [p for p in _divisors(devices) if 2 <= p <= layers]
+
+
 def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequence[int] | None = None,
                zero_stages: Sequence[int] = (0, 1, 2, 3), remat: Sequence[bool] = (False, True),
-               pipe_degrees: Sequence[int] = (1,)) -> list[Candidate]:
-    """Every (tensor, zero, remat) point for `devices` devices; tensor degrees divide the devices
-    of one instance (and, on Trainium, are replica-group sizes a node supports)."""
-    if tuple(pipe_degrees) != (1,):
-        raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: this build has no pipeline plan to lower "
-                         "(issue 5); the cost model's bubble term is ready for one")
-    if tensor_degrees is None:
-        from neuron_support import topology
+               pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
+               schedules: Sequence[str] = SCHEDULES) -> list[Candidate]:
+    """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
+    devices of one instance (and, on Trainium, are replica-group sizes a node supports).
 
-        allowed = topology.INSTANCES.get(profile.name.split("[")[0])
-        groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
-        tensor_degrees = [t for t in _divisors(math.gcd(devices, profile.devices_per_node))
-                          if groups is None or t in groups]
+    Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
+    of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
+    per-stage checkpoint (1F1B always recomputes)."""
+    bad = [p for p in pipe_degrees if p < 1 or devices % p]
+    if bad:
+        raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
+                         f"divisors of {devices}, e.g. {_divisors(devices)}")
     out = []
-    for t in tensor_degrees:
-        data = devices // t
-        for z in (zero_stages if data > 1 else (0,)):
-            out += [Candidate(data=data, tensor=t, zero=z, remat=r) for r in remat]
+    for p in pipe_degrees:
+        for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
+            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules)
     return out
+
+
+def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
+    """Divisors of the devices of one instance; on Trainium, replica-group sizes a node supports."""
+    from neuron_support import topology
+
+    allowed = topology.INSTANCES.get(profile.name.split("[")[0])
+    groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
+    return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
+
+
+def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules) -> list[Candidate]:
+    """The candidates of one (data, tensor, pipe) mesh."""
+    zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
+    if pipe == 1:
+        return [Candidate(data=data, tensor=tensor, zero=z, remat=r) for z in zeros for r in remat]
+    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r)
+            for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
 
 
 def _tokens(batch: tuple) -> int:
@@ -189,34 +258,54 @@ def step_cost(step: program_mod.AbstractStep, sizes: dict[str, int], tokens: int
         tokens=tokens, pipeline=pipeline)
 
 
+def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
+    """Why `candidate` is no plan for this model and batch, found before lowering ('' if none)."""
+    d, m, p = candidate.data, candidate.microbatches, candidate.pipe
+    if rows % (d * m):
+        return f"global batch {rows} is not divisible by data={d}" + (f" x microbatches={m} = {d * m}" if p > 1 else "")
+    if p > 1 and layers is not None and layers < p:
+        if layers == 0:
+            return "no repeated blocks (blocks.0, blocks.1, ...) to cut into pipeline stages"
+        return f"the model has {layers} repeated blocks, fewer than pipe={p} stages"
+    return ""
+
+
 def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: HardwareProfile, *,
-             regather: bool = True) -> Row:
-    """Lowers `candidate` for an abstract mesh and predicts it on `profile`."""
+             regather: bool = True, layers: int | None = None) -> Row:
+    """Lowers `candidate` for an abstract mesh and predicts it on `profile`.
+
+    Args:
+        layers: the model's repeated blocks (program.model_facts), to refuse a pipeline of more
+            stages without lowering it; None: the lowering finds out."""
     sizes = candidate.mesh
-    if batch[0].shape[0] % candidate.data:
-        return Row(candidate=candidate, reason=f"global batch {batch[0].shape[0]} is not divisible by "
-                                               f"data={candidate.data}")
+    reason = _refusal(candidate, batch[0].shape[0], layers)
+    if reason:
+        return Row(candidate=candidate, reason=reason)
     try:
         plan = candidate.plan(module)
         traced = program_mod.abstract_step(model, tx, sizes, plan, batch, regather=regather)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
+    idle = traced.bubble if candidate.pipe > 1 else None
     cost = step_cost(traced, sizes, _tokens(batch), model.module_paths(),
-                     cost_model.Pipeline(stages=candidate.pipe, microbatches=candidate.microbatches))
+                     cost_model.Pipeline(stages=candidate.pipe, microbatches=candidate.microbatches, idle=idle))
     prediction = cost_model.predict(cost, profile)
     reason = "" if prediction.fits else f"needs {_bytes(prediction.memory_bytes)} > {_bytes(profile.hbm_bytes)}"
     return Row(candidate=candidate, prediction=prediction, cost=cost, reason=reason)
 
 
-def _with_model_mfu(rows: list[Row], profile: HardwareProfile) -> list[Row]:
-    """MFU of checkpointed plans counts the model's FLOPs, not the recomputation."""
+def _with_model_mfu(rows: list[Row], profile: HardwareProfile, per_device: float) -> list[Row]:
+    """MFU counts the model's FLOPs, not recomputation (checkpointed plans: those of the same
+    plan without it) nor a pipeline's bubble ticks and masked work (`per_device`: the model's
+    FLOPs per step / devices)."""
     plain = {(r.candidate.data, r.candidate.tensor, r.candidate.zero): r.cost.flops.matmul
-             for r in rows if r.cost is not None and not r.candidate.remat}
+             for r in rows if r.cost is not None and not r.candidate.remat and r.candidate.pipe == 1}
     out = []
     for r in rows:
         key = (r.candidate.data, r.candidate.tensor, r.candidate.zero)
-        if r.cost is not None and r.candidate.remat and key in plain:
-            r = dataclasses.replace(r, prediction=cost_model.predict(r.cost, profile, model_flops=plain[key]))
+        model_flops = per_device if r.candidate.pipe > 1 else plain.get(key) if r.candidate.remat else None
+        if r.cost is not None and model_flops is not None:
+            r = dataclasses.replace(r, prediction=cost_model.predict(r.cost, profile, model_flops=model_flops))
         out.append(r)
     return out
 
@@ -243,27 +332,32 @@ def search_torch(module, optimizer, batch: tuple, profile: HardwareProfile, devi
 
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, module: Any = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
-           regather: bool = True, prune_remat: bool = True) -> SearchResult:
+           regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
         model: xtrain's wrapped model (frontend.Model); tx: the optax transformation.
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
         module: the torch module (for Megatron tensor-parallel candidates).
-        candidate_list: the candidates (default: `candidates(devices, profile)`).
+        candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step on that backend will).
-        prune_remat: lower a remat candidate only when its plan without remat does not fit.
+        prune_remat: lower a memory-only variant (remat, 1F1B) only when its plain plan does not fit.
+        pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
+            (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
     """
-    todo = candidate_list if candidate_list is not None else candidates(devices, profile)
-    done = {c: evaluate(model, tx, module, c, batch, profile, regather=regather) for c in todo if not c.remat}
-    for c in todo:
-        if c.remat:
-            plain = done.get(dataclasses.replace(c, remat=False))
+    facts = program_mod.model_facts(model, batch)
+    if candidate_list is None:
+        pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
+        candidate_list = candidates(devices, profile, pipe_degrees=pipes)
+    lower = lambda c: evaluate(model, tx, module, c, batch, profile, regather=regather, layers=facts.layers)
+    done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
+    for c in candidate_list:
+        if c.saves_memory_only:
+            plain = done.get(c.plain)
             # recomputation never makes a step faster: only worth lowering when memory is short
             skip = prune_remat and plain is not None and plain.usable
-            done[c] = Row(candidate=c, reason=SKIPPED_REMAT) if skip else \
-                evaluate(model, tx, module, c, batch, profile, regather=regather)
-    rows = _with_model_mfu([done[c] for c in todo], profile)
+            done[c] = Row(candidate=c, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B) if skip else lower(c)
+    rows = _with_model_mfu([done[c] for c in candidate_list], profile, facts.matmul_flops / devices)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
 
 

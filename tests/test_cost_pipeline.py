@@ -1,0 +1,174 @@
+"""Pipeline candidates in the plan search: enumerated for models with repeated blocks only,
+lowered by the pipeline step itself (its bubble ticks are in the program's compute), refused
+with a reason when the batch or the layer count does not allow them, never picked past the
+device's memory, and a picked pipeline plan trains like torch."""
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import xtrain
+from xtrain.api import _torch_model
+from xtrain.cost import hardware, search
+from xtrain.cost.search import Candidate
+from xtrain.testing import assert_parity
+from xtrain.testing.parity import ParityResult
+
+from models import GPT, MLP
+from test_zero import adamw, gpt_case  # GPT(layers=2), its batches and torch reference
+
+DEVICES = 4
+PROFILE = hardware.profile("trn1.32xlarge")  # cited numbers: predictions do not depend on this host's load
+
+
+@functools.cache
+def wrapped(kind="gpt"):
+    torch.manual_seed(0)
+    model = GPT(layers=2) if kind == "gpt" else MLP()
+    net, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
+    return model, net, tx
+
+
+def gpt_batch(rows=8):
+    x = np.zeros((rows, 16), np.int32)
+    return (x, x)
+
+
+@functools.cache
+def gpt_search(memory=None):
+    model, net, tx = wrapped()
+    profile = PROFILE.with_memory(memory) if memory else PROFILE
+    return search.search(net, tx, gpt_batch(), profile, DEVICES, module=model)
+
+
+def rows_by_name(result):
+    return {r.candidate.name: r for r in result.rows}
+
+
+def test_search_lists_pipeline_candidates_for_repeated_blocks_and_none_without():
+    result = gpt_search()
+    piped = [r for r in result.rows if r.candidate.pipe > 1]
+    assert {r.candidate.pipe for r in piped} == {2}                # 2 blocks: at most 2 stages
+    assert {r.candidate.zero for r in piped} == {0, 1}             # the pipeline step's ZeRO stages
+    assert {r.candidate.schedule for r in piped} == {"gpipe", "1f1b"}
+    lowered = [r for r in piped if r.prediction is not None]
+    assert {(r.candidate.data, r.candidate.tensor, r.candidate.microbatches) for r in lowered} == {
+        (2, 1, 2), (2, 1, 4), (1, 2, 2), (1, 2, 4), (1, 2, 8)}      # batch 8 = data x m x rows
+    text = str(result)
+    assert "dp2xpp2 gpipe m4" in text and "33.3%" in text and "20.0%" in text   # bubble (p-1)/(m+p-1)
+    for r in lowered:
+        p = r.prediction
+        assert p.step_s > 0 and 0 < p.mfu < 1 and p.memory_bytes > 0
+        assert p.tokens_per_s == pytest.approx(8 * 16 / p.step_s)
+    model, net, tx = wrapped("mlp")
+    x = (np.zeros((8, 12), np.float32), np.zeros((8,), np.int64))
+    plain = search.search(net, tx, x, PROFILE, DEVICES, module=model)
+    assert plain.rows and all(r.candidate.pipe == 1 for r in plain.rows)
+
+
+def test_pipeline_prediction_holds_the_bubble_in_its_compute():
+    """The lockstep program runs m + p - 1 ticks each way: its FLOPs grow with the bubble.
+    At a fixed batch, m=2 (3 ticks of 2 rows) does 6/5 of m=4's (5 ticks of 1 row) matmuls."""
+    rows = rows_by_name(gpt_search())
+    m2, m4 = rows["dp2xpp2 gpipe m2"], rows["dp2xpp2 gpipe m4"]
+    assert m2.cost.flops.matmul / m4.cost.flops.matmul == pytest.approx((3 * 2) / (5 * 1), rel=1e-6)
+    for row, m in ((m2, 2), (m4, 4)):
+        p = row.prediction
+        assert row.cost.pipeline.bubble_fraction == pytest.approx(1 / (m + 1))
+        assert p.bubble_s == pytest.approx(p.compute_s / (m + 1))    # part of compute, not added again
+        assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s)
+        # the gradient sync waits for the last microbatch: none of it hides under compute (overlap 0.5)
+        assert p.exposed_comm_s == pytest.approx(sum(p.comm_s.values()))
+        kinds = {(c.kind, c.axes) for c in row.cost.collectives}
+        assert ("collective-permute", ("pipe",)) in kinds           # activations between stages
+    # lockstep work beyond the plain plan's (bubble ticks; every stage runs the head each tick),
+    # which MFU does not count as model FLOPs
+    assert m4.cost.flops.matmul > rows["dp4"].cost.flops.matmul
+    assert m4.prediction.mfu < m4.cost.flops.matmul / m4.prediction.step_s / PROFILE.matmul_flops_per_s("float32")
+
+
+def test_pipeline_memory_holds_every_parameter_on_every_stage():
+    rows = rows_by_name(gpt_search())
+    dp, pp = rows["dp4"].cost.memory, rows["dp2xpp2 gpipe m2"].cost.memory
+    assert pp.parameters == dp.parameters and pp.optimizer == dp.optimizer
+    assert rows["dp2xpp2 gpipe m2 zero1"].cost.memory.optimizer == pytest.approx(dp.optimizer / 2, rel=0.05)
+
+
+def test_unusable_pipelines_are_listed_with_the_reason():
+    model, net, tx = wrapped()
+    listed = [Candidate(data=1, pipe=4), Candidate(data=2, pipe=2, microbatches=8), Candidate(data=2, pipe=2, zero=2)]
+    result = search.search(net, tx, gpt_batch(), PROFILE, DEVICES, module=model, candidate_list=listed)
+    reasons = [r.reason for r in result.rows]
+    assert reasons[0] == "the model has 2 repeated blocks, fewer than pipe=4 stages"
+    assert reasons[1] == "global batch 8 is not divisible by data=2 x microbatches=8 = 16"
+    assert reasons[2].startswith("cannot lower: pipeline parallelism supports ZeRO stage 0 or 1")
+    assert result.best is None and "pick: none" in str(result)
+    # without the layer count, the lowering itself says why
+    row = search.evaluate(net, tx, model, listed[0], gpt_batch(), PROFILE)
+    assert "cannot lower: Pipeline: 4 stages but the model has only 2 repeated blocks" in row.reason
+    mlp, mlp_net, mlp_tx = wrapped("mlp")
+    x = (np.zeros((8, 12), np.float32), np.zeros((8,), np.int64))
+    none = search.search(mlp_net, mlp_tx, x, PROFILE, DEVICES, module=mlp, candidate_list=[Candidate(data=2, pipe=2)])
+    assert none.rows[0].reason == "no repeated blocks (blocks.0, blocks.1, ...) to cut into pipeline stages"
+
+
+def test_candidate_and_enumeration_errors():
+    with pytest.raises(ValueError, match=r"pipe_degrees=\(3,\): \[3\] do not divide the 4 devices"):
+        search.candidates(4, PROFILE, pipe_degrees=(3,))
+    with pytest.raises(ValueError, match="microbatches and schedule belong to a pipeline; set pipe >= 2"):
+        Candidate(data=4, microbatches=4)
+    with pytest.raises(ValueError, match="1F1B always recomputes"):
+        Candidate(data=2, pipe=2, schedule="1f1b", remat=True)
+    assert search.pipeline_degrees(8, layers=4) == [2, 4] and search.pipeline_degrees(8, layers=0) == []
+    plan = Candidate(data=2, pipe=2, microbatches=4, remat=True).plan()
+    assert plan.pipeline.checkpoint and plan.pipeline.schedule == "gpipe" and plan.remat.value == "off"
+
+
+def test_short_memory_lowers_1f1b_and_never_picks_what_does_not_fit():
+    base = rows_by_name(gpt_search())
+    gpipe = base["dp2xpp2 gpipe m2"].prediction.memory_bytes
+    limit = gpipe - 1                                             # GPipe m2 no longer fits
+    result = gpt_search(memory=limit)
+    rows = rows_by_name(result)
+    assert not rows["dp2xpp2 gpipe m2"].prediction.fits
+    one_f = rows["dp2xpp2 1f1b m2"].prediction                    # short of memory: 1F1B is lowered
+    assert one_f is not None and one_f.memory_bytes < gpipe
+    assert rows["dp2xpp2 gpipe m2 remat"].prediction is not None
+    assert result.best is not None and result.best.prediction.memory_bytes <= limit
+    assert all(r.prediction.memory_bytes <= limit for r in result.rows if r.usable)
+
+
+def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
+    """The search's public knob (candidate_list) restricted to pipelines: the pick is compiled
+    from its Candidate (mesh and plan, as plan='auto' does). Its program has the FLOPs and
+    collectives the search lowered for an abstract mesh, XLA's memory analysis is close to the
+    graph estimate, and it trains like torch."""
+    model, batches, reference = gpt_case()                       # global batch 16, AdamW
+    net, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
+    listed = [Candidate(data=4, pipe=2, microbatches=2), Candidate(data=4, pipe=2, microbatches=4, zero=1),
+              Candidate(data=2, tensor=2, pipe=2, microbatches=4)]
+    x, y = (b.numpy() for b in batches[0])
+    result = search.search(net, tx, (x, y), PROFILE, 8, module=model, candidate_list=listed)
+    best = result.best.candidate
+    assert best.pipe == 2, str(result)
+    candidate = copy.deepcopy(model)
+    step = xtrain.compile(candidate, xtrain.Mesh(**best.mesh), optimizer=adamw(candidate.parameters()),
+                          plan=best.plan(candidate))
+    compiled = search.compiled_step_cost(step, x, y)
+    assert compiled.flops.matmul == result.best.cost.flops.matmul
+    assert sorted((c.kind, c.axes, c.payload_bytes) for c in compiled.collectives) == \
+        sorted((c.kind, c.axes, c.payload_bytes) for c in result.best.cost.collectives)
+    assert 0.8 < result.best.cost.memory.total / compiled.memory.total < 1.6   # graph vs XLA (measured ~1.2)
+    losses = [step(*b)["loss"] for b in batches]
+    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+
+
+def test_plan_auto_leaves_pipelines_out_when_accumulating():
+    """The pipeline step refuses accumulate > 1 (its microbatches accumulate already), so
+    plan='auto' does not offer it a pipeline (the search then runs with pipe_degrees=(1,))."""
+    model, _, _ = gpt_case()
+    plain = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
+    accumulating = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto", accumulate=2)
+    assert plain._pipelines and not accumulating._pipelines
