@@ -4,6 +4,7 @@ flat in the number of microbatches for 1F1B, and the errors."""
 import dataclasses
 import functools
 
+import jax
 import pytest
 import torch
 
@@ -65,6 +66,12 @@ def test_schedule_matches_torch(schedule, pipe, layers, v, split):
         assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
     per_stage = step._program.layers.valid.sum(-1).ravel().tolist()
     assert sum(per_stage) == layers
+    # each stage stores only its own layers: every block family's rows split over 'pipe'
+    families = step.stacking.groups
+    per_block = [n for n in model.state_dict() if n.startswith("blocks.0.")]
+    assert len(families) == len(per_block) and all(step.state.params[n].sharding.spec[0] == "pipe" for n in families)
+    held = [r for r in step.stacking.rows_of(next(iter(families))) if r is not None]
+    assert sorted(held) == list(range(layers))
     if split != "auto":
         assert per_stage == [3, 1, 1, 1]
     elif layers == 6:  # identical blocks: 2 + 1 + 1 + 2 or similar, never 3 on one stage
@@ -142,6 +149,64 @@ def test_interleaved_pipe_tensor_data_with_zero1_adamw():
         stages=2, microbatches=2, schedule="interleaved", virtual_stages=2)
     result, _ = train(model, adamw_gpt, batches, mesh, plan, torch_reference(model, adamw_gpt, batches))
     assert_parity(result)
+
+
+# -- stored parameters and checkpoints -------------------------------------------------------
+
+def block_bytes_per_device(step) -> dict:
+    """Bytes of block parameters and of their optimizer state that each device holds."""
+    leaves = jax.tree_util.tree_flatten_with_path((step.state.params, step.state.opt_state))[0]
+    held: dict = {}
+    for path, leaf in leaves:
+        if getattr(path[-1], "key", "").startswith("blocks.") and hasattr(leaf, "addressable_shards"):
+            for shard in leaf.addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def test_each_stage_stores_only_its_layers_and_their_optimizer_state():
+    torch.manual_seed(0)
+    model, batches = GPT(layers=4), token_batches(1, batch=16)
+
+    def compiled(mesh, plan):
+        candidate = GPT(layers=4)
+        candidate.load_state_dict(model.state_dict())
+        step = xtrain.compile(candidate, xtrain.Mesh(**mesh), plan=plan,
+                              optimizer=torch.optim.AdamW(candidate.parameters(), lr=1e-3))
+        step(*batches[0])
+        return step
+
+    data = block_bytes_per_device(compiled(dict(data=8), None))
+    piped = block_bytes_per_device(compiled(dict(pipe=2, data=4), xtrain.Plan().with_pipeline(stages=2, microbatches=4)))
+    whole = set(data.values())
+    assert len(whole) == 1 and set(piped.values()) == {whole.pop() // 2}, (data, piped)
+
+
+@pytest.mark.parametrize("direction", ["pipeline->data", "data->pipeline", "data->placed pipeline"])
+def test_checkpoints_move_between_pipeline_and_data_parallel(tmp_path, direction):
+    """Checkpoints hold layers under their own names whatever the storage: a pipeline run
+    resumes under data parallelism and the reverse, before or after its stages are placed."""
+    model, batches, reference = gpt_case(4)
+    pipeline = dict(mesh=dict(pipe=2, data=4), plan=xtrain.Plan().with_pipeline(stages=2, microbatches=4))
+    data = dict(mesh=dict(data=8), plan=None)
+    first, second = (pipeline, data) if direction == "pipeline->data" else (data, pipeline)
+
+    def compiled(setup):
+        candidate = GPT(layers=4)
+        candidate.load_state_dict(model.state_dict())
+        return xtrain.compile(candidate, xtrain.Mesh(**setup["mesh"]), optimizer=sgd(candidate.parameters()),
+                              plan=setup["plan"])
+
+    step = compiled(first)
+    losses = [step(*b)["loss"] for b in batches[:2]]
+    step.save(tmp_path / "ckpt")
+    resumed = compiled(second)
+    if direction == "data->placed pipeline":
+        resumed(*batches[3])  # places the stages (and trains a step the load then overwrites)
+        assert resumed.stacking.groups
+    resumed.load(tmp_path / "ckpt")
+    losses += [resumed(*b)["loss"] for b in batches[2:]]
+    assert_parity(ParityResult(losses, reference[0], resumed.state_dict(), reference[1], 1e-5))
 
 
 # -- memory -----------------------------------------------------------------------------------

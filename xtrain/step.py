@@ -1,11 +1,13 @@
 """The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
@@ -83,6 +85,7 @@ class TrainStep:
         self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
                                                          named(self.optimizer_specs))
         self.state: TrainState = jax.device_put(state, self.shardings)
+        self._stages_placed = False
         if plan.pipeline is not None:
             self._train, self._eval, self._program = self._pipeline(grad_sync, lowering, options, grad_tx)
         elif lowering == "explicit":
@@ -109,15 +112,73 @@ class TrainStep:
         params = checkpoint.load_sharded(source, abstract, shardings, aliases)
         return params, self.model.initial_buffers(source)
 
-    def _pipeline(self, grad_sync: GradSync | None, lowering: str, options: StepOptions, grad_tx: GradTransforms):
+    def _pipeline(self, grad_sync: GradSync | None, lowering: str, options: StepOptions, grad_tx: GradTransforms,
+                  **placed):
         from xtrain.lowering.pipeline import step as pipeline_step
 
         if lowering != "explicit":
             raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
+        self._pipeline_args = (grad_sync, lowering, options, grad_tx)
         return pipeline_step.build(self.model, self.tx, self.shardings, self.mesh, self.param_specs, self.batch_spec,
                                    grad_sync or GradSync(comm_dtype=self.plan.precision.wire_dtype),
                                    self.plan.pipeline, zero=self.plan.zero, optimizer_specs=self.optimizer_specs,
-                                   options=options, grad_tx=grad_tx, remat=self.plan.layer_remat())
+                                   options=options, grad_tx=grad_tx, remat=self.plan.layer_remat(), **placed)
+
+    def _place_stages(self, placed: tuple) -> None:
+        """Pipeline plans, before the first step runs: move each block parameter family onto
+        the stage that runs it (stored stacked, rows split over the pipe axis), so a stage
+        stores only its own layers and their optimizer state. The stage partition is balanced
+        on the traced graph, which needs the batch shapes: hence now, not at compile."""
+        if self.plan.pipeline is None or self._stages_placed:
+            return
+        from xtrain.lowering.pipeline import step as pipeline_step
+
+        self._stages_placed = True
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              ({**self.state.params, **self.state.frozen}, self.state.buffers, self.state.key, placed))
+        storage, starts = pipeline_step.plan_storage(
+            self.model, self.mesh, self.param_specs, self.optimizer_specs, self.batch_spec, self.plan.pipeline, shapes,
+            set(self.state.params), self.learning_rates.groups if self.learning_rates else None)
+        if not storage:
+            return
+        layer_specs = self.param_specs
+        self.param_specs = storage.stack_specs(layer_specs)
+        self.optimizer_specs = storage.stack_specs(self.optimizer_specs)
+        self.state, self.shardings = self._restacked(storage)
+        self.stacking = storage
+        self._train, self._eval, self._program = self._pipeline(
+            *self._pipeline_args, storage=storage, layer_specs=layer_specs, starts=starts)
+
+    def _restacked(self, storage: stacked.Stacking) -> tuple[TrainState, TrainState]:
+        """The state with `storage`'s families stacked (its optimizer state alike), placed."""
+        from xtrain.checkpoint.layout import named_leaves, rebuild
+
+        named = lambda specs: {n: NamedSharding(self.mesh, PartitionSpec(*s)) for n, s in specs.items()}
+
+        def convert(state: TrainState) -> TrainState:
+            stack = lambda d: storage.stack_dict(d, stack=jnp.stack, zeros=jnp.zeros_like)
+            params, old = stack(state.params), named_leaves(state.opt_state)
+
+            def leaf(name: str, like):
+                prefix, param = name[:-len(name.rsplit("/", 1)[-1])], name.rsplit("/", 1)[-1]
+                if param not in storage.groups:
+                    return old[name]
+                members = storage.groups[param]
+                return jnp.stack([old[prefix + members[r]] if r is not None else jnp.zeros(like.shape[1:], like.dtype)
+                                  for r in storage.rows_of(param)])
+
+            template = jax.eval_shape(self.tx.init, params)
+            opt_state = rebuild(template, {n: leaf(n, like) for n, like in named_leaves(template).items()})
+            return dataclasses.replace(state, params=params, frozen=stack(state.frozen), opt_state=opt_state)
+
+        shape = jax.eval_shape(convert, self.state)
+        shardings = xla_partitioner.state_shardings(shape, named(self.param_specs), self.mesh,
+                                                    named(self.optimizer_specs))
+        return jax.jit(convert, out_shardings=shardings)(self.state), shardings
+
+    def _user_model(self) -> Model:
+        """The model under its own per-layer parameter names (what `stacking` unstacks to)."""
+        return self.model.inner if isinstance(self.model, stacked.StackedModel) else self.model
 
     def _initial_state(self, params: dict, buffers: dict, optimized: set[str], seed: int) -> TrainState:
         opt_params = {n: v for n, v in params.items() if n in optimized}
@@ -154,6 +215,7 @@ class TrainStep:
             self._report_and_exit(batch)
         placed = self._place(batch)
         accumulation.check_divisible(placed, self.options.accumulate, self._data_size())
+        self._place_stages(placed)
         self._guard(placed)
         self._last_batch = placed
         before = self._nan_evidence(placed)
@@ -177,10 +239,11 @@ class TrainStep:
             return None
         copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
         key = jax.random.fold_in(self.state.key, self.state.step)
-        return copy({**self.state.params, **self.state.frozen}), copy(self.state.buffers), key, placed
+        params = self.stacking.unstack_dict({**self.state.params, **self.state.frozen})  # copies (slices) of rows
+        return copy(params), copy(self.state.buffers), key, placed
 
     def _raise_nonfinite(self, out: dict, evidence) -> None:
-        bad = nan_check.first_nonfinite(self.model, *evidence)
+        bad = nan_check.first_nonfinite(self._user_model(), *evidence)
         where = ("every forward tensor is finite; the backward pass produced the non-finite gradient"
                  if bad is None else f"first non-finite tensor: output of {bad.primitive} (shape {bad.shape}) in "
                  f"module {bad.module or '<top level>'!r}")
@@ -196,7 +259,9 @@ class TrainStep:
 
     def eval(self, *batch: Any) -> dict[str, float]:
         """The loss in eval mode (dropout off, running statistics); updates nothing."""
-        loss = self._eval(self.state, self._place(batch))
+        placed = self._place(batch)
+        self._place_stages(placed)
+        loss = self._eval(self.state, placed)
         return {"loss": float(loss[0] / loss[1] if isinstance(loss, tuple) else loss)}
 
     @property
@@ -217,7 +282,7 @@ class TrainStep:
 
         params = {n: _to_host(v) for n, v in {**self.state.params, **self.state.frozen}.items()}
         buffers = {n: _to_host(v) for n, v in self.state.buffers.items()}
-        out = self.model.export_state(params, buffers)
+        out = self._user_model().export_state(self.stacking.unstack_dict(params), buffers)
         return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
 
     # -- checkpoints (xtrain.checkpoint) -------------------------------------------------------
@@ -238,7 +303,8 @@ class TrainStep:
         """
         from xtrain import checkpoint
 
-        return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking)
+        return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking,
+                               rows=self.stacking.row_table())
 
     def load(self, path: str | os.PathLike) -> dict:
         """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
@@ -247,7 +313,7 @@ class TrainStep:
         from xtrain import checkpoint
         from xtrain.checkpoint.layout import rebuild
 
-        values, manifest = checkpoint.restore(path, self.state)
+        values, manifest = checkpoint.restore(path, self.state, rows=self.stacking.row_table())
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 
@@ -265,6 +331,7 @@ class TrainStep:
         placed = self._place(batch) if batch else self._last_batch
         if placed is None:
             raise RuntimeError("needs the batch shapes: pass a batch or run step(*batch) once first")
+        self._place_stages(placed)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                             if isinstance(x, jax.Array) else x, placed)
 

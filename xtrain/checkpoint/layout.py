@@ -100,11 +100,6 @@ def stacked_reader(layers: Sequence[Callable[[Region], np.ndarray]], dtype: np.d
     return read
 
 
-def layer_reader(stacked: Callable[[Region], np.ndarray], k: int) -> Callable[[Region], np.ndarray]:
-    """Region reader of layer k of a tensor stored stacked (L, ...)."""
-    return lambda want: stacked(((k, k + 1),) + tuple(want))[0]
-
-
 def make_array(name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
                read_region: Callable[[Region], np.ndarray]) -> jax.Array:
     """A global array on `sharding` whose local shards are read region by region: each distinct

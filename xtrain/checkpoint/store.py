@@ -18,14 +18,14 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from xtrain.checkpoint.layout import (CheckpointError, assemble, layer_reader, make_array, named_leaves, read_slice,
+from xtrain.checkpoint.layout import (CheckpointError, assemble, make_array, named_leaves, read_slice,
                                       region_of, stacked_reader)
 from xtrain.frontend import stacked
 
@@ -75,7 +75,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 # -- writing ---------------------------------------------------------------------------------
-def host_pieces(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, dict]]:
+def _rows(name: str, length: int, rows: Mapping[str, tuple] | None) -> tuple:
+    """The layer each row of stacked leaf `name` holds (its parameter is the last path part)."""
+    return tuple((rows or {}).get(name.rsplit("/", 1)[-1], range(length)))
+
+
+def host_pieces(tree: Any, rows: Mapping[str, tuple] | None = None
+                ) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, dict]]:
     """Host copies of this process's pieces: one per distinct shard (replica 0 only), so each
     element is written once in the whole job. Returns (arrays by key, piece index, tensor info)."""
     arrays, pieces, tensors = {}, {}, {}
@@ -86,28 +92,32 @@ def host_pieces(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, dict], dict
                 continue
             # a copy: the step donates its state, so the device buffer is reused by the next step
             data, region = np.array(shard.data, copy=True), region_of(shard.index, leaf.shape)
-            for tensor, piece, where in _per_layer(name, data, region):
+            for tensor, piece, where in _per_layer(name, data, region, rows):
                 arrays[f"{tensor}#{k}"] = piece
                 pieces[f"{tensor}#{k}"] = {"tensor": tensor, "region": [list(r) for r in where]}
-        for tensor, (shape, dtype) in _per_layer_info(name, leaf).items():
+        for tensor, (shape, dtype) in _per_layer_info(name, leaf, rows).items():
             tensors[tensor] = {"shape": shape, "dtype": dtype}
     return arrays, pieces, tensors
 
 
-def _per_layer(name: str, data: np.ndarray, region) -> list:
+def _per_layer(name: str, data: np.ndarray, region, rows) -> list:
     """A shard of a stacked leaf (`params/model.layers.*.w`) as one piece per layer, stored
-    under the layers' own names, so checkpoints do not depend on how the step stores blocks."""
+    under the layers' own names (padding rows dropped), so checkpoints do not depend on how
+    the step stores blocks."""
     if not stacked.is_stacked(name):
         return [(name, data, region)]
     (lo, hi), rest = region[0], tuple(region[1:])
-    return [(stacked.member(name, k), np.ascontiguousarray(data[k - lo]), rest) for k in range(lo, hi)]
+    layer_of = _rows(name, region[0][1], rows) if rows else None
+    return [(stacked.member(name, layer_of[i] if layer_of else i), np.ascontiguousarray(data[i - lo]), rest)
+            for i in range(lo, hi) if not layer_of or layer_of[i] is not None]
 
 
-def _per_layer_info(name: str, leaf) -> dict[str, tuple[list, str]]:
+def _per_layer_info(name: str, leaf, rows) -> dict[str, tuple[list, str]]:
     dtype = jnp.dtype(leaf.dtype).name
     if not stacked.is_stacked(name):
         return {name: (list(leaf.shape), dtype)}
-    return {stacked.member(name, k): (list(leaf.shape[1:]), dtype) for k in range(leaf.shape[0])}
+    return {stacked.member(name, k): (list(leaf.shape[1:]), dtype)
+            for k in _rows(name, leaf.shape[0], rows) if k is not None}
 
 
 class SaveHandle:
@@ -128,8 +138,10 @@ class SaveHandle:
 
 
 def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = None,
-         blocking: bool = True) -> SaveHandle:
+         blocking: bool = True, rows: Mapping[str, tuple] | None = None) -> SaveHandle:
     """Writes `tree` (a TrainState) to `path` atomically; every process must call it.
+    `rows`: {stacked parameter name: layer of each row} where rows are not layers 0..L-1 in
+    order (xtrain.frontend.stacked.Stacking.row_table).
 
     The device-to-host copies happen now; with `blocking=False` the files are written by a
     background thread (`handle.wait()` joins it)."""
@@ -138,7 +150,7 @@ def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = 
         meta = json.dumps({"step": int(step), "extra": extra or {}})
     except TypeError as err:
         raise ValueError(f"checkpoint extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from None
-    arrays, pieces, tensors = host_pieces(tree)
+    arrays, pieces, tensors = host_pieces(tree, rows)
     tag = f"{next(_barriers)}-{path}"
     handle = SaveHandle(path)
     job = lambda: _write(path, arrays, pieces, tensors, json.loads(meta), tag)
@@ -241,29 +253,31 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _sources(path: Path, manifest: dict, target: dict[str, Any]) -> dict[str, tuple[list, str, Any]]:
+def _sources(path: Path, manifest: dict, target: dict[str, Any], rows) -> dict[str, tuple[list, str, Any]]:
     """For each target leaf: (global shape, dtype, region reader) from the checkpoint. A leaf the
-    step stores stacked (`model.layers.*.w`) reads from per-layer tensors and a per-layer leaf
-    from a stacked tensor (xtrain.frontend.stacked), so either layout loads into either."""
+    step stores stacked (`model.layers.*.w`) reads its rows from the per-layer tensors
+    checkpoints hold (padding rows: zeros)."""
     saved = manifest["tensors"]
     stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name]))
     out, used = {}, set()
     for name, leaf in target.items():
-        fam = stacked.family(name)
         if name in saved:
             out[name], _ = stored(name), used.add(name)
-        elif stacked.is_stacked(name) and leaf.ndim and all(stacked.member(name, k) in saved
-                                                            for k in range(leaf.shape[0])):
-            members = [stacked.member(name, k) for k in range(leaf.shape[0])]
-            layers = [stored(m) for m in members]
-            for m, (shape, dtype, _) in zip(members, layers):
-                _check_leaf(path, m, shape, dtype, leaf.shape[1:], leaf.dtype)
-            used.update(members)
-            out[name] = ([len(layers)] + layers[0][0], layers[0][1],
-                         stacked_reader([layer[2] for layer in layers], jnp.dtype(layers[0][1])))
-        elif fam is not None and fam[0] in saved and fam[1] < saved[fam[0]]["shape"][0]:
-            shape, dtype, read = stored(fam[0])
-            out[name], _ = (shape[1:], dtype, layer_reader(read, fam[1])), used.add(fam[0])
+            continue
+        layer_of = _rows(name, leaf.shape[0], rows) if stacked.is_stacked(name) and leaf.ndim else ()
+        members = [stacked.member(name, k) for k in layer_of if k is not None]
+        if not members or not all(m in saved for m in members):
+            continue
+        readers = []
+        for k in layer_of:
+            if k is None:
+                readers.append(lambda want, dtype=leaf.dtype: np.zeros([hi - lo for lo, hi in want], dtype))
+                continue
+            shape, dtype, read = stored(stacked.member(name, k))
+            _check_leaf(path, stacked.member(name, k), shape, dtype, leaf.shape[1:], leaf.dtype)
+            readers.append(read)
+        used.update(members)
+        out[name] = (list(leaf.shape), jnp.dtype(leaf.dtype).name, stacked_reader(readers, jnp.dtype(leaf.dtype)))
     missing, unexpected = sorted(set(target) - set(out)), sorted(set(saved) - used)
     if missing or unexpected:
         raise CheckpointError(
@@ -280,14 +294,15 @@ def _check_leaf(path: Path, name: str, shape: list, dtype: str, want_shape, want
                               f"holds {jnp.dtype(want_dtype).name}{list(want_shape)}")
 
 
-def restore(path: str | os.PathLike, target: Any) -> tuple[dict[str, jax.Array], dict]:
+def restore(path: str | os.PathLike, target: Any, rows: Mapping[str, tuple] | None = None
+            ) -> tuple[dict[str, jax.Array], dict]:
     """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
-    mesh and plan, block parameters stacked or per layer). Each process reads only the regions
-    its devices hold. Returns ({logical name: array}, manifest)."""
+    mesh and plan, block parameters stacked or per layer; `rows` as for `save`). Each process
+    reads only the regions its devices hold. Returns ({logical name: array}, manifest)."""
     path = Path(path)
     manifest = read_manifest(path)
     leaves = named_leaves(target)
-    sources = _sources(path, manifest, leaves)
+    sources = _sources(path, manifest, leaves, rows)
     return {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
             for name, leaf in leaves.items()}, manifest
 

@@ -88,6 +88,18 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
         stored = stacked.stack_blocks(model, param_specs, optimizer_specs, set(params), None)
         model, param_specs, optimizer_specs = stored.model, stored.param_specs, stored.optimizer_specs
         params = stored.stacking.stack_shapes(params)
+    placed: dict = {}
+    if plan.pipeline is not None:  # as TrainStep places each stage's block parameters on it
+        from xtrain.lowering.pipeline import step as pipeline_step
+
+        shapes = (params, {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()},
+                  jax.ShapeDtypeStruct((2,), np.uint32), _shaped(batch))
+        storage, starts = pipeline_step.plan_storage(model, mesh, param_specs, optimizer_specs, batch_spec,
+                                                     plan.pipeline, shapes, set(params), None)
+        if storage:
+            placed = dict(storage=storage, layer_specs=param_specs, starts=starts)
+            param_specs, optimizer_specs = storage.stack_specs(param_specs), storage.stack_specs(optimizer_specs)
+            params = storage.stack_shapes(params)
     opt_state = jax.eval_shape(tx.init, params)
     state = TrainState(params=params, frozen={}, buffers={n: jax.ShapeDtypeStruct(b.shape, b.dtype)
                                                           for n, b in model.initial_buffers().items()},
@@ -96,8 +108,8 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
     shardings = xla_partitioner.state_shardings(state, named(param_specs), mesh, named(optimizer_specs))
     train, bubble = _build(model, tx, shardings, mesh, param_specs, batch_spec, plan, optimizer_specs,
-                           grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype), scan_layers, regather)
-    shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
+                           grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype), scan_layers, regather, placed)
+    shaped = _shaped(batch)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     program = jax.make_jaxpr(train)(state, shaped, no_lr_groups)
     grad_specs = optimizer_specs if plan.zero == 2 else param_specs
@@ -105,8 +117,12 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
                         _state_bytes(params, opt_state, param_specs, optimizer_specs, grad_specs, sizes), bubble)
 
 
+def _shaped(batch: tuple) -> tuple:
+    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
+
+
 def _build(model, tx, shardings, mesh, param_specs, batch_spec, plan: Plan, optimizer_specs, sync: GradSync,
-           scan_layers: bool, regather: bool):
+           scan_layers: bool, regather: bool, placed: dict):
     """(train step, bubble) of the lowering TrainStep uses for `plan`."""
     if plan.pipeline is None:
         train, _, _ = explicit_step.build(model, tx, shardings, mesh, param_specs, batch_spec, sync, scan_layers,
@@ -117,7 +133,7 @@ def _build(model, tx, shardings, mesh, param_specs, batch_spec, plan: Plan, opti
 
     train, _, program = pipeline_step.build(model, tx, shardings, mesh, param_specs, batch_spec, sync, plan.pipeline,
                                             zero=plan.zero, optimizer_specs=optimizer_specs,
-                                            remat=plan.layer_remat())
+                                            remat=plan.layer_remat(), **placed)
     return train, program.table.bubble()
 
 

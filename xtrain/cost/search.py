@@ -15,7 +15,7 @@ without repeated blocks; m in (p, 2p, 4p).
 
 Each candidate is lowered for an abstract mesh (cost.program), never run; a pipeline candidate
 by the pipeline step itself, so its FLOPs, permutes between stages, gradient sync over "pipe"
-and the data axes, and memory (every stage stores all parameters) are the program's. A
+and the data axes, and memory (each stage stores its own layers) are the program's. A
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
 whose memory exceeds the device is marked as not fitting and never picked. A variant that only

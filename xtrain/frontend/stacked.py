@@ -50,9 +50,14 @@ def is_stacked(name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Stacking:
-    """Which per-layer tensors are stored as one stacked array: {stacked name: members}."""
+    """Which per-layer tensors are stored as one stacked array: {stacked name: members, in
+    layer order}. Row i of a stored array holds layer `rows[name][i]` (None: a padding row of
+    zeros); by default row k is layer k. `axis`: the mesh axis the row dimension is split over
+    (None: whole on every device; the pipeline step stores each stage's layers on that stage)."""
 
     groups: Mapping[str, tuple[str, ...]]
+    rows: Mapping[str, tuple[int | None, ...]] = dataclasses.field(default_factory=dict)
+    axis: str | None = None
 
     @classmethod
     def find(cls, names: Iterable[str], agree: Callable[[str], Hashable]) -> "Stacking":
@@ -72,6 +77,9 @@ class Stacking:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
+    def rows_of(self, name: str) -> tuple[int | None, ...]:
+        return tuple(self.rows.get(name, range(len(self.groups[name]))))
+
     def stored_names(self, names: Iterable[str]) -> list[str]:
         """`names` with each stacked family replaced by its stacked name (at its first member)."""
         of = {m: s for s, members in self.groups.items() for m in members}
@@ -82,32 +90,49 @@ class Stacking:
                 out.append(s)
         return out
 
-    def stack_dict(self, values: Mapping[str, Any], combine: Callable[[list], Any] = np.stack) -> dict:
-        """Per-layer dict -> stored dict (`combine` joins a family's values)."""
-        out = {}
-        for n in self.stored_names(values):
-            out[n] = combine([values[m] for m in self.groups[n]]) if n in self.groups else values[n]
-        return out
+    def _stored(self, values: Mapping[str, Any], combine: Callable[[str], Any]) -> dict:
+        return {n: combine(n) if n in self.groups else values[n] for n in self.stored_names(values)}
+
+    def stack_dict(self, values: Mapping[str, Any], stack: Callable[[list], Any] = np.stack,
+                   zeros: Callable[[Any], Any] = np.zeros_like) -> dict:
+        """Per-layer dict -> stored dict: each family's layers stacked in row order, padding rows
+        zeros."""
+        def combine(n):
+            members = self.groups[n]
+            return stack([values[members[r]] if r is not None else zeros(values[members[0]])
+                          for r in self.rows_of(n)])
+        return self._stored(values, combine)
+
+    def stack_first(self, values: Mapping[str, Any]) -> dict:
+        """Per-layer dict of per-tensor facts (all equal within a family) -> stored dict."""
+        return self._stored(values, lambda n: values[self.groups[n][0]])
 
     def unstack_dict(self, values: Mapping[str, Any], take: Callable[[Any, int], Any] = lambda x, k: x[k]) -> dict:
-        """Stored dict -> per-layer dict (`take(value, k)` is layer k of a stacked value)."""
+        """Stored dict -> per-layer dict (`take(value, i)` is row i of a stacked value)."""
         out = {}
         for n, v in values.items():
             if n in self.groups:
-                out.update({m: take(v, k) for k, m in enumerate(self.groups[n])})
+                out.update({self.groups[n][r]: take(v, i) for i, r in enumerate(self.rows_of(n)) if r is not None})
             else:
                 out[n] = v
         return out
 
     def stack_specs(self, specs: Mapping[str, tuple]) -> dict[str, tuple]:
-        """A stacked tensor's spec: its members' spec after a whole (unsplit) layer dimension."""
-        return self.stack_dict(specs, combine=lambda same: (None,) + tuple(same[0]))
+        """A stacked tensor's spec: its members' spec after the row dimension (whole, or split
+        over `axis`)."""
+        return self._stored(specs, lambda n: (self.axis,) + tuple(specs[self.groups[n][0]]))
 
     def stack_shapes(self, shapes: Mapping[str, Any]) -> dict[str, Any]:
         import jax
 
-        return self.stack_dict(shapes, combine=lambda same: jax.ShapeDtypeStruct(
-            (len(same),) + tuple(same[0].shape), same[0].dtype))
+        def combine(n):
+            first = shapes[self.groups[n][0]]
+            return jax.ShapeDtypeStruct((len(self.rows_of(n)),) + tuple(first.shape), first.dtype)
+        return self._stored(shapes, combine)
+
+    def row_table(self) -> dict[str, tuple[int | None, ...]]:
+        """{stacked name: layer of each row} for checkpoints (which store layers by name)."""
+        return {n: self.rows_of(n) for n in self.groups}
 
 
 def _slice_layer(x, k: int):
@@ -139,7 +164,7 @@ class StackedModel(Model):
         return self.inner.initial_buffers(source)
 
     def trainable(self) -> dict[str, bool]:
-        return self.stacking.stack_dict(self.inner.trainable(), combine=lambda same: same[0])
+        return self.stacking.stack_first(self.inner.trainable())
 
     def apply(self, params, buffers, key, batch, *, training: bool):
         return self.inner.apply(self.stacking.unstack_dict(params, _slice_layer), buffers, key, batch,

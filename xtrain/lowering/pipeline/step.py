@@ -12,9 +12,13 @@ stages and run microbatch by microbatch over the `pipe` mesh axis.
               (tied embedding and head) gets both stages' contributions
     update    as the explicit lowering (ZeRO-1 over the data axes)
 
-Parameters are stored whole on every stage (replicated over `pipe`); each stage gathers the
-rows of its own layers. Activation memory is what pipelining divides here; splitting the
-stored parameters over stages is not done (the report says so).
+Block parameters live on their stage: once the stage partition is known (at the first step:
+it is balanced on the traced graph), each block parameter position is stored as one array whose
+rows are stage 0's layers, then stage 1's, ... with rows split over `pipe` (stage_storage), so a
+stage stores, updates and checkpoints only its own layers and their optimizer state; their
+gradients are reduced over the data axes only. Embeddings, head and final norm stay whole on
+every stage (the first and last stages both use them: tied weights stay in sync by the
+all-reduce over `pipe`).
 
 Trainium: the activations travel by `ppermute` around the full ring of stages (its permutes
 must be rings of adjacent cores: lay `pipe` over neighbouring cores). The gradient all-reduce
@@ -30,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
+from xtrain.frontend import stacked
 from xtrain.frontend.model import Model
 from xtrain.lowering.explicit import gradient_sync
 from xtrain.lowering.explicit import zero as zero_update
@@ -72,8 +78,9 @@ def check_batch(batch: tuple, data: int, pipeline: Pipeline) -> None:
 class PipelineProgram:
     """Traces, cuts and partitions the model for one batch shape; describes the stages."""
 
-    def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec, pipeline: Pipeline):
-        self.model, self.mesh, self.pipeline = model, mesh, pipeline
+    def __init__(self, model: Model, mesh, param_specs: dict[str, Spec], batch_spec: Spec, pipeline: Pipeline,
+                 starts: tuple[int, ...] | None = None):
+        self.model, self.mesh, self.pipeline, self.fixed_starts = model, mesh, pipeline, starts
         self.param_specs, self.batch_spec = param_specs, batch_spec
         self.sizes = dict(mesh.shape)
         check_mesh(pipeline, self.sizes)
@@ -85,6 +92,7 @@ class PipelineProgram:
         self.ticks = executors.tick_tables(self.table) if pipeline.schedule != "gpipe" else None
         self.ctx: Context | None = None
         self.cut = self.layers = self.costs = None
+        self.storage = stacked.Stacking({})  # block parameter families stored on their stages
 
     def trace(self, training: bool, global_args):
         """The cut graph of the model at one microbatch's global shapes."""
@@ -117,7 +125,9 @@ class PipelineProgram:
         self.prologue_cost = partition.cost_of(jaxpr.eqns[:blocks.start], params)
         self.epilogue_cost = partition.cost_of(jaxpr.eqns[blocks.stop:], params)
         self.costs = [costs[p] for p in paths]
-        if self.pipeline.split == "auto":
+        if self.fixed_starts is not None:  # the stages' stored layers are fixed once placed
+            starts = list(self.fixed_starts)
+        elif self.pipeline.split == "auto":
             weights = [c.time for c in self.costs]
             weights[0] += self.prologue_cost.time
             weights[-1] += self.epilogue_cost.time
@@ -151,12 +161,49 @@ class PipelineProgram:
         lines.append(f"  activations held per stage (microbatch inputs): {held}; lockstep SPMD: "
                      + ("a tick runs a forward or a backward" if p.schedule == "gpipe"
                         else "every tick runs a forward and a backward (vjp) on every stage, masked"))
-        lines.append("  parameters are stored on every stage (replicated over 'pipe'); "
-                     "gradients all-reduced over 'pipe' and the data axes")
+        if self.storage:
+            lines.append(f"  block parameters stored on their stages: {len(self.storage.groups)} families, rows split over "
+                         f"'{p.axis}' (each stage stores only its layers; gradients reduced over the data axes); the "
+                         f"other parameters on every stage, gradients all-reduced over '{p.axis}' and the data axes")
+        else:
+            lines.append("  parameters are stored on every stage until the first step places each stage's layers "
+                         "on it; gradients all-reduced over 'pipe' and the data axes")
         if not self.cut.weighted:
             lines.append("  the loss is not sum/count in the graph: microbatch losses are averaged (exact only "
                          "when every microbatch counts the same number of tokens)")
         return lines
+
+
+def stage_storage(cut, layers: Layers, agree, axis: str) -> stacked.Stacking:
+    """Each block parameter position stored as one array whose rows are the layers of stage 0,
+    then stage 1, ... (each stage's chunks and slots in `layers` order, padding rows where a
+    stage holds fewer layers), rows split over the pipe axis: a stage stores only its own
+    layers. Positions whose layers disagree under `agree` (spec, optimizer group, trainability)
+    or that the graph also reads outside the blocks stay per layer, whole on every stage."""
+    outside = {v for part in (cut.prologue, cut.epilogue) for e in part.eqns for v in e.invars
+               if isinstance(v, jcore.Var)}
+    rows = tuple(int(i) if ok else None for i, ok in zip(layers.index.reshape(-1), layers.valid.reshape(-1)))
+    groups = {}
+    for position in range(len(cut.layer_params[0])):
+        members = tuple(layer[position] for layer in cut.layer_params)
+        fams = [stacked.family(m) for m in members]
+        if any(f is None or f != (fams[0][0], k) for k, f in enumerate(fams)):
+            continue
+        if any(layer[position] in outside for layer in cut.blocks.per_layer) or len({agree(m) for m in members}) > 1:
+            continue
+        groups[fams[0][0]] = members
+    return stacked.Stacking(groups, {n: rows for n in groups}, axis)
+
+
+def plan_storage(model: Model, mesh, layer_specs: dict[str, Spec], optimizer_specs: dict[str, Spec],
+                 batch_spec: Spec, pipeline: Pipeline, global_args, optimized: set[str],
+                 groups: dict[str, int] | None) -> tuple[stacked.Stacking, tuple[int, ...]]:
+    """(stage storage, stage partition) for the model's parameters at these argument shapes
+    (per-layer params, buffers, key, batch): the partition is balanced on the traced graph."""
+    program = PipelineProgram(model, mesh, layer_specs, batch_spec, pipeline)
+    _, cut, _ = program.trace(True, global_args)
+    agree = lambda n: (tuple(layer_specs[n]), tuple(optimizer_specs[n]), n in optimized, (groups or {}).get(n))
+    return stage_storage(cut, program.layers, agree, pipeline.axis), program.layers.starts
 
 
 def _batch_specs(batch_spec, batch):
@@ -210,19 +257,54 @@ def _check_options(options: StepOptions, grad_tx: GradTransforms, remat: LayerRe
                          "with_pipeline(..., checkpoint=True), which recomputes each stage from its input")
 
 
+def _chunk_rows(cut, layers: Layers, storage: stacked.Stacking, block: dict, stage, chunks: int) -> list:
+    """This stage's chunks of every block parameter position, (v, Lc, ...): a family stored on
+    its stage is its local rows as they are; a position stored per layer is gathered."""
+    first = {members[0]: name for name, members in storage.groups.items()}
+    out = []
+    for position in range(len(cut.layer_params[0])):
+        name = first.get(cut.layer_params[0][position])
+        if name is not None:
+            local = block[name]
+            out.append(local.reshape((chunks, local.shape[0] // chunks) + local.shape[1:]))
+        else:
+            out.append(stage_rows(stack_layers(block, [[layer[position]] for layer in cut.layer_params]),
+                                  layers, stage)[0])
+    return out
+
+
+def _layer_shapes(params: dict, storage: stacked.Stacking) -> dict:
+    """Per-layer global shapes of stored parameters (what the model function takes)."""
+    out = {}
+    for n, x in params.items():
+        if n in storage.groups:
+            out.update({m: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for m in storage.groups[n]})
+        else:
+            out[n] = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return out
+
+
 def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState, mesh,
           param_specs: dict[str, Spec], batch_spec: Spec, sync: gradient_sync.GradSync, pipeline: Pipeline,
           zero: int = 0, optimizer_specs: dict[str, Spec] | None = None, options: StepOptions = StepOptions(),
-          grad_tx: GradTransforms = GradTransforms(), remat: LayerRemat | None = None):
+          grad_tx: GradTransforms = GradTransforms(), remat: LayerRemat | None = None,
+          storage: stacked.Stacking | None = None, layer_specs: dict[str, Spec] | None = None,
+          starts: tuple[int, ...] | None = None):
     """jit-compiled (train_step, eval_step, program) of the pipeline lowering.
 
+    `storage`: block parameter families stored on their stages (stage_storage); `param_specs`
+    then name them stacked, `layer_specs` gives every layer's own spec and `starts` the stage
+    partition the storage follows.
+
     train_step(state, batch, lrs) -> (state, {"loss", and "grad_norm" when computed})."""
+    storage = storage or stacked.Stacking({})
     _check_options(options, grad_tx, remat)
     if zero > 1:
         raise ValueError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={zero})): its gradients "
                          "are accumulated over microbatches before the data-parallel reduction")
     gradient_sync.check_axes(sync, dict(mesh.shape))
-    program = PipelineProgram(model, mesh, param_specs, batch_spec, pipeline)
+    program = PipelineProgram(model, mesh, layer_specs or param_specs, batch_spec, pipeline, starts)
+    program.storage = storage
     axis, p, m, v = pipeline.axis, pipeline.stages, pipeline.microbatches, pipeline.virtual_stages
     specs = jax.tree.map(lambda s: s.spec, shardings)
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
@@ -231,8 +313,19 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
                                 zero, tx, grad_tx)
 
     def global_args(state, batch):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+        return (_layer_shapes({**state.params, **state.frozen}, storage),
+                *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.buffers, state.key, batch)))
+
+    def layer_view(named: dict) -> dict:
+        """Per-layer names for the graph's inputs; a family stored on its stage is read only by
+        the blocks (through _chunk_rows), so its layers stand as placeholders here."""
+        view = {n: w for n, w in named.items() if n not in storage.groups}
+        view.update({m: None for n in storage.groups if n in named for m in storage.groups[n]})
+        return view
+
+    def pipe_varying(n: str) -> tuple:
+        # a family stored on its stage already varies over the pipe axis; the rest is replicated
+        return grad_axes[n] + (() if n in storage.groups else (axis,))
 
     def split_batch(batch):
         return [x.reshape((m, x.shape[0] // m) + x.shape[1:]) for x in batch if hasattr(x, "ndim")]
@@ -288,19 +381,22 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
     def loss_and_grads(state, batch, key, shapes):
         runner, stage = setup(True, shapes)
-        params = {n: lax.pcast(w, grad_axes[n] + (axis,), to="varying") for n, w in state.params.items()}
+        params = {n: lax.pcast(w, pipe_varying(n), to="varying") if pipe_varying(n) else w
+                  for n, w in state.params.items()}
         named = {**params, **state.frozen}
         rest = jax.tree.leaves(state.buffers) + [key]
         mbs = split_batch(batch)
-        x0 = carry_shapes(runner, stage, named, rest, mbs)
+        view = layer_view(named)
+        x0 = carry_shapes(runner, stage, view, rest, mbs)
         templates = runner.block_params(stage)
-        run = stage_fn(runner, stage, templates, named, rest)
+        run = stage_fn(runner, stage, templates, view, rest)
         index = lax.axis_index(axis)
-        block = {n: named[n] for n in runner.block_names}
-        other = {n: w for n, w in params.items() if n not in runner.block_names}
+        in_block = runner.block_names | set(storage.groups)
+        block = {n: w for n, w in named.items() if n in in_block}
+        other = {n: w for n, w in params.items() if n not in in_block}
 
         def rows(block):
-            return stage_rows(stack_layers(block, runner.cut.layer_params), program.layers, index)
+            return _chunk_rows(runner.cut, program.layers, storage, block, index, v)
 
         grads_of = gpipe_grads if pipeline.schedule == "gpipe" else table_grads
         loss, g_block, g_other = grads_of(run, rows, block, other, x0, mbs)
@@ -313,7 +409,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
         def per_device(state, batch, lrs):
             key = jax.random.fold_in(state.key, state.step)
             loss, grads = loss_and_grads(state, batch, key, shapes)
-            grads = gradient_sync.sync(grads, {n: a + (axis,) for n, a in grad_axes.items()}, sync)
+            grads = gradient_sync.sync(grads, {n: pipe_varying(n) for n in grad_axes}, sync)
             new_params, opt_state, norm = update(grads, state.opt_state, state.params, lrs)
             return finish_step(state, dataclasses.replace(state, params=new_params, opt_state=opt_state), loss,
                                norm, grad_tx)
@@ -332,9 +428,10 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             named = {**state.params, **state.frozen}
             rest = jax.tree.leaves(state.buffers) + [key]
             mbs = split_batch(batch)
-            x0 = carry_shapes(runner, stage, named, rest, mbs)
-            run = stage_fn(runner, stage, runner.block_params(stage), named, rest)
-            chunks = stage_rows(stack_layers(named, runner.cut.layer_params), program.layers, lax.axis_index(axis))
+            view = layer_view(named)
+            x0 = carry_shapes(runner, stage, view, rest, mbs)
+            run = stage_fn(runner, stage, runner.block_params(stage), view, rest)
+            chunks = _chunk_rows(runner.cut, program.layers, storage, named, lax.axis_index(axis), v)
             if v == 1:
                 total, count = executors.gpipe_forward(lambda x, mb, active: run([w[0] for w in chunks], {}, x, mb, 0),
                                                        x0, mbs, p, m, axis)
