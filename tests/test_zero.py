@@ -61,10 +61,8 @@ def wide_batch():
 def wide_report(stage):
     torch.manual_seed(0)
     model = Wide()
-    # re-gathering in the backward pass is off by default on CPU (a deadlock of XLA's CPU
-    # runtime inside layer scans); this model has no scan, so it runs here
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          plan=xtrain.Plan(zero=stage), zero3_regather=True)
+                          plan=xtrain.Plan(zero=stage))
     step(*wide_batch())
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     tensors = len(list(model.parameters()))
