@@ -46,7 +46,8 @@ def unordered_in_entry(hlo: str) -> list[tuple[str, str]]:
 
     @functools.cache
     def communicates(comp):
-        return any(op in _COLLECTIVE_OPS or any(map(communicates, _CALLED.findall(rest))) for _, op, rest in comps[comp])
+        return any(op in _COLLECTIVE_OPS or any(map(communicates, _CALLED.findall(rest)))
+                   for _, op, rest in comps[comp])
 
     ancestors, chain = {}, []
     for name, op, rest in comps[entry]:

@@ -64,7 +64,7 @@ class Context:
     # conversions already emitted in the jaxpr being interpreted (see `memoized`)
     memo: dict = dataclasses.field(default_factory=dict)
     remat: "LayerRemat | None" = None  # activation checkpointing of each layer of a layer scan
-    regather: tuple = ()  # ZeRO-3: the batch axes each layer of a layer scan gathers its weights again over
+    regather: tuple = ()  # batch axes over which each layer scan step re-gathers weights (ZeRO-3)
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")

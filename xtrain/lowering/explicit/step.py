@@ -80,7 +80,8 @@ class Program:
             ins = [Sharded(v, l, tuple(a.shape), a.dtype, param=i < num_params)
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
-                               remat=self.remat if training else None, regather=self.regather if training else ())
+                               remat=self.remat if training else None,
+                               regather=self.regather if training else ())
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
