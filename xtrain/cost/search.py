@@ -251,7 +251,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
         module: the torch module (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile)`).
-        regather: ZeRO-3 re-gathers weights in the backward pass (as the step on that backend will).
+        regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
         prune_remat: lower a remat candidate only when its plan without remat does not fit.
     """
     todo = candidate_list if candidate_list is not None else candidates(devices, profile)

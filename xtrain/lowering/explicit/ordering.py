@@ -155,7 +155,7 @@ def _barrier(invals: list, prevent_cse) -> list:
 # -- the staged call ----------------------------------------------------------------------------
 in_order_p = core.Primitive("xtrain_in_order")
 in_order_p.multiple_results = True
-in_order_p.def_abstract_eval(lambda *args, jaxpr: jaxpr.out_avals)
+in_order_p.def_effectful_abstract_eval(lambda *args, jaxpr: (jaxpr.out_avals, jaxpr.effects))
 mlir.register_lowering(in_order_p, mlir.lower_fun(
     lambda *args, jaxpr: core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args), multiple_results=True))
 mlir.register_lowering(in_order_p, mlir.lower_fun(
@@ -176,3 +176,12 @@ def in_order(fn: Callable) -> Callable:
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return staged
+
+
+def staged_body(jaxpr):
+    """The jaxpr `in_order` staged when `jaxpr` is only that call (a shard_map body), else
+    `jaxpr`: what a per-device cost model should read, not the call around it."""
+    eqns = getattr(jaxpr, "jaxpr", jaxpr).eqns
+    if len(eqns) == 1 and eqns[0].primitive is in_order_p:
+        return eqns[0].params["jaxpr"]
+    return jaxpr
