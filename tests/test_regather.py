@@ -58,15 +58,17 @@ def unordered_in_entry(hlo: str) -> list[tuple[str, str]]:
 
 
 def test_the_cpu_lowering_puts_each_collective_after_the_loop_before_it():
-    """A scan holding all-gathers, then an all-reduce that does not need it: XLA schedules the
-    all-reduce after the loop without waiting for it (the hazard); in_order makes it wait."""
+    """A scan holding all-gathers, then an all-reduce that does not need it (of bfloat16, as
+    GradSync(comm_dtype="bfloat16") sends): XLA schedules the all-reduce after the loop
+    without waiting for it (the hazard); in_order makes it wait."""
     mesh = jax.make_mesh((8,), ("data",))
 
     def per_device(w, x):
         def layer(h, wi):
             return jnp.tanh(h @ jax.lax.all_gather(wi, "data", axis=0, tiled=True)), None
         h, _ = jax.lax.scan(layer, x, w)
-        return (h.sum() + jax.lax.psum(x.sum(), "data")).reshape(1)
+        total = jax.lax.psum(x.sum().astype(jnp.bfloat16), "data").astype(jnp.float32)
+        return (h.sum() + total).reshape(1)
 
     specs = (P(None, "data"), P("data"))
     args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, s))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core, source_info_util
 from jax._src.interpreters import mlir
@@ -79,7 +80,7 @@ def _orderable(v) -> bool:
     aval = jax.typeof(v)
     dtype = getattr(aval, "dtype", None)
     return (dtype is not None and getattr(aval, "size", 0) > 0
-            and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)))
+            and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)))  # bf16 too
 
 
 # -- the rewrite --------------------------------------------------------------------------------
