@@ -19,6 +19,11 @@ on the wire, no extra collective), so the dataflow fixes one order and each star
 the previous one has finished. Other backends lower `fn` unchanged (their runtimes order
 collectives themselves and serialising them would forbid overlapping them), and
 `step.program()` shows `fn`'s own equations on every backend.
+
+Calls (jit, checkpoint) are inlined so that their collectives join the one order; a loop or
+branch is one link of the chain, and the collectives inside one body keep XLA's order (they
+finish where they start). Not handled: a loop holding collectives nested in another loop's
+body, followed there by more collectives.
 """
 from __future__ import annotations
 
