@@ -39,47 +39,74 @@ def _computations(hlo: str):
     return comps, entry
 
 
-def unordered_in_entry(hlo: str) -> list[tuple[str, str]]:
-    """Consecutive communicating instructions of the entry computation (collectives, and loops
-    or calls whose bodies hold one) where the later does not depend on the earlier."""
-    comps, entry = _computations(hlo)
+def loop_hazards(hlo: str) -> list[tuple[str, str]]:
+    """(loop, next): in any computation, a loop or branch holding collectives, and the next
+    communicating instruction after it when that one does not depend on it. XLA:CPU may start
+    `next` while the loop's later iterations have not entered their collectives."""
+    comps, _ = _computations(hlo)
 
     @functools.cache
     def communicates(comp):
         return any(op in _COLLECTIVE_OPS or any(map(communicates, _CALLED.findall(rest)))
                    for _, op, rest in comps[comp])
 
-    ancestors, chain = {}, []
-    for name, op, rest in comps[entry]:
-        ancestors[name] = set().union(*({t} | ancestors[t] for t in re.findall(r"%([\w.\-]+)", rest) if t in ancestors))
-        if op in _COLLECTIVE_OPS or any(map(communicates, _CALLED.findall(rest))):
-            chain.append(name)
-    return [(a, b) for a, b in zip(chain, chain[1:]) if a not in ancestors[b]]
+    found = []
+    for instrs in comps.values():
+        ancestors, chain = {}, []
+        for name, op, rest in instrs:
+            ancestors[name] = set().union(*({t} | ancestors[t] for t in re.findall(r"%([\w.\-]+)", rest)
+                                            if t in ancestors))
+            if op in _COLLECTIVE_OPS or any(map(communicates, _CALLED.findall(rest))):
+                chain.append((name, op))
+        found += [(a, b) for (a, op), (b, _) in zip(chain, chain[1:])
+                  if op in ("while", "conditional", "call") and a not in ancestors[b]]
+    return found
+
+
+def _compile_both(per_device, specs, arrays):
+    """(outputs, HLO) of `per_device` compiled plain and through in_order, on 8 CPU devices."""
+    mesh = jax.make_mesh((8,), ("data",))
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+    for fn in (per_device, ordering.in_order(per_device)):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("data")))
+        yield np.asarray(f(*args)), f.lower(*args).compile().as_text()
+
+
+def _layers(h, w):
+    """A scan of layers, each all-gathering its weight over `data` (ZeRO-3 style)."""
+    def layer(h, wi):
+        return jnp.tanh(h @ jax.lax.all_gather(wi, "data", axis=0, tiled=True)), None
+    return jax.lax.scan(layer, h, w)[0]
+
+
+def _total(x):
+    # an all-reduce needing nothing from the loop, of bfloat16 as GradSync(comm_dtype=...) sends
+    return jax.lax.psum(x.sum().astype(jnp.bfloat16), "data").astype(jnp.float32)
+
+
+ARGS = ((P(None, "data"), P("data")), (jnp.ones((4, 64, 64)) / 64, jnp.ones((16, 64))))
 
 
 def test_the_cpu_lowering_puts_each_collective_after_the_loop_before_it():
-    """A scan holding all-gathers, then an all-reduce that does not need it (of bfloat16, as
-    GradSync(comm_dtype="bfloat16") sends): XLA schedules the all-reduce after the loop
-    without waiting for it (the hazard); in_order makes it wait."""
-    mesh = jax.make_mesh((8,), ("data",))
-
+    """XLA schedules the all-reduce after the loop without waiting for it (the hazard);
+    in_order makes it wait, and changes no value."""
     def per_device(w, x):
-        def layer(h, wi):
-            return jnp.tanh(h @ jax.lax.all_gather(wi, "data", axis=0, tiled=True)), None
-        h, _ = jax.lax.scan(layer, x, w)
-        total = jax.lax.psum(x.sum().astype(jnp.bfloat16), "data").astype(jnp.float32)
-        return (h.sum() + total).reshape(1)
+        return (_layers(x, w).sum() + _total(x)).reshape(1)
 
-    specs = (P(None, "data"), P("data"))
-    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, s))
-            for a, s in zip((jnp.ones((4, 64, 64)) / 64, jnp.ones((16, 64))), specs)]
-    results = []
-    for fn in (per_device, ordering.in_order(per_device)):
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("data")))
-        results.append(np.asarray(f(*args)))
-        hlo = f.lower(*args).compile().as_text()
-        assert bool(unordered_in_entry(hlo)) == (fn is per_device), unordered_in_entry(hlo)
-    np.testing.assert_array_equal(*results)  # the dependency adds -0.0: values bit for bit
+    (plain, plain_hlo), (ordered, ordered_hlo) = _compile_both(per_device, *ARGS)
+    assert loop_hazards(plain_hlo) and not loop_hazards(ordered_hlo), loop_hazards(ordered_hlo)
+    np.testing.assert_array_equal(plain, ordered)  # the dependency adds -0.0: values bit for bit
+
+
+def test_a_loop_nested_in_a_loop_body_is_ordered_inside_that_body():
+    def per_device(w, x):
+        def outer(h, _):
+            return h + _layers(h, w) + _total(h), None
+        return jax.lax.scan(outer, x, None, length=2)[0].sum().reshape(1)
+
+    (plain, plain_hlo), (ordered, ordered_hlo) = _compile_both(per_device, *ARGS)
+    assert loop_hazards(plain_hlo) and not loop_hazards(ordered_hlo), loop_hazards(ordered_hlo)
+    np.testing.assert_array_equal(plain, ordered)
 
 
 # -- ZeRO-3 on data=8, GPT with its blocks as one scan --------------------------------------------
@@ -116,7 +143,7 @@ def test_zero3_regathers_in_the_backward_scan_by_default_and_trains_like_torch_w
     matrices = sorted(p.numel() for p in model.blocks[0].parameters() if p.ndim == 2)
     assert backward_scan_gathers(step, batches[0]) == matrices
     # and the step handed to XLA's CPU runtime runs its collectives in one order
-    assert unordered_in_entry(step.compiled(*batches[0]).as_text()) == []
+    assert loop_hazards(step.compiled(*batches[0]).as_text()) == []
     kept = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), plan=xtrain.Plan(zero=3),
                           clip_grad_norm=MAX_NORM, zero3_regather=False)
     assert backward_scan_gathers(kept, batches[0]) == []

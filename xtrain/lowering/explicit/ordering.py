@@ -21,9 +21,9 @@ collectives themselves and serialising them would forbid overlapping them), and
 `step.program()` shows `fn`'s own equations on every backend.
 
 Calls (jit, checkpoint) are inlined so that their collectives join the one order; a loop or
-branch is one link of the chain, and the collectives inside one body keep XLA's order (they
-finish where they start). Not handled: a loop holding collectives nested in another loop's
-body, followed there by more collectives.
+branch is one link of the chain. Inside a body, plain collectives keep XLA's order (each
+finishes where it starts); a body that holds a communicating loop or branch of its own is
+ordered the same way, iteration by iteration.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, source_info_util
+from jax._src import api_util, core, source_info_util
+from jax._src import linear_util as lu
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
@@ -100,8 +101,8 @@ def _inner(eqn):
     return (body.jaxpr, body.consts) if isinstance(body, core.ClosedJaxpr) else (body, ())
 
 
-def _bind(eqn, invals):
-    params = eqn.primitive.get_bind_params(eqn.params)
+def _bind(eqn, invals, params=None):
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
@@ -133,12 +134,38 @@ def _sequenced(jaxpr, consts, args, last):
             body, body_consts = _inner(eqn)
             outs, last = _sequenced(body, body_consts, invals, last)
         elif name in COLLECTIVES or any(_communicates(s) for s in subs):
-            outs = _bind(eqn, invals if last is None else _tie(invals, last))
+            outs = _bind(eqn, invals if last is None else _tie(invals, last), _sequenced_bodies(eqn.params))
             last = next((o for o in outs if _orderable(o)), last)
         else:
             outs = _bind(eqn, invals)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars], last
+
+
+_LOOPS = frozenset({"scan", "while", "cond"})  # started asynchronously by XLA:CPU
+
+
+def _nests_loop(jaxpr) -> bool:
+    """Whether `jaxpr` holds a loop or branch with collectives in it, at any depth: only then
+    can its collectives start out of order."""
+    return any((str(e.primitive) in _LOOPS and _communicates(s)) or _nests_loop(s)
+               for e in jaxpr.eqns for s in core.jaxprs_in_params(e.params))
+
+
+def _sequenced_bodies(params: dict) -> dict:
+    """`params` of a loop or branch with each body that nests a communicating loop ordered too
+    (same signature; the order restarts in every iteration, which starts after the last ends)."""
+
+    def order(closed):
+        if not (isinstance(closed, core.ClosedJaxpr) and _nests_loop(closed.jaxpr)):
+            return closed
+        fn = lambda *args: _sequenced(closed.jaxpr, closed.consts, args, None)[0]
+        debug = api_util.debug_info("xtrain.in_order", fn, closed.in_avals, {})
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug), closed.in_avals)
+        return core.ClosedJaxpr(jaxpr, consts)
+
+    return {k: tuple(map(order, v)) if isinstance(v, tuple) and v and isinstance(v[0], core.ClosedJaxpr)
+            else order(v) for k, v in params.items()}
 
 
 # remat's lowering puts a differentiated checkpoint's inputs through an optimization barrier so
