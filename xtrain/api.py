@@ -60,8 +60,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             xtrain) or "xla" (XLA's SPMD partitioner on the same plan, for comparison).
         grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering.
         zero3_regather: ZeRO-3 gathers each weight again in the backward pass instead of keeping
-            it from the forward pass (default: on, except on CPU where XLA's runtime deadlocks
-            on it inside the layer scan).
+            it from the forward pass (default: on, on every backend; False keeps the weights
+            gathered in the forward pass alive until the backward pass uses them).
         init_from: initial parameters from a safetensors file (or an HF `*.index.json` / a
             directory of them), under the module's own names, read shard by shard: each process
             reads only the regions its devices hold, so the model may be built on the meta

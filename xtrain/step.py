@@ -39,17 +39,6 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _regather_default() -> bool:
-    """ZeRO-3 re-gathers weights in the backward pass (remat) except on XLA's CPU runtime: there
-    independent collectives can start in a different order on different emulated devices (seen
-    with jax 0.10.2, 8 devices, a clipping or gradient-sync all-reduce beside the backward scan's
-    re-gathers: 7 devices wait in an all-gather, 1 in an all-reduce) and the rendezvous never
-    completes. The weights are then kept from the forward pass."""
-    from xtrain.runtime import backend
-
-    return backend() != "cpu"
-
-
 class TrainStep:
     """A model compiled for a mesh and plan. Call it with one global batch per step."""
 
@@ -93,7 +82,7 @@ class TrainStep:
                 explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
                 grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                 scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=_regather_default() if zero3_regather is None else zero3_regather, grad_tx=grad_tx)
+                regather=zero3_regather is not False, grad_tx=grad_tx)
             self._train, self._eval, self._program = self._build(options=options, remat=plan.layer_remat())
         else:
             if plan.remat is not Remat.OFF:

@@ -92,12 +92,11 @@ class PlanProbe:
 
     def __call__(self, *batch: Any):
         profile, devices = target(self.spec)
-        regather = not profile.name.startswith("emulated")  # the CPU runtime's default (xtrain.step)
         host = _host_batch(batch)
         if os.environ.get(PLAN_GLOBAL_BATCH):
             host = _scaled(host, int(os.environ[PLAN_GLOBAL_BATCH]))
         result = search(self.wrapped, self.tx, host, profile, devices, module=self.module,
-                        target=f"{self.spec} ({devices} devices)", regather=regather)
+                        target=f"{self.spec} ({devices} devices)")
         print(result, flush=True)
         raise SystemExit(0)
 
@@ -130,11 +129,8 @@ class AutoStep:
 
     def __call__(self, *batch: Any):
         if self._step is None:
-            from xtrain.step import _regather_default
-
             self.search = search(self._wrapped, self._tx, _host_batch(batch), current_profile(), self._devices,
-                                 module=self._module, regather=_regather_default(),
-                                 pipe_degrees=None if self._pipelines else (1,))
+                                 module=self._module, pipe_degrees=None if self._pipelines else (1,))
             if self.search.best is None:
                 raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
             best = _agreed(self.search).candidate

@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from xtrain.frontend import stacked
 from xtrain.frontend.model import Model
 from xtrain.lowering import xla_partitioner
+from xtrain.lowering.explicit import ordering
 from xtrain.lowering.explicit import step as explicit_step
 from xtrain.lowering.explicit.gradient_sync import GradSync
 from xtrain.lowering.xla_partitioner import TrainState
@@ -172,7 +173,7 @@ def per_device_body(program):
 
     for eqn in getattr(program, "jaxpr", program).eqns:
         if str(eqn.primitive) == "shard_map":
-            return eqn.params["jaxpr"]
+            return ordering.staged_body(eqn.params["jaxpr"])
         for sub in jcore.jaxprs_in_params(eqn.params):
             found = per_device_body(sub)
             if found is not None:

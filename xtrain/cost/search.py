@@ -340,7 +340,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
         module: the torch module (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`).
-        regather: ZeRO-3 re-gathers weights in the backward pass (as the step on that backend will).
+        regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
         prune_remat: lower a memory-only variant (remat, 1F1B) only when its plain plan does not fit.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).

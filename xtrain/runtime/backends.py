@@ -138,7 +138,9 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
 # concurrency-optimised scheduler, two independent collectives (e.g. ZeRO-3's re-gather of a
 # layer's weights in the backward scan next to a gradient reduce-scatter) can start in a
 # different order on different emulated devices, and the rendezvous then deadlocks (XLA
-# aborts after 40 s). The default scheduler keeps one order on every device.
+# aborts after 40 s). The default scheduler keeps one order on every device. A loop holding
+# collectives (a layer scan) still runs asynchronously beside what follows it: the explicit
+# lowering orders those by dataflow (xtrain/lowering/explicit/ordering.py).
 # Emulated devices time-share the host's cores: on a loaded 2-core machine one device's thread
 # can reach a collective more than 40 s after the others, and XLA then aborts the process
 # although nothing is wrong. Wait up to 10 minutes before calling a rendezvous stuck.

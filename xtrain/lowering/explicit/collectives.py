@@ -22,6 +22,21 @@ if TYPE_CHECKING:
 from jax._src.lax.parallel import all_gather_invariant  # noqa: E402  (no public name in jax 0.10)
 
 
+
+def regather_policy(batch_axes: Axes):
+    """jax.checkpoint policy of ZeRO-3's re-gather: keep every value but the all-gathers over
+    the batch axes (ZeRO-3's gathered parameters: activations are never gathered over them),
+    which the backward pass then gathers again; nothing else is recomputed."""
+
+    def saveable(prim, *_, **params) -> bool:
+        if str(prim) != "all_gather":
+            return True
+        axes = params["axis_name"]
+        return not set(axes if isinstance(axes, tuple) else (axes,)) <= set(batch_axes)
+
+    return saveable
+
+
 @dataclasses.dataclass
 class Sharded:
     """A value of the global program: its local array and how it is split."""
@@ -49,6 +64,7 @@ class Context:
     # conversions already emitted in the jaxpr being interpreted (see `memoized`)
     memo: dict = dataclasses.field(default_factory=dict)
     remat: "LayerRemat | None" = None  # activation checkpointing of each layer of a layer scan
+    regather: tuple = ()  # batch axes over which each layer scan step re-gathers weights (ZeRO-3)
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
@@ -119,7 +135,7 @@ def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int, varying: bool):
     name = axes if len(axes) > 1 else axes[0]
     if x.param and set(axes) <= set(ctx.batch_axes):
         # ZeRO-3/FSDP: varying, so the gradient comes back reduce-scattered (the transpose);
-        # the step's remat policy (explicit/step.py) gathers it again in the backward pass.
+        # the re-gather policy (regather_policy) gathers it again in the backward pass.
         return lax.all_gather(x.value, name, axis=dim, tiled=True)
     if varying:  # the consumer varies over `axes` anyway: the transpose is one reduce-scatter
         return lax.all_gather(x.value, name, axis=dim, tiled=True)

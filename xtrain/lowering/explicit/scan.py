@@ -37,11 +37,16 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
         return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(C.vma, init))]), xs, **kwargs)
 
 
-def _remat(body, remat):
+def _remat(body, remat, regather: tuple[str, ...]):
     """The scan body with activation checkpointing per layer (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
-    values the interpreter tagged in the kept modules."""
-    return body if remat is None else jax.checkpoint(body, policy=remat.policy())
+    values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather (over
+    the batch axes `regather`; () = off) saves all but the gathered weights: the backward
+    scan gathers each layer's weights again in that layer's iteration, so no layer's gathered
+    weights outlive it (remat's policies never keep them either)."""
+    if remat is not None:
+        return jax.checkpoint(body, policy=remat.policy())
+    return jax.checkpoint(body, policy=C.regather_policy(regather)) if regather else body
 
 
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read) -> tuple[Sharded, object]:
@@ -78,8 +83,8 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         return [o.value for o in outs], None
 
-    final, _ = scan_with_stable_carry(_remat(body, ctx.remat), [x.value for x in init], list(stacked),
-                                     length=blocks.length)
+    final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), [x.value for x in init], list(stacked),
+                                      length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

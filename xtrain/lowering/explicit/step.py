@@ -21,6 +21,7 @@ from xtrain.lowering import accumulation
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.explicit import collectives as C
 from xtrain.lowering.explicit import gradient_sync
+from xtrain.lowering.explicit import ordering
 from xtrain.lowering.explicit import zero as zero_update
 from xtrain.lowering.explicit.collectives import Context, Sharded
 from xtrain.lowering.explicit.interpreter import interpret, module_path
@@ -49,6 +50,7 @@ class Program:
         self.ctx: Context | None = None
         self.repeated: list = []
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
+        self.regather: tuple = ()  # batch axes of ZeRO-3's re-gather in the layer scan (set by `build`)
 
     def _input_layouts(self, params, buffers, key, batch) -> list[Layout]:
         spec_tree = (
@@ -81,7 +83,8 @@ class Program:
             ins = [Sharded(v, l, tuple(a.shape), a.dtype, param=i < num_params)
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
-                               remat=self.remat if training else None)
+                               remat=self.remat if training else None,
+                               regather=self.regather if training else ())
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -123,6 +126,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
                                 zero, tx, grad_tx)
     zero3 = any(set(_axes_of(e)) & set(program.batch_axes) for spec in param_specs.values() for e in spec)
+    program.regather = program.batch_axes if zero3 and regather else ()
     # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
     sync_axes = {n: () if update.scatters(n) else a for n, a in grad_axes.items()}
     steps = options.accumulate
@@ -144,9 +148,8 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
 
             if zero3 and regather:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
-                # gathered weight alive. Saving only matmul outputs is what achieves it: any
-                # other saveable op on a gathered weight (a transpose, a cast) would keep it.
-                loss_of = jax.checkpoint(loss_of, policy=jax.checkpoint_policies.dots_saveable)
+                # gathered weight alive (the layer scan does it per layer: Program.regather).
+                loss_of = jax.checkpoint(loss_of, policy=C.regather_policy(program.batch_axes))
 
             params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
                       for n, p in state.params.items()}
@@ -157,7 +160,8 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
                                       opt_state=opt_state)
             return finish_step(state, new, loss, norm, grad_tx)
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch), PartitionSpec()),
+        mapped = jax.shard_map(ordering.in_order(per_device), mesh=mesh,
+                               in_specs=(specs, batch_specs(batch), PartitionSpec()),
                                out_specs=(specs, PartitionSpec()), check_vma=True)
         return mapped(state, batch, lrs)
 
@@ -170,7 +174,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             loss, _ = forward({**state.params, **state.frozen}, state.buffers, key, batch)
             return loss
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, batch_specs(batch)),
+        mapped = jax.shard_map(ordering.in_order(per_device), mesh=mesh, in_specs=(specs, batch_specs(batch)),
                                out_specs=PartitionSpec(), check_vma=True)
         return mapped(state, batch)
 
