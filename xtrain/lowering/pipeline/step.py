@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 
 from xtrain.frontend import stacked
 from xtrain.frontend.model import Model
-from xtrain.lowering.explicit import gradient_sync
+from xtrain.lowering.explicit import gradient_sync, ordering
 from xtrain.lowering.explicit import zero as zero_update
 from xtrain.lowering.explicit.collectives import Context, Sharded
 from xtrain.lowering.explicit.interpreter import module_path
@@ -414,7 +414,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
             return finish_step(state, dataclasses.replace(state, params=new_params, opt_state=opt_state), loss,
                                norm, grad_tx)
 
-        mapped = jax.shard_map(per_device, mesh=mesh,
+        mapped = jax.shard_map(ordering.in_order(per_device), mesh=mesh,
                                in_specs=(specs, _batch_specs(batch_spec, batch), PartitionSpec()),
                                out_specs=(specs, PartitionSpec()), check_vma=True)
         return mapped(state, batch, lrs)
@@ -439,7 +439,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
                 total, count, _, _ = executors.table_grads(run, chunks, {}, x0, mbs, program.ticks, p, v, axis)
             return lax.psum(total, axis) / lax.psum(count, axis)
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, _batch_specs(batch_spec, batch)),
+        mapped = jax.shard_map(ordering.in_order(per_device), mesh=mesh, in_specs=(specs, _batch_specs(batch_spec, batch)),
                                out_specs=PartitionSpec(), check_vma=True)
         return mapped(state, batch)
 
