@@ -149,7 +149,8 @@ class TrainStep:
             params, old = stack(state.params), named_leaves(state.opt_state)
 
             def leaf(name: str, like):
-                prefix, param = name[:-len(name.rsplit("/", 1)[-1])], name.rsplit("/", 1)[-1]
+                param = name.rsplit("/", 1)[-1]  # e.g. "0/mu/blocks.*.attn.q.weight": the parameter's name
+                prefix = name[:len(name) - len(param)]
                 if param not in storage.groups:
                     return old[name]
                 members = storage.groups[param]

@@ -150,10 +150,6 @@ class StackedModel(Model):
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
-    @property
-    def param_aliases(self) -> dict[str, str]:
-        return getattr(self.inner, "param_aliases", {})
-
     def initial_params(self) -> dict[str, np.ndarray]:
         return self.stacking.stack_dict(self.inner.initial_params())
 
