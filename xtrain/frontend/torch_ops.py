@@ -1,5 +1,12 @@
 """Lowerings xtrain adds to, or fixes in, torchax's op table.
 
+GELU and layer norm get derivative rules of their own (`jax.custom_jvp`), as torch's
+autograd has: the backward keeps one full-size residual per op (GELU's slope, the norm's
+normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the forward formula, every
+intermediate of erf / the normalisation becomes a saved residual; inside the layer scan each
+residual is a stacked (L, ...) buffer written in the forward loop and read in the backward
+loop, which on XLA:CPU cost more than the matmuls around them.
+
 torchax 0.0.14's batch norm computes new running statistics but never writes them back,
 and uses the biased variance where torch keeps the unbiased one. The override below runs
 as torch code under torchax (so it is traced to JAX like any other op) and updates the
@@ -7,7 +14,12 @@ running buffers in place, as eager torch does.
 """
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
+from jax import lax
 import torch
 import torchax
 from torchax.ops import ops_registry
@@ -65,7 +77,76 @@ def _matmul(x, y):
     return jnp.matmul(x, y)
 
 
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TANH_K = math.sqrt(2.0 / math.pi)  # GELU's tanh approximation: tanh(k (x + c x^3))
+_TANH_C = 0.044715
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _gelu_core(x, tanh: bool):
+    if tanh:
+        return 0.5 * x * (1.0 + jnp.tanh(_TANH_K * (x + _TANH_C * x * x * x)))
+    return 0.5 * x * (1.0 + lax.erf(x * _SQRT_HALF))  # torch's formula (exact GELU)
+
+
+@_gelu_core.defjvp
+def _gelu_jvp(tanh, primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    if tanh:
+        t = jnp.tanh(_TANH_K * (x + _TANH_C * x * x * x))
+        y = 0.5 * x * (1.0 + t)
+        slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _TANH_K * (1.0 + 3.0 * _TANH_C * x * x)
+    else:  # d/dx x Phi(x) = Phi(x) + x phi(x)
+        cdf = 0.5 * (1.0 + lax.erf(x * _SQRT_HALF))
+        y = x * cdf
+        slope = cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
+    return y, slope * x_dot
+
+
+def _gelu(x, *, approximate="none"):
+    """aten.gelu whose backward keeps one residual (the slope) and is one multiply."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"aten.gelu: approximate={approximate!r} is not 'none' or 'tanh'")
+    return _gelu_core(x, approximate == "tanh")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _normalize(x, k: int, eps: float):
+    """(x - mean) / std over the last k dims -> (normalized, mean, 1/std), stats keeping dims."""
+    axes = tuple(range(x.ndim - k, x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    centered = x - mean
+    rstd = lax.rsqrt(jnp.mean(centered * centered, axis=axes, keepdims=True) + eps)
+    return centered * rstd, mean, rstd
+
+
+@_normalize.defjvp
+def _normalize_jvp(k, eps, primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    xhat, mean, rstd = _normalize(x, k, eps)
+    axes = tuple(range(x.ndim - k, x.ndim))
+    mean_dot = jnp.mean(x_dot, axis=axes, keepdims=True)
+    proj = jnp.mean(x_dot * xhat, axis=axes, keepdims=True)
+    return (xhat, mean, rstd), (rstd * (x_dot - mean_dot - xhat * proj), mean_dot, -rstd * rstd * proj)
+
+
+def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """aten.native_layer_norm -> (out, mean, 1/std), the statistics kept with size-1 dims.
+    The normalisation's derivative rule is written out, so the backward keeps the normalized
+    x and 1/std (torch keeps x, mean and 1/std) and reads them in one pass."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    out, mean, rstd = _normalize(input, k, float(eps))
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
 _JAX_OVERRIDES = {
+    aten.gelu.default: _gelu,
+    aten.native_layer_norm.default: _native_layer_norm,
     aten.gather.default: _gather,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
     torch.matmul: _matmul,

@@ -503,6 +503,18 @@ def call(ctx: Context, eqn, args):
     return interpret(ctx, closed, [], args)
 
 
+def _trace_jvp(eqn, jvp_fun, n: int):
+    """The custom JVP rule's jaxpr, traced in the mesh context the model was traced in (the
+    operands' abstract mesh, Auto axes). Traced under shard_map's Manual mesh instead, JAX
+    reshards every use of a primal to that mesh, which this interpreter reads as a gather."""
+    from jax._src import mesh as mesh_lib
+
+    meshes = {getattr(getattr(v.aval, "sharding", None), "mesh", None) for v in eqn.invars}
+    mesh = meshes.pop() if len(meshes) == 1 else None
+    with mesh_lib.use_abstract_mesh(mesh if isinstance(mesh, mesh_lib.AbstractMesh) else mesh_lib.empty_abstract_mesh):
+        return jvp_fun.call_wrapped(*[False] * n)
+
+
 def custom_jvp(ctx: Context, eqn, args):
     """Keeps the user's derivative rule: the primal and its JVP are both interpreted."""
     call_jaxpr, jvp_fun = eqn.params["call_jaxpr"], eqn.params["jvp_jaxpr_fun"]
@@ -524,7 +536,7 @@ def custom_jvp(ctx: Context, eqn, args):
 
     @f.defjvp
     def f_jvp(primals, tangents):
-        jaxpr, jconsts, out_zeros = jvp_fun.call_wrapped(*[False] * len(prims))
+        jaxpr, jconsts, out_zeros = _trace_jvp(eqn, jvp_fun, len(prims))
         ctx.path = path
         outs = interpret(ctx, jaxpr, jconsts, with_values(prims, primals) + with_values(prims, tangents))
         n = len(out_zeros)
