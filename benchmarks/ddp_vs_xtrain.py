@@ -11,7 +11,9 @@ Runs, on the same model (examples/gpt_model.py), initial weights and global batc
 Every process is pinned to one core with one compute thread: torch through OMP_NUM_THREADS=1,
 XLA through the core affinity (XLA sizes its thread pools by the schedulable CPUs; the only
 thread flag this XLA knows, --xla_cpu_multi_thread_eigen=false, is set too but alone still left
-four busy threads here). Runs are interleaved over rounds (rotating order), the first --warmup
+four busy threads here). Every process also gets the same glibc malloc settings (RETAIN_MEMORY:
+freed memory is kept for reuse rather than returned to the kernel and faulted in again next
+step, which cost both frameworks 10-15% per step here). Runs are interleaved over rounds (rotating order), the first --warmup
 steps of each run (compilation) are not timed, and the figure is the median step time over all
 timed steps. Prints a markdown table and writes it to benchmarks/results/ddp_vs_xtrain.md.
 """
@@ -34,6 +36,12 @@ RESULTS = HERE / "results" / "ddp_vs_xtrain.md"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 PINNING = ("each process pinned to one core (sched_setaffinity); torch: OMP_NUM_THREADS=1; "
            f"XLA: XLA_FLAGS={XLA_FLAGS} + the one-core affinity (XLA sizes its pools by schedulable CPUs)")
+# glibc malloc keeps freed memory instead of returning large blocks to the kernel: otherwise each
+# step's multi-MB buffers (XLA's temporaries, torch's activations) are fresh pages again, and the
+# page faults cost both frameworks 10-15% of a step on this machine. Every process gets the same.
+RETAIN_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+ALLOCATOR = "glibc malloc, every process: " + ", ".join(f"{k}={v}" for k, v in RETAIN_MEMORY.items()) + \
+    " (large buffers reused across steps, not re-faulted from the kernel)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +108,7 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JAX_NUM_CPU_DEVICES")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS="cpu",
-               XTRAIN_COORDINATOR_PORT=str(free_port()))
+               XTRAIN_COORDINATOR_PORT=str(free_port()), **RETAIN_MEMORY)
     return env
 
 
@@ -204,6 +212,7 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         f"- model: examples/gpt_model.py, {args.layers} layers, d_model {args.d_model}, vocab 256; "
         f"global batch {args.batch} x {args.seq} tokens; AdamW lr 1e-3; fp32",
         f"- threads: {PINNING}",
+        f"- allocator: {ALLOCATOR}",
         f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps "
         f"per run, {args.steps} timed steps; median over all timed steps (wall time of step(x, y) "
         "including the host float of the loss, on rank 0)",

@@ -236,6 +236,7 @@ def report(results, check, args, load) -> str:
             "(a shared, slow host: other jobs ran during the measurement, so treat ratios as rough)",
             f"- software: {dvx.versions()}",
             f"- threads: {dvx.PINNING}",
+            f"- allocator: {dvx.ALLOCATOR}",
             f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps per "
             f"run, {args.steps} timed steps; global batch {args.batch} x {args.seq} tokens; AdamW; fp32",
             "- columns: '/ eager' and '/ DDP' are ratios of median step times; 'first step' includes "
