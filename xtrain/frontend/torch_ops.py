@@ -144,6 +144,44 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     return out, mean, rstd
 
 
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+          env=None):
+    """F.scaled_dot_product_attention on (..., heads, length, dim) arrays, heads kept as a batch
+    dim of every product: a tensor-parallel split of the heads stays local. (torchax runs torch's
+    reference, whose 4-D matmuls torch flattens to 3-D bmm, merging batch and heads, which
+    forces a gather of heads split over a mesh axis.) Grouped-query attention groups the query
+    heads per key/value head instead of repeating keys and values."""
+    *batch, hq, length, dim = query.shape
+    hk, source = key.shape[-3], key.shape[-2]
+    if hq != hk and (not enable_gqa or hq % hk):
+        raise ValueError(f"scaled_dot_product_attention: {hq} query heads and {hk} key/value heads; "
+                         f"pass enable_gqa=True with a head count that divides {hq}")
+    group = hq // hk
+    q = query.reshape(*batch, hk, group, length, dim)
+    scores = jnp.einsum("...hgld,...hsd->...hgls", q, key) * (1.0 / math.sqrt(dim) if scale is None else scale)
+    mask = None
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+        mask = jnp.tril(jnp.ones((length, source), bool))
+    elif attn_mask is not None:
+        mask = attn_mask
+        if mask.ndim >= 3 and mask.shape[-3] == hq and hq != 1:  # per-query-head mask: group it like q
+            mask = mask.reshape(*mask.shape[:-3], hk, group, length, source)
+        elif mask.ndim >= 3:
+            mask = jnp.expand_dims(mask, -3)  # (..., 1, L, S) -> (..., 1, 1, L, S)
+    if mask is not None and mask.dtype == jnp.bool_:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    elif mask is not None:
+        scores = scores + mask.astype(scores.dtype)
+    weights = jax.nn.softmax(scores, axis=-1)
+    if dropout_p > 0:
+        keep = jax.random.bernoulli(env.get_and_rotate_prng_key(), 1.0 - dropout_p, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0).astype(weights.dtype)
+    out = jnp.einsum("...hgls,...hsd->...hgld", weights, value)
+    return out.reshape(*batch, hq, length, value.shape[-1])
+
+
 _JAX_OVERRIDES = {
     aten.gelu.default: _gelu,
     aten.native_layer_norm.default: _native_layer_norm,
@@ -152,6 +190,11 @@ _JAX_OVERRIDES = {
     torch.matmul: _matmul,
     torch.Tensor.matmul: _matmul,
     torch.Tensor.__matmul__: _matmul,
+}
+
+_JAX_ENV_OVERRIDES = {  # jax functions that draw random keys from the environment
+    torch.nn.functional.scaled_dot_product_attention: _sdpa,
+    aten.scaled_dot_product_attention.default: _sdpa,
 }
 
 _OVERRIDES = {
@@ -169,3 +212,6 @@ def install(env: torchax.tensor.Environment) -> None:
     for op, impl in _JAX_OVERRIDES.items():
         env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
                                              needs_env=False, is_view_op=False)
+    for op, impl in _JAX_ENV_OVERRIDES.items():
+        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
+                                             needs_env=True, is_view_op=False)
