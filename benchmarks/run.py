@@ -1,7 +1,7 @@
 """The benchmark suite, one command: xtrain side by side with PyTorch and JAX, and the cost model
 checked against measurement. Writes benchmarks/results/benchmarks.md and benchmarks.png.
 
-    python benchmarks/run.py                     # ~15 minutes on a quiet 2-core host
+    python benchmarks/run.py                     # ~9 minutes on a quiet 2-core host
     python benchmarks/run.py --rounds 3 --steps 20 --models gpt-small
 
 Per model (the example GPT at two sizes, HF Llama tiny), interleaved over --rounds rounds
