@@ -41,7 +41,8 @@ def test_layer_norm_gradients_match_torch(shape, affine):
 
     grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
     xt = torch.tensor(X, requires_grad=True)
-    wt, bt = (torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)) if affine else (None, None)
+    wt = torch.tensor(w, requires_grad=True) if affine else None
+    bt = torch.tensor(b, requires_grad=True) if affine else None
     out = torch.nn.functional.layer_norm(xt, shape, wt, bt, 1e-5)
     (out * torch.tensor(G)).sum().backward()
     expected = [xt.grad] + ([wt.grad, bt.grad] if affine else [])
@@ -89,7 +90,7 @@ def test_gelu_backward_keeps_one_residual():
     assert len(wide) == 2, wide
 
 
-def _sdpa_case(rng, hq=4, hk=4, mask=None):
+def _sdpa_case(rng, hq=4, hk=4):
     q = rng.standard_normal((2, hq, 5, 8)).astype(np.float32)
     k = rng.standard_normal((2, hk, 6, 8)).astype(np.float32)
     v = rng.standard_normal((2, hk, 6, 3)).astype(np.float32)
@@ -102,11 +103,9 @@ def test_sdpa_matches_torch(kind):
     rng = np.random.default_rng(1)
     hk = 2 if kind.startswith("gqa") else 4
     q, k, v = _sdpa_case(rng, hk=hk)
-    if kind == "causal":
-        q = q[:, :, :, :]
-        k, v = k[:, :, :5], v[:, :, :5]
     kwargs = {}
-    if kind == "causal":
+    if kind == "causal":  # square scores, as torch's causal mask is the upper-left triangle
+        k, v = k[:, :, :5], v[:, :, :5]
         kwargs["is_causal"] = True
     if kind == "bool-mask":
         kwargs["attn_mask"] = rng.random((5, 6)) > 0.3
@@ -121,7 +120,8 @@ def test_sdpa_matches_torch(kind):
     if "attn_mask" in kwargs and kwargs["attn_mask"].dtype == bool:
         kwargs["attn_mask"][:, 0] = True  # no fully masked row (NaN in both)
     t = {n: torch.tensor(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
-    want = torch.nn.functional.scaled_dot_product_attention(torch.tensor(q), torch.tensor(k), torch.tensor(v), **t)
+    want = torch.nn.functional.scaled_dot_product_attention(torch.tensor(q), torch.tensor(k), torch.tensor(v),
+                                                            **t)
     j = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
     got = torch_ops._sdpa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), **j)
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)

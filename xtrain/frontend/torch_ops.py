@@ -2,10 +2,11 @@
 
 GELU and layer norm get derivative rules of their own (`jax.custom_jvp`), as torch's
 autograd has: the backward keeps one full-size residual per op (GELU's slope, the norm's
-normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the forward formula, every
-intermediate of erf / the normalisation becomes a saved residual; inside the layer scan each
-residual is a stacked (L, ...) buffer written in the forward loop and read in the backward
-loop, which on XLA:CPU cost more than the matmuls around them.
+normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
+forward formula, every intermediate of erf / the normalisation becomes a saved residual;
+inside the layer scan each residual is a stacked (L, ...) buffer written in the forward loop
+and read in the backward loop, which on XLA:CPU cost more than the matmuls around them.
+Scaled dot-product attention keeps the heads as a batch dim (see `_sdpa`).
 
 torchax 0.0.14's batch norm computes new running statistics but never writes them back,
 and uses the biased variance where torch keeps the unbiased one. The override below runs
@@ -97,10 +98,10 @@ def _gelu_jvp(tanh, primals, tangents):
         t = jnp.tanh(_TANH_K * (x + _TANH_C * x * x * x))
         y = 0.5 * x * (1.0 + t)
         slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _TANH_K * (1.0 + 3.0 * _TANH_C * x * x)
-    else:  # d/dx x Phi(x) = Phi(x) + x phi(x)
-        cdf = 0.5 * (1.0 + lax.erf(x * _SQRT_HALF))
-        y = x * cdf
-        slope = cdf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
+    else:  # d/dx x Phi(x) = Phi(x) + x phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2
+        one_plus_erf = 1.0 + lax.erf(x * _SQRT_HALF)
+        y = 0.5 * x * one_plus_erf  # as the primal computes it
+        slope = 0.5 * one_plus_erf + x * _INV_SQRT_2PI * jnp.exp(-0.5 * x * x)
     return y, slope * x_dot
 
 
@@ -144,8 +145,8 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     return out, mean, rstd
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-          env=None):
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False, env=None):
     """F.scaled_dot_product_attention on (..., heads, length, dim) arrays, heads kept as a batch
     dim of every product: a tensor-parallel split of the heads stays local. (torchax runs torch's
     reference, whose 4-D matmuls torch flattens to 3-D bmm, merging batch and heads, which
@@ -158,11 +159,13 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                          f"pass enable_gqa=True with a head count that divides {hq}")
     group = hq // hk
     q = query.reshape(*batch, hk, group, length, dim)
-    scores = jnp.einsum("...hgld,...hsd->...hgls", q, key) * (1.0 / math.sqrt(dim) if scale is None else scale)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    scores = jnp.einsum("...hgld,...hsd->...hgls", q, key) * scale
     mask = None
     if is_causal:
         if attn_mask is not None:
-            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, "
+                             "not both")
         mask = jnp.tril(jnp.ones((length, source), bool))
     elif attn_mask is not None:
         mask = attn_mask

@@ -511,7 +511,9 @@ def _trace_jvp(eqn, jvp_fun, n: int):
 
     meshes = {getattr(getattr(v.aval, "sharding", None), "mesh", None) for v in eqn.invars}
     mesh = meshes.pop() if len(meshes) == 1 else None
-    with mesh_lib.use_abstract_mesh(mesh if isinstance(mesh, mesh_lib.AbstractMesh) else mesh_lib.empty_abstract_mesh):
+    if not isinstance(mesh, mesh_lib.AbstractMesh):
+        mesh = mesh_lib.empty_abstract_mesh
+    with mesh_lib.use_abstract_mesh(mesh):
         return jvp_fun.call_wrapped(*[False] * n)
 
 
