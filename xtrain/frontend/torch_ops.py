@@ -212,9 +212,7 @@ def install(env: torchax.tensor.Environment) -> None:
     """Registers xtrain's op overrides on a torchax environment (idempotent)."""
     for op, impl in _OVERRIDES.items():
         env.override_op_definition(op, impl)
-    for op, impl in _JAX_OVERRIDES.items():
-        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
-                                             needs_env=False, is_view_op=False)
-    for op, impl in _JAX_ENV_OVERRIDES.items():
-        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
-                                             needs_env=True, is_view_op=False)
+    for table, needs_env in ((_JAX_OVERRIDES, False), (_JAX_ENV_OVERRIDES, True)):
+        for op, impl in table.items():
+            env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
+                                                 needs_env=needs_env, is_view_op=False)
