@@ -160,6 +160,25 @@ def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     assert full < selective < off, temps
 
 
+def test_remat_under_zero3_recomputes_the_layers_and_gathers_their_weights_again():
+    """ZeRO-3 checkpoints the whole step to gather weights again in the backward pass; JAX's
+    outermost checkpoint policy decides for everything inside it, so that must not override
+    the layers' remat policy (it did: remat='full' then saved every activation)."""
+    from test_regather import backward_scan_gathers
+
+    torch.manual_seed(0)
+    model, batches = GPT(layers=3, d=32, seq=16), token_batches(n=4, batch=32)
+    reference = torch_reference(model, adamw, batches)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
+                          plan=xtrain.Plan(zero=3, remat="full"))
+    losses = [step(*b)["loss"] for b in batches]
+    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+    on, off = remat_note(step)
+    assert on < 0.7 * off, (on, off)
+    # the backward scan still gathers each layer's weights again, in one flat all-gather
+    assert backward_scan_gathers(step, batches[0]) == [sum(p.numel() for p in model.blocks[0].parameters())]
+
+
 def test_remat_without_a_layer_scan_is_an_error():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),

@@ -23,18 +23,36 @@ from jax._src.lax.parallel import all_gather_invariant  # noqa: E402  (no public
 
 
 
-def regather_policy(batch_axes: Axes):
+class RegatherPolicy:
     """jax.checkpoint policy of ZeRO-3's re-gather: keep every value but the all-gathers over
     the batch axes (ZeRO-3's gathered parameters: activations are never gathered over them),
-    which the backward pass then gathers again; nothing else is recomputed."""
+    which the backward pass then gathers again; nothing else is recomputed.
 
-    def saveable(prim, *_, **params) -> bool:
-        if str(prim) != "all_gather":
-            return True
-        axes = params["axis_name"]
-        return not set(axes if isinstance(axes, tuple) else (axes,)) <= set(batch_axes)
+    A layer scan gathers each layer's shards as one flat buffer (`gather_flat`) and cuts it
+    back into tensors; the ops of that unpacking must not be saved either (their outputs are
+    the gathered weights). A policy sees an operation and its operands' types, not where the
+    operands come from, so `gather_flat` records the (shape, dtype) of every operand it
+    unpacks in `unpacking`, and reshapes, transposes, splits and concatenations of such
+    operands are recomputed. An activation of the same type is then recomputed from its own
+    saved input: the same bytes kept, never a wrong value."""
 
-    return saveable
+    _UNPACK_OPS = frozenset({"reshape", "transpose", "split", "concatenate"})
+
+    def __init__(self, batch_axes: Axes):
+        self.batch_axes = tuple(batch_axes)
+        self.unpacking: set[tuple] = set()
+
+    def record(self, *values) -> None:
+        self.unpacking.update((tuple(v.shape), str(v.dtype)) for v in values)
+
+    def __call__(self, prim, *avals, **params) -> bool:
+        name = str(prim)
+        if name == "all_gather":
+            axes = params["axis_name"]
+            return not set(axes if isinstance(axes, tuple) else (axes,)) <= set(self.batch_axes)
+        if name in self._UNPACK_OPS and avals:
+            return (tuple(avals[0].shape), str(avals[0].dtype)) not in self.unpacking
+        return True
 
 
 @dataclasses.dataclass
@@ -64,7 +82,7 @@ class Context:
     # conversions already emitted in the jaxpr being interpreted (see `memoized`)
     memo: dict = dataclasses.field(default_factory=dict)
     remat: "LayerRemat | None" = None  # activation checkpointing of each layer of a layer scan
-    regather: tuple = ()  # batch axes over which each layer scan step re-gathers weights (ZeRO-3)
+    regather: "RegatherPolicy | None" = None  # ZeRO-3's re-gather of weights in each layer scan step
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
@@ -135,7 +153,7 @@ def _all_gather(ctx: Context, x: Sharded, axes: Axes, dim: int, varying: bool):
     name = axes if len(axes) > 1 else axes[0]
     if x.param and set(axes) <= set(ctx.batch_axes):
         # ZeRO-3/FSDP: varying, so the gradient comes back reduce-scattered (the transpose);
-        # the re-gather policy (regather_policy) gathers it again in the backward pass.
+        # the re-gather policy (RegatherPolicy) gathers it again in the backward pass.
         return lax.all_gather(x.value, name, axis=dim, tiled=True)
     if varying:  # the consumer varies over `axes` anyway: the transpose is one reduce-scatter
         return lax.all_gather(x.value, name, axis=dim, tiled=True)
@@ -162,6 +180,57 @@ def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None, var
     if x.param and set(axes) <= set(ctx.batch_axes):
         return gather()  # ZeRO-3: one gather per use, none kept alive between uses
     return memoized(ctx, ("all_gather", id(x.value), x.layout, dim, axes, varying), x.value, gather)
+
+
+def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
+    """(dim, batch axes) of a ZeRO-3 parameter shard whose batch axes can be gathered alone
+    (the minor axes of its dim), else None."""
+    if not x.param:
+        return None
+    for dim, have in enumerate(x.layout.dims):
+        axes = tuple(a for a in have if a in ctx.batch_axes)
+        if axes:
+            return (dim, axes) if have[len(have) - len(axes):] == axes else None
+    return None
+
+
+def gather_flat(ctx: Context, params: list[Sharded]) -> list[Sharded]:
+    """ZeRO-3 in a layer scan: gathers one layer's parameter shards over the batch axes with
+    one all-gather (FSDP's flat parameter) per group of shards that share dtype, batch axes and
+    varying axes, then cuts the result back into tensors. Its transpose is one reduce-scatter
+    of the layer's gradients. Parameters that are not ZeRO-3 shards pass through."""
+    out, groups = list(params), {}
+    for index, x in enumerate(params):
+        found = _zero3_dim(ctx, x)
+        if found is not None:
+            groups.setdefault((found[1], str(x.dtype), vma(x.value)), []).append((index, found[0]))
+    for (axes, _, _), members in groups.items():
+        values = _gather_flat(ctx, [params[i].value for i, _ in members], [d for _, d in members], axes)
+        for (index, dim), value in zip(members, values):
+            x = params[index]
+            dims = list(x.layout.dims)
+            dims[dim] = dims[dim][: len(dims[dim]) - len(axes)]
+            out[index] = dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+    return out
+
+
+def _gather_flat(ctx: Context, shards: list, dims: list[int], axes: Axes) -> list:
+    name = axes if len(axes) > 1 else axes[0]
+    if len(shards) == 1:
+        return [lax.all_gather(shards[0], name, axis=dims[0], tiled=True)]
+    n = math.prod(ctx.sizes[a] for a in axes)
+    record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
+    flat = [s.reshape(-1) for s in shards]
+    record(*shards, *flat)
+    whole = lax.all_gather(jnp.concatenate(flat), name, axis=0)  # (n, sum of shard sizes): device-major
+    record(whole)
+    out = []
+    for shard, dim, piece in zip(shards, dims, lax.split(whole, [s.size for s in shards], axis=1)):
+        blocks = piece.reshape((n,) + shard.shape)
+        moved = jnp.moveaxis(blocks, 0, dim)  # device index next to the local rows of `dim`
+        record(piece, blocks, moved)
+        out.append(moved.reshape(shard.shape[:dim] + (n * shard.shape[dim],) + shard.shape[dim + 1:]))
+    return out
 
 
 def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:

@@ -37,16 +37,16 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
         return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(C.vma, init))]), xs, **kwargs)
 
 
-def _remat(body, remat, regather: tuple[str, ...]):
+def _remat(body, remat, regather: "C.RegatherPolicy | None"):
     """The scan body with activation checkpointing per layer (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
-    values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather (over
-    the batch axes `regather`; () = off) saves all but the gathered weights: the backward
-    scan gathers each layer's weights again in that layer's iteration, so no layer's gathered
-    weights outlive it (remat's policies never keep them either)."""
+    values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather
+    (`regather`; None = off) saves all but the gathered weights: the backward scan gathers
+    each layer's weights again in that layer's iteration, so no layer's gathered weights
+    outlive it (remat's policies never keep them either)."""
     if remat is not None:
         return jax.checkpoint(body, policy=remat.policy())
-    return jax.checkpoint(body, policy=C.regather_policy(regather)) if regather else body
+    return jax.checkpoint(body, policy=regather) if regather is not None else body
 
 
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read) -> tuple[Sharded, object]:
@@ -77,8 +77,9 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
 
     def body(carry, xs):
         ctx.path = path
-        ins = ([dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared
-               + [dataclasses.replace(p, value=v) for p, v in zip(first, xs)])
+        with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
+            params = C.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)])
+        ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params
         outs = interpret(ctx, blocks.body, [], ins)
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         return [o.value for o in outs], None

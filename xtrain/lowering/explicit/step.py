@@ -50,7 +50,7 @@ class Program:
         self.ctx: Context | None = None
         self.repeated: list = []
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
-        self.regather: tuple = ()  # batch axes of ZeRO-3's re-gather in the layer scan (set by `build`)
+        self.regather: C.RegatherPolicy | None = None  # ZeRO-3's re-gather (set by `build`)
 
     def _input_layouts(self, params, buffers, key, batch) -> list[Layout]:
         spec_tree = (
@@ -84,7 +84,7 @@ class Program:
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
                                remat=self.remat if training else None,
-                               regather=self.regather if training else ())
+                               regather=self.regather if training else None)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -126,7 +126,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
                                 zero, tx, grad_tx)
     zero3 = any(set(_axes_of(e)) & set(program.batch_axes) for spec in param_specs.values() for e in spec)
-    program.regather = program.batch_axes if zero3 and regather else ()
+    program.regather = C.RegatherPolicy(program.batch_axes) if zero3 and regather else None
     # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
     sync_axes = {n: () if update.scatters(n) else a for n, a in grad_axes.items()}
     steps = options.accumulate
@@ -146,10 +146,13 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
                 loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
                 return accumulation.objective(loss, scale), (loss, buffers)
 
-            if zero3 and regather:
+            if program.regather is not None and remat is None:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
                 # gathered weight alive (the layer scan does it per layer: Program.regather).
-                loss_of = jax.checkpoint(loss_of, policy=C.regather_policy(program.batch_axes))
+                # Not with remat: the outermost jax.checkpoint's policy decides for everything
+                # inside it, the layer scan's remat policy included; the layers' weights are
+                # then gathered again by that policy, the rest stay gathered (FSDP's root).
+                loss_of = jax.checkpoint(loss_of, policy=program.regather)
 
             params = {n: lax.pcast(p, grad_axes[n], to="varying") if grad_axes[n] else p
                       for n, p in state.params.items()}
