@@ -178,7 +178,9 @@ def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None, var
     gather = lambda: dataclasses.replace(x, value=_all_gather(ctx, x, axes, dim, varying),
                                          layout=x.layout.with_dims(dims))
     if x.param and set(axes) <= set(ctx.batch_axes):
-        return gather()  # ZeRO-3: one gather per use, none kept alive between uses
+        # ZeRO-3 (always varying): a parameter read twice (a tied embedding: the lookup and
+        # the head) is gathered once, as XLA does; the backward pass gathers it once again
+        varying = True
     return memoized(ctx, ("all_gather", id(x.value), x.layout, dim, axes, varying), x.value, gather)
 
 

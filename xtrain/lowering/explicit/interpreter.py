@@ -62,12 +62,16 @@ def _live(jaxpr, repeated) -> set[int]:
     return live
 
 
-def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], repeated=()) -> list[Sharded]:
+def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], repeated=(), inline: bool = False) -> list[Sharded]:
     """Evaluates `jaxpr` with `args` (Sharded) and returns its outputs as Sharded values.
 
-    `repeated`: layer_scan.RepeatedBlocks of this jaxpr, each emitted as one scan."""
-    # collectives.memoized reuses conversions within one jaxpr: a nested jaxpr may run in
-    # another trace (scan body), so its entries must neither leak out nor see the outer ones
+    `repeated`: layer_scan.RepeatedBlocks of this jaxpr, each emitted as one scan. `inline`:
+    the jaxpr runs in the caller's trace (a jit or closed_call), so it shares the caller's
+    conversions (collectives.memoized)."""
+    if inline:
+        return _run(ctx, jaxpr, consts, args, repeated)
+    # a nested jaxpr that may run in another trace (scan body) must neither leak its
+    # conversions out nor see the outer ones
     outer_memo, ctx.memo = ctx.memo, {}
     try:
         return _run(ctx, jaxpr, consts, args, repeated)

@@ -499,8 +499,8 @@ def call(ctx: Context, eqn, args):
     """jit / closed_call: interpret the callee with the operands' layouts."""
     closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
     if isinstance(closed, jcore.ClosedJaxpr):
-        return interpret(ctx, closed.jaxpr, closed.consts, args)
-    return interpret(ctx, closed, [], args)
+        return interpret(ctx, closed.jaxpr, closed.consts, args, inline=True)
+    return interpret(ctx, closed, [], args, inline=True)
 
 
 def _trace_jvp(eqn, jvp_fun, n: int):
