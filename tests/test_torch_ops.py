@@ -154,3 +154,22 @@ def test_tensor_parallel_attention_stays_on_local_heads():
     step(*batches[0])
     inside = [c for c in step.report().collectives if "tensor" in c.axes and "scaled_dot_product" in c.source]
     assert not inside, [(c.kind, c.source) for c in inside]
+    # RMSNorm's x.pow(2) runs as integer_pow (a multiply): as a pow, the layer scan hoisted
+    # the cast exponent out of the loop and XLA:CPU ran exp/log on every activation
+    pows = _layer_scan_pows(step.program(*batches[0]).jaxpr)
+    assert "pow" not in pows and pows.get("integer_pow"), pows
+
+
+def _layer_scan_pows(jaxpr, in_scan=False) -> dict:
+    """{primitive: count} of pow and integer_pow inside the scans of a program."""
+    from collections import Counter
+
+    from jax.extend import core as jcore
+
+    found = Counter()
+    for eqn in jaxpr.eqns:
+        if in_scan and str(eqn.primitive) in ("pow", "integer_pow"):
+            found[str(eqn.primitive)] += 1
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            found.update(_layer_scan_pows(sub, in_scan or str(eqn.primitive) == "scan"))
+    return dict(found)

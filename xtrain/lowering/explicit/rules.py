@@ -11,6 +11,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 from xtrain.lowering.explicit import collectives as C
@@ -641,12 +643,26 @@ def _while(ctx, eqn, args):
     return while_rule(ctx, eqn, args)
 
 
+def pow_(ctx: Context, eqn, args):
+    """x ** c with a literal whole exponent (RMSNorm's x.pow(2)) as integer_pow, which XLA
+    emits as multiplies. As an operand the exponent is typed varying like x (a pcast), and in
+    a layer scan JAX hoists that loop-invariant cast out of the loop: XLA then sees a pow by
+    an unknown value and runs the generic exp/log form."""
+    exponent = eqn.invars[1]
+    if (isinstance(exponent, jcore.Literal) and np.ndim(exponent.val) == 0 and args[0].dtype.kind == "f"
+            and float(exponent.val).is_integer() and abs(float(exponent.val)) <= 16):
+        x = C.resolve(ctx, args[0])
+        return [Sharded(lax.integer_pow(x.value, int(exponent.val)), x.layout, x.shape, x.dtype)]
+    return elementwise(ctx, eqn, args)
+
+
 def _register(rule, *names):
     for name in names:
         RULES[name] = rule
 
 
-_register(elementwise, "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "neg", "exp", "exp2",
+_register(pow_, "pow")
+_register(elementwise, "add", "sub", "mul", "div", "max", "min", "integer_pow", "neg", "exp", "exp2",
           "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "abs",
           "sign", "floor", "ceil", "round", "is_finite", "erf", "erfc", "erf_inv", "lgamma", "digamma",
           "square", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
