@@ -233,6 +233,13 @@ def test_vocab_parallel_moves_activations_not_the_table():
     assert all(c.payload_bytes <= tokens * 4 * TP2["tensor"] for c in gathers), gathers
     tied = [c for c in found if c.source.startswith("tok") and c.kind == "all-gather"]
     assert tied and all(c.axes == ("data",) and c.payload_bytes == table // TP2["tensor"] for c in tied), tied
+    # FSDP's flat parameter under TP: each layer's data-split weights (their tensor shards) are
+    # gathered by one all-gather, in the forward pass and again in the backward pass, and their
+    # gradients leave by one reduce-scatter
+    layer = sum(p.numel() // TP2["tensor"] for p in model.blocks[0].parameters() if p.ndim == 2) * 4
+    flat = sorted((c.kind, c.axes, c.payload_bytes) for c in found if "zero3_flat_gather" in c.source)
+    n = len(model.blocks)
+    assert flat == [("all-gather", ("data",), layer)] * 2 * n + [("reduce-scatter", ("data",), layer)] * n, flat
 
 
 # -- randomised plans -----------------------------------------------------------------------
