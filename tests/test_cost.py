@@ -57,6 +57,23 @@ def test_flops_of_a_matmul_stack_are_exact_and_scans_count_per_iteration():
     assert grads.dot == f.dot + (2 * b * k * n) + layers * 2 * (2 * b * n * n)
 
 
+def test_data_movement_is_counted_in_bytes_apart_from_flops():
+    """A scan's stacked outputs are zero-filled, written and read back, its stacked inputs
+    read; transposes and concatenations copy: memory traffic the step pays, not FLOPs."""
+    b, n, layers = 4, 8, 3
+
+    def program(x, ws):
+        h, hs = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), x, ws)  # hs: (layers, b, n)
+        return jnp.concatenate([h.T, h.T]), hs
+
+    x, ws = jnp.ones((b, n)), jnp.ones((layers, n, n))
+    f = flops.count(jax.make_jaxpr(program)(x, ws))
+    stacked_out, stacked_in, one = 4 * layers * b * n, 4 * layers * n * n, 4 * b * n
+    # read + written: two transposes of h, and the concatenation of twice its size
+    assert f.moved_bytes == 3 * stacked_out + stacked_in + 2 * (2 * one) + 2 * (2 * one)
+    assert f.total == layers * (2 * b * n * n + b * n)  # FLOPs: the matmuls and tanh only
+
+
 def test_flops_of_a_grouped_convolution_are_exact():
     x, w = jnp.ones((2, 6, 10, 10)), jnp.ones((8, 3, 3, 3))    # NCHW, OIHW, 2 groups
     jaxpr = jax.make_jaxpr(lambda x, w: jax.lax.conv_general_dilated(

@@ -6,6 +6,10 @@ Counts the operations an op must do, not what a backend fuses away:
   elementwise     one per output element (add, mul, exp, select, ...); transcendentals also
                   counted apart, as XLA's cost analysis does
   reduce          one per input element (sum, max, argmax, cumulative ops)
+and, apart from FLOPs, the bytes that data-movement ops copy (`moved_bytes`: concatenate, pad,
+transpose, dynamic slices and updates, gathers and scatters, split, copy) and that a scan's
+stacked operands cost (its per-iteration outputs written into (length, ...) buffers, which
+are zero-filled first, and its stacked inputs read): memory traffic with no arithmetic.
 Loops multiply their body by the trip count (scan's `length`); a `while` whose trip count is
 not static counts its body once and is listed in `unknown_loops`. Inside `shard_map` shapes
 are already per device, so xtrain's explicit program gives per-device FLOPs directly.
@@ -27,6 +31,8 @@ ELEMENTWISE = TRANSCENDENTAL | frozenset({
 REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                     "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
                     "reduce_precision"})
+MOVEMENT = frozenset({"concatenate", "pad", "transpose", "dynamic_slice", "dynamic_update_slice", "gather",
+                      "scatter", "scatter-add", "scatter_add", "split", "copy", "copy_p"})
 
 
 @dataclasses.dataclass
@@ -38,6 +44,7 @@ class Flops:
     elementwise: float = 0.0
     transcendental: float = 0.0   # included in `elementwise` too
     reduce: float = 0.0
+    moved_bytes: float = 0.0      # read + written by data movement (not FLOPs: not in `total`)
     unknown_loops: int = 0        # while loops counted once (trip count not static)
     matmul_dtypes: dict = dataclasses.field(default_factory=dict)  # operand dtype -> dot + conv FLOPs
 
@@ -51,7 +58,7 @@ class Flops:
         return self.dot + self.conv + self.elementwise + self.reduce
 
     def add(self, other: "Flops", times: float = 1.0) -> None:
-        for f in ("dot", "conv", "elementwise", "transcendental", "reduce"):
+        for f in ("dot", "conv", "elementwise", "transcendental", "reduce", "moved_bytes"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for dtype, value in other.matmul_dtypes.items():
@@ -65,6 +72,10 @@ class Flops:
 
 def _size(aval) -> int:
     return math.prod(getattr(aval, "shape", ()))
+
+
+def _bytes(avals) -> float:
+    return float(sum(_size(a) * getattr(getattr(a, "dtype", None), "itemsize", 4) for a in avals))
 
 
 def _dot(eqn) -> float:
@@ -107,6 +118,16 @@ def _op(eqn, acc: Flops) -> None:
         acc.transcendental += n if name in TRANSCENDENTAL else 0
     elif name in REDUCE:
         acc.reduce += sum(_size(v.aval) for v in eqn.invars)
+    elif name in MOVEMENT:
+        written = [v.aval for v in eqn.outvars]
+        if name in ("dynamic_update_slice", "scatter", "scatter-add", "scatter_add"):
+            written = [eqn.invars[-1].aval]  # in place: the update
+        acc.moved_bytes += 2 * _bytes(written)  # read and written
+    elif name == "scan":
+        carry, consts = eqn.params["num_carry"], eqn.params["num_consts"]
+        ys = [v.aval for v in eqn.outvars[carry:]]
+        xs = [v.aval for v in eqn.invars[consts + carry:]]
+        acc.moved_bytes += 3 * _bytes(ys) + _bytes(xs)  # zero-fill, write, read back; read
 
 
 def of_eqn(eqn) -> Flops:

@@ -2,7 +2,9 @@
 
     step = compute + exposed communication
 
-compute        matmul FLOPs / peak(dtype) + elementwise and reduction traffic / HBM bandwidth
+compute        matmul FLOPs / peak(dtype) + (elementwise and reduction traffic + bytes that data
+               movement copies: transposes, concatenations, a layer scan's stacked
+               activations) / HBM bandwidth
 communication  per collective, ring cost on the link its group spans: wire bytes / bandwidth +
                ring steps x latency (tree latency, 2 log2 n, where that is fewer steps);
                a group whose devices sit on one instance uses the intra-node link, else the
@@ -129,7 +131,7 @@ def collective_seconds(c: Collective, link: str, profile: HardwareProfile) -> fl
 
 def compute_seconds(flops: Flops, profile: HardwareProfile) -> float:
     matmul = flops.matmul / profile.matmul_flops_per_s(flops.matmul_dtype)
-    return matmul + (flops.elementwise + flops.reduce) * ELEMENT_BYTES / profile.hbm_bytes_per_s
+    return matmul + ((flops.elementwise + flops.reduce) * ELEMENT_BYTES + flops.moved_bytes) / profile.hbm_bytes_per_s
 
 
 def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, float], float, float]:
