@@ -649,7 +649,8 @@ def pow_(ctx: Context, eqn, args):
     a layer scan JAX hoists that loop-invariant cast out of the loop: XLA then sees a pow by
     an unknown value and runs the generic exp/log form."""
     exponent = eqn.invars[1]
-    if (isinstance(exponent, jcore.Literal) and np.ndim(exponent.val) == 0 and args[0].dtype.kind == "f"
+    if (isinstance(exponent, jcore.Literal) and np.ndim(exponent.val) == 0
+            and jnp.issubdtype(args[0].dtype, jnp.floating)
             and float(exponent.val).is_integer() and abs(float(exponent.val)) <= 16):
         x = C.resolve(ctx, args[0])
         return [Sharded(lax.integer_pow(x.value, int(exponent.val)), x.layout, x.shape, x.dtype)]
