@@ -32,7 +32,7 @@ REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "re
                     "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
                     "reduce_precision"})
 MOVEMENT = frozenset({"concatenate", "pad", "transpose", "dynamic_slice", "dynamic_update_slice", "gather",
-                      "scatter", "scatter-add", "scatter_add", "split", "copy", "copy_p"})
+                      "scatter", "scatter-add", "split", "copy", "copy_p"})
 
 
 @dataclasses.dataclass
@@ -120,7 +120,7 @@ def _op(eqn, acc: Flops) -> None:
         acc.reduce += sum(_size(v.aval) for v in eqn.invars)
     elif name in MOVEMENT:
         written = [v.aval for v in eqn.outvars]
-        if name in ("dynamic_update_slice", "scatter", "scatter-add", "scatter_add"):
+        if name in ("dynamic_update_slice", "scatter", "scatter-add"):
             written = [eqn.invars[-1].aval]  # in place: the update
         acc.moved_bytes += 2 * _bytes(written)  # read and written
     elif name == "scan":
