@@ -1,12 +1,13 @@
 """Explicit lowering vs XLA's partitioner, per plan: collective bytes and count, per-device
 memory, step time. One command, one process, 8 emulated CPU devices.
 
-    python benchmarks/plans_explicit_vs_xla.py                  # ~5 minutes on 2 cores
-    python benchmarks/plans_explicit_vs_xla.py --steps 10 --models gpt
+    python benchmarks/plans_explicit_vs_xla.py                  # ~3 minutes on 2 cores
+    python benchmarks/plans_explicit_vs_xla.py --steps 30 --models gpt
 
 For each model (a GPT-2-shaped GPT from examples/gpt_model.py and an HF Llama, both tiny) and
 each plan (ddp, zero(1), zero(2), fsdp = zero(3), megatron TP2 x DP4, megatron + fsdp), both
-lowerings train the same model on the same batches and `step.report()` gives:
+lowerings train the same model on the same batches (the explicit one twice: its default
+layer scan, and scan_layers=False, the layers one after another) and `step.report()` gives:
   bytes    wire bytes per device per step (ring algorithms), summed over collectives; for
            the explicit lowering counted on the emitted program, for XLA read from its
            optimized HLO (the CPU backend may merge several collectives into one)
@@ -52,7 +53,7 @@ class Measure:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -118,7 +119,7 @@ def mesh_and_plan(name: str, model):
     return xtrain.Mesh(**sizes), plan
 
 
-def _compile(model_name: str, plan_name: str, lowering: str):
+def _compile(model_name: str, plan_name: str, lowering: str, scan_layers: bool = True):
     import torch
 
     import xtrain
@@ -127,13 +128,16 @@ def _compile(model_name: str, plan_name: str, lowering: str):
     model = gpt_model() if model_name == "gpt" else llama_model()
     mesh, plan = mesh_and_plan(plan_name, model)
     return xtrain.compile(model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan,
-                          lowering=lowering, loss_fn=None if model_name == "gpt" else lm_loss)
+                          lowering=lowering, loss_fn=None if model_name == "gpt" else lm_loss, scan_layers=scan_layers)
 
 
-def measure_pair(model_name: str, plan_name: str, args) -> tuple[Measure, Measure]:
-    """Both lowerings of one (model, plan), their timed steps interleaved so that load from
-    other processes on the host hits both alike."""
-    steps = [_compile(model_name, plan_name, lowering) for lowering in ("explicit", "xla")]
+VARIANTS = (("explicit", True), ("explicit", False), ("xla", True))  # (lowering, scan_layers)
+
+
+def measure_row(model_name: str, plan_name: str, args) -> list[Measure]:
+    """The explicit lowering (layer scan, then unrolled) and XLA's on one (model, plan), their
+    timed steps interleaved so that load from other processes on the host hits all alike."""
+    steps = [_compile(model_name, plan_name, lowering, scan) for lowering, scan in VARIANTS]
     data = batches(args.warmup + args.steps, args.batch, args.seq, model_name)
     losses, seconds = ([[], []] for _ in range(2))
     for batch in data:
@@ -147,7 +151,7 @@ def measure_pair(model_name: str, plan_name: str, args) -> tuple[Measure, Measur
         out.append(Measure(wire_bytes=sum(c.wire_bytes for c in rep.collectives), count=len(rep.collectives),
                            memory=rep.memory.get("arguments", 0) + rep.memory.get("temporaries", 0),
                            step_ms=1e3 * statistics.median(seconds[i][args.warmup:]), first_loss=losses[i][0]))
-    return out[0], out[1]
+    return out
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -155,14 +159,16 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else ("-" if not a else "inf")
 
 
-def table(rows: list[tuple[str, str, Measure, Measure]]) -> list[str]:
+def table(rows: list[tuple[str, str, list[Measure]]]) -> list[str]:
     lines = ["| model | plan | wire KiB explicit | wire KiB xla | bytes ratio | count explicit | count xla | "
-             "memory KiB explicit | memory KiB xla | step ms explicit | step ms xla | time ratio | loss0 e / x |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for model, plan, e, x in rows:
+             "memory KiB explicit | memory KiB xla | step ms explicit | step ms xla | time ratio | "
+             "memory KiB unrolled | step ms unrolled | unrolled time ratio | loss0 e / x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for model, plan, (e, u, x) in rows:
         lines.append(f"| {model} | {plan} | {e.wire_bytes / 1024:,.1f} | {x.wire_bytes / 1024:,.1f} | "
                      f"{_ratio(e.wire_bytes, x.wire_bytes)} | {e.count} | {x.count} | {e.memory / 1024:,.0f} | "
                      f"{x.memory / 1024:,.0f} | {e.step_ms:.1f} | {x.step_ms:.1f} | {_ratio(e.step_ms, x.step_ms)} | "
+                     f"{u.memory / 1024:,.0f} | {u.step_ms:.1f} | {_ratio(u.step_ms, x.step_ms)} | "
                      f"{e.first_loss:.4f} / {x.first_loss:.4f} |")
     return lines
 
@@ -194,6 +200,9 @@ def header(args, seconds: float) -> list[str]:
         f"interleaved; the 8 devices share "
         f"{os.cpu_count()} cores, so times are noisy and include all devices' compute",
         f"- ratios: explicit / xla (below 1: explicit moves fewer bytes or is faster); total run {seconds:.0f} s",
+        "- unrolled: the explicit lowering with scan_layers=False (the repeated blocks one after another, "
+        "parameters stored per layer; same collectives as the scan), timed in the same interleaved loop; "
+        "its ratio is unrolled / xla",
         f"- command: python benchmarks/plans_explicit_vs_xla.py {' '.join(sys.argv[1:])}".rstrip(),
         "",
     ]
@@ -210,8 +219,7 @@ def main(argv=None) -> None:
     rows = []
     for model in args.models:
         for plan in args.plans:
-            e, x = measure_pair(model, plan, args)
-            rows.append((model, plan, e, x))
+            rows.append((model, plan, measure_row(model, plan, args)))
             print(table(rows)[-1], flush=True)
             jax.clear_caches()
     text = "\n".join(header(args, time.perf_counter() - started) + table(rows)) + "\n"

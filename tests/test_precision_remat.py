@@ -183,8 +183,8 @@ def test_remat_without_a_layer_scan_is_an_error():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
                           plan=xtrain.Plan(remat="full"))
-    with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the layer scan, but MLP has no "
-                                         r"repeated blocks to scan"):
+    with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
+                                         r"MLP has none \(no run of identical blocks.0, blocks.1, ...\); use remat='off'"):
         step(*mlp_batches(n=1)[0])
     with pytest.raises(ValueError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots', 'selective'\]"):
         xtrain.Plan(remat="some")

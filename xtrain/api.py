@@ -66,8 +66,13 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             directory of them), under the module's own names, read shard by shard: each process
             reads only the regions its devices hold, so the model may be built on the meta
             device (`with torch.device("meta"): model = ...`) and never exist whole in memory.
-        scan_layers: lower identical consecutive blocks (blocks.0, blocks.1, ...) as one scan
-            (explicit lowering); compile time then stays flat in depth.
+        scan_layers: the explicit lowering emits identical consecutive blocks (blocks.0,
+            blocks.1, ...) from the first block's equations, gathers each layer's ZeRO-3 shards
+            with one all-gather and checkpoints (remat) each layer. True: as one lax.scan over
+            parameters stored stacked, (L, ...) per block position; compile time stays flat in
+            depth. False: one layer after another, parameters stored per layer; compile time
+            grows with depth, and the program has no stacked residuals to write and read back
+            (faster on some models: see README, "Layer scan").
         clip_grad_norm, accumulate, detect_nan, allow_recompile: see
             `xtrain.step_options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
@@ -86,6 +91,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
 
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    if not isinstance(scan_layers, bool):
+        raise ValueError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks) or False "
+                         "(the blocks one after another)")
     options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, detect_nan=detect_nan,
                           allow_recompile=allow_recompile)
     runtime.init()

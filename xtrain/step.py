@@ -87,7 +87,7 @@ class TrainStep:
         else:
             if plan.remat is not Remat.OFF:
                 raise ValueError(f"Plan(remat={plan.remat.value!r}) checkpoints each layer of the explicit "
-                                 "lowering's layer scan; use lowering='explicit' or remat='off'")
+                                 "lowering's repeated blocks; use lowering='explicit' or remat='off'")
             self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
         self._last_batch: tuple | None = None
         self._compiled_for: list[recompile.Signature] = []  # batch signatures compiled so far

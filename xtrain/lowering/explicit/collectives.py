@@ -83,6 +83,8 @@ class Context:
     memo: dict = dataclasses.field(default_factory=dict)
     remat: "LayerRemat | None" = None  # activation checkpointing of each layer of a layer scan
     regather: "RegatherPolicy | None" = None  # ZeRO-3's re-gather of weights in each layer scan step
+    unroll: bool = False  # repeated blocks emitted one after another instead of as a layer scan
+    layer: tuple[str, str] | None = None  # (block 0's module path, the unrolled layer's) while emitting it
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
@@ -196,17 +198,19 @@ def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
     return None
 
 
-def gather_flat(ctx: Context, params: list[Sharded]) -> list[Sharded]:
+def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False) -> list[Sharded]:
     """ZeRO-3 in a layer scan: gathers one layer's parameter shards over the batch axes with
     one all-gather (FSDP's flat parameter) per group of shards that share dtype, batch axes and
     varying axes, then cuts the result back into tensors. Its transpose is one reduce-scatter
-    of the layer's gradients. Parameters that are not ZeRO-3 shards pass through."""
+    of the layer's gradients. Parameters that are not ZeRO-3 shards pass through.
+    `vectors_apart`: 1-D parameters (norm weights, biases) form groups of their own."""
     out, groups = list(params), {}
     for index, x in enumerate(params):
         found = _zero3_dim(ctx, x)
         if found is not None:
-            groups.setdefault((found[1], str(x.dtype), vma(x.value)), []).append((index, found[0]))
-    for (axes, _, _), members in groups.items():
+            key = (found[1], str(x.dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)
+            groups.setdefault(key, []).append((index, found[0]))
+    for (axes, _, _, _), members in groups.items():
         values = _gather_flat(ctx, [params[i].value for i, _ in members], [d for _, d in members], axes)
         for (index, dim), value in zip(members, values):
             x = params[index]

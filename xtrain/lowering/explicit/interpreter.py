@@ -32,11 +32,27 @@ def _kept(x: Sharded) -> Sharded:
 
 
 def module_path(ctx: Context, eqn, outer: str) -> str:
+    return _module_path(ctx, eqn.source_info.name_stack, outer)
+
+
+def _module_path(ctx: Context, name_stack, outer: str) -> str:
     path = outer
-    for part in str(eqn.source_info.name_stack).split("/"):
+    for part in str(name_stack).split("/"):
         if part in ctx.module_paths:
             path = part
     return path
+
+
+def _renamed(name_stack, old: str, new: str):
+    """`name_stack` with module `old` (and the modules in it) named `new`: block 0's equations
+    emitted for layer k of unrolled repeated blocks carry layer k's module paths."""
+    def one(scope):
+        name = getattr(scope, "name", None)
+        if isinstance(scope, source_info_util.Scope) and (name == old or name.startswith(old + ".")):
+            return source_info_util.Scope(new + name[len(old):])
+        return scope
+
+    return source_info_util.NameStack(tuple(one(scope) for scope in name_stack.stack))
 
 
 def _live(jaxpr, repeated) -> set[int]:
@@ -104,8 +120,9 @@ def _run(ctx: Context, jaxpr, consts, args, repeated) -> list[Sharded]:
             env.update(emit_repeated_blocks(ctx, starts[index], read))
             skip_until = starts[index].stop
             continue
-        ctx.path = module_path(ctx, eqn, outer)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        own = eqn.source_info.name_stack if ctx.layer is None else _renamed(eqn.source_info.name_stack, *ctx.layer)
+        ctx.path = _module_path(ctx, own, outer)
+        name_stack = source_info_util.current_name_stack() + own
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
             outs = rule_for(eqn.primitive)(ctx, eqn, [read(v) for v in eqn.invars])
         if ctx.remat is not None and ctx.remat.keeps(ctx.path):

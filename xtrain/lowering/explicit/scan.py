@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,43 +50,63 @@ def _remat(body, remat, regather: "C.RegatherPolicy | None"):
     return jax.checkpoint(body, policy=regather) if regather is not None else body
 
 
-def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read) -> tuple[Sharded, object]:
-    """One block parameter position: (layer 0's Sharded, the (L, ...) local values the scan
-    runs over). With stacked storage that is the stored parameter itself (no copy); otherwise
-    the layers' values are stacked here, each at block 0's layout."""
+def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
+    """One block parameter position: (layer 0's Sharded, the local values the layers run
+    over). For the scan that is one (L, ...) value: the stored stacked parameter itself (no
+    copy), or else the layers' values stacked here at block 0's layout. Unrolled, it is one
+    value per layer: the per-layer parameters as stored, or the rows of a stacked one."""
     source = blocks.stacked_input(position)
     if source is not None:
         whole = read(source)
         if whole.layout.dims[0] or whole.layout.partial:  # stacked specs never split the layer dim
             raise AssertionError(f"stacked parameter {whole.shape} has its layer dimension split: {whole.layout}")
         layer = Sharded(None, Layout(whole.layout.dims[1:]), whole.shape[1:], whole.dtype, param=whole.param)
-        return layer, whole.value
+        if not unrolled:
+            return layer, [whole.value]
+        # one split, so the backward pass joins the layers' gradients with one concatenate
+        return layer, [row.reshape(row.shape[1:]) for row in lax.split(whole.value, (1,) * blocks.length)]
     layers = [read(layer[position]) for layer in blocks.per_layer]
     layers = [C.relayout(ctx, x, layers[0].layout) for x in layers]
-    return layers[0], jnp.stack([x.value for x in layers])
+    values = [x.value for x in layers]
+    return layers[0], values if unrolled else [jnp.stack(values)]
 
 
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
-    """One lax.scan over the first block's equations; returns the env entries of the last
-    block's outputs."""
+    """The first block's equations run once per layer: as one lax.scan, or, with `ctx.unroll`
+    (compile(scan_layers=False)), emitted once per layer one after another. Both gather each
+    layer's ZeRO-3 shards with one flat all-gather and checkpoint each layer alike. Returns
+    the env entries of the last block's outputs."""
+    unrolled = ctx.unroll
     init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
     shared = [read(v) for v in blocks.shared]
-    first, stacked = zip(*[_layer_position(ctx, blocks, k, read) for k in range(len(blocks.per_layer[0]))]) \
-        if blocks.per_layer[0] else ((), ())
+    positions = [_layer_position(ctx, blocks, k, read, unrolled) for k in range(len(blocks.per_layer[0]))]
+    first = [layer for layer, _ in positions]
     carry_layouts = [x.layout for x in init]
     path = ctx.path
 
-    def body(carry, xs):
+    def body(carry, xs, index=None):
         ctx.path = path
+        ctx.layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
         with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
-            params = C.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)])
+            # unrolled, XLA fuses slices of a gathered flat buffer into backward-pass consumers
+            # (a norm weight read where its gradient is computed), keeping the whole buffer
+            # alive to the end of the step; apart, only the small vectors' buffer stays
+            params = C.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
+                                   vectors_apart=unrolled)
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params
         outs = interpret(ctx, blocks.body, [], ins)
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
+        ctx.layer = None
         return [o.value for o in outs], None
 
-    final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), [x.value for x in init], list(stacked),
-                                      length=blocks.length)
+    final = [x.value for x in init]
+    if unrolled:
+        for k in range(blocks.length):
+            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
+            final, _ = layer(final, [values[k] for _, values in positions])
+    else:
+        final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
+                                          [values[0] for _, values in positions], length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

@@ -84,7 +84,7 @@ class Program:
                    for i, (v, l, a) in enumerate(zip(leaves, layouts, avals))]
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.batch_axes,
                                remat=self.remat if training else None,
-                               regather=self.regather if training else None)
+                               regather=self.regather if training else None, unroll=not self.scan_layers)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, repeated)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -92,15 +92,12 @@ class Program:
         return local
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
-        if self.scan_layers:
-            probe = Context(dict(self.mesh.shape), self.model.module_paths())
-            self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
+        probe = Context(dict(self.mesh.shape), self.model.module_paths())
+        self.repeated = find_repeated_blocks(jaxpr, lambda e: module_path(probe, e, ""), jaxpr.invars[:num_params])
         if self.remat is not None and not self.repeated:
             raise ValueError(
-                f"remat={self.remat.mode.value!r} checkpoints each layer of the layer scan, but "
-                f"{self.model.name} has no repeated blocks to scan"
-                f"{' (scan_layers=False)' if not self.scan_layers else ' (no run of identical blocks.0, blocks.1, ...)'}; "
-                "use remat='off' or scan_layers=True")
+                f"remat={self.remat.mode.value!r} checkpoints each layer of the model's repeated blocks, but "
+                f"{self.model.name} has none (no run of identical blocks.0, blocks.1, ...); use remat='off'")
         return self.repeated
 
 
