@@ -139,7 +139,7 @@ def measure_row(model_name: str, plan_name: str, args) -> list[Measure]:
     timed steps interleaved so that load from other processes on the host hits all alike."""
     steps = [_compile(model_name, plan_name, lowering, scan) for lowering, scan in VARIANTS]
     data = batches(args.warmup + args.steps, args.batch, args.seq, model_name)
-    losses, seconds = ([[], []] for _ in range(2))
+    losses, seconds = ([[] for _ in steps] for _ in range(2))
     for batch in data:
         for i, step in enumerate(steps):
             start = time.perf_counter()
