@@ -24,6 +24,15 @@ def test_gelu_value_and_gradient_match_torch(approximate):
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=2e-5)
 
 
+def test_silu_value_and_gradient_match_torch():
+    y, vjp = jax.vjp(torch_ops._silu, jnp.asarray(X))
+    xt = torch.tensor(X, requires_grad=True)
+    yt = torch.nn.functional.silu(xt)
+    yt.backward(torch.tensor(G))
+    np.testing.assert_allclose(np.asarray(y), yt.detach().numpy(), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=2e-5)
+
+
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(ValueError, match="approximate='erf'"):
         torch_ops._gelu(jnp.asarray(X), approximate="erf")
@@ -81,6 +90,30 @@ def test_gelu_backward_keeps_one_residual():
     matmul's input. JAX's autodiff of the erf formula kept four 32-wide values."""
     torch.manual_seed(0)
     model = TorchModel(_Block())
+    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
+    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    key = jax.random.key_data(jax.random.key(0))
+    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
+    wide = [r.shape for r in jax.tree.leaves(vjp) if getattr(r, "shape", ()) == (4, 6, 32)]
+    assert len(wide) == 2, wide
+
+
+class _SwiGLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 32, bias=False)
+        self.out = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x, y):
+        return (self.out(torch.nn.functional.silu(self.gate(x))) - y).pow(2).mean()
+
+
+def test_silu_backward_keeps_one_residual():
+    """SiLU keeps its slope beside the second matmul's input; JAX's autodiff of x * sigmoid(x)
+    kept the input and the sigmoid as well."""
+    torch.manual_seed(0)
+    model = TorchModel(_SwiGLU())
     params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
     x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
     y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))

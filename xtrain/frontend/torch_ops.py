@@ -1,8 +1,8 @@
 """Lowerings xtrain adds to, or fixes in, torchax's op table.
 
-GELU and layer norm get derivative rules of their own (`jax.custom_jvp`), as torch's
-autograd has: the backward keeps one full-size residual per op (GELU's slope, the norm's
-normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
+GELU, SiLU and layer norm get derivative rules of their own (`jax.custom_jvp`), as torch's
+autograd has: the backward keeps one full-size residual per op (GELU's and SiLU's slope,
+the norm's normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
 forward formula, every intermediate of erf / the normalisation becomes a saved residual;
 inside the layer scan each residual is a stacked (L, ...) buffer written in the forward loop
 and read in the backward loop, which on XLA:CPU cost more than the matmuls around them.
@@ -112,6 +112,19 @@ def _gelu(x, *, approximate="none"):
     return _gelu_core(x, approximate == "tanh")
 
 
+@jax.custom_jvp
+def _silu(x):
+    """aten.silu, x * sigmoid(x), whose backward keeps one residual (the slope)."""
+    return x * jax.nn.sigmoid(x)
+
+
+@_silu.defjvp
+def _silu_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    s = jax.nn.sigmoid(x)
+    return x * s, s * (1.0 + x * (1.0 - s)) * x_dot
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _normalize(x, k: int, eps: float):
     """(x - mean) / std over the last k dims -> (normalized, mean, 1/std), stats keeping dims."""
@@ -187,6 +200,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 _JAX_OVERRIDES = {
     aten.gelu.default: _gelu,
+    aten.silu.default: _silu,
     aten.native_layer_norm.default: _native_layer_norm,
     aten.gather.default: _gather,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
