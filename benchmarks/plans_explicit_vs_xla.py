@@ -196,7 +196,7 @@ def header(args, seconds: float) -> list[str]:
         "- wire bytes: per device per step, ring algorithms (all-reduce 2(n-1)/n, gather/scatter (n-1)/n of the "
         "payload); explicit: counted on the emitted program; xla: parsed from XLA's optimized HLO",
         "- memory: compiled memory analysis, arguments + temporaries per device",
-        f"- step: median of {args.steps} timed steps after {args.warmup} warm-up steps, the two lowerings' steps "
+        f"- step: median of {args.steps} timed steps after {args.warmup} warm-up steps, the three variants' steps "
         f"interleaved; the 8 devices share "
         f"{os.cpu_count()} cores, so times are noisy and include all devices' compute",
         f"- ratios: explicit / xla (below 1: explicit moves fewer bytes or is faster); total run {seconds:.0f} s",
