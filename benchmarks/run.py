@@ -1,7 +1,7 @@
 """The benchmark suite, one command: xtrain side by side with PyTorch and JAX, and the cost model
 checked against measurement. Writes benchmarks/results/benchmarks.md and benchmarks.png.
 
-    python benchmarks/run.py                     # ~9 minutes on a quiet 2-core host
+    python benchmarks/run.py                     # ~13 minutes on a quiet 2-core host
     python benchmarks/run.py --rounds 3 --steps 20 --models gpt-small
 
 Per model (the example GPT at two sizes, HF Llama tiny), interleaved over --rounds rounds
@@ -73,7 +73,7 @@ def configs(nproc: int) -> list[Config]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median then outlasts one disturbed round")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
