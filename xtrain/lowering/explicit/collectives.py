@@ -199,7 +199,7 @@ def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
 
 
 def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False) -> list[Sharded]:
-    """ZeRO-3 in a layer scan: gathers one layer's parameter shards over the batch axes with
+    """ZeRO-3 in repeated blocks: gathers one layer's parameter shards over the batch axes with
     one all-gather (FSDP's flat parameter) per group of shards that share dtype, batch axes and
     varying axes, then cuts the result back into tensors. Its transpose is one reduce-scatter
     of the layer's gradients. Parameters that are not ZeRO-3 shards pass through.

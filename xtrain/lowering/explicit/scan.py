@@ -1,5 +1,6 @@
-"""Loops in the per-device program: the layer scan of repeated blocks, and the rules for
-`scan` / `while` equations of the traced graph. Carries keep one layout across iterations."""
+"""Loops in the per-device program: the layer scan of repeated blocks (or, with
+scan_layers=False, the same blocks emitted one after another), and the rules for `scan` /
+`while` equations of the traced graph. Carries keep one layout across iterations."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,11 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
 
 
 def _remat(body, remat, regather: "C.RegatherPolicy | None"):
-    """The scan body with activation checkpointing per layer (`remat`: a LayerRemat): `full`
+    """One layer's body with activation checkpointing (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
     values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather
-    (`regather`; None = off) saves all but the gathered weights: the backward scan gathers
-    each layer's weights again in that layer's iteration, so no layer's gathered weights
+    (`regather`; None = off) saves all but the gathered weights: the backward pass gathers
+    each layer's weights again where it reaches that layer, so no layer's gathered weights
     outlive it (remat's policies never keep them either)."""
     if remat is not None:
         return jax.checkpoint(body, policy=remat.policy())
