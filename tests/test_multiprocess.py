@@ -127,7 +127,9 @@ def test_without_a_launcher_watching_the_survivor_aborts_on_missed_heartbeats(tm
             proc.kill()
         procs[1].communicate()
     assert procs[0].returncode != 0, rank0
-    assert "rank 0 step 1" in rank0 and "rank 0 step 2" not in rank0, rank0
+    # rank 1 exits right after its step 1; rank 0 may still be inside step 1's all-reduce (a
+    # loaded host: gloo then reports the reset connection) or already waiting in step 2
+    assert "rank 0 step 0" in rank0 and "rank 0 step 2" not in rank0, rank0
     assert "JAX distributed service detected fatal errors" in rank0, rank0[-3000:]
     assert "another task died" in rank0, rank0[-3000:]
     print(f"rank 0 ended {elapsed:.1f} s after it started (heartbeat timeout {heartbeat_s} s)")
