@@ -85,17 +85,22 @@ class _Block(torch.nn.Module):
         return ((x + self.out(torch.nn.functional.gelu(self.fc(self.ln(x))))) - y).pow(2).mean()
 
 
-def test_gelu_backward_keeps_one_residual():
-    """What the backward pass reads, counted by shape: GELU keeps its slope beside the second
-    matmul's input. JAX's autodiff of the erf formula kept four 32-wide values."""
+def hidden_residuals(module: torch.nn.Module) -> list[tuple]:
+    """Shapes of what the backward pass reads that are as wide as the hidden layer (4, 6, 32)."""
     torch.manual_seed(0)
-    model = TorchModel(_Block())
+    model = TorchModel(module)
     params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
     x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
     y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
     key = jax.random.key_data(jax.random.key(0))
     _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
-    wide = [r.shape for r in jax.tree.leaves(vjp) if getattr(r, "shape", ()) == (4, 6, 32)]
+    return [r.shape for r in jax.tree.leaves(vjp) if getattr(r, "shape", ()) == (4, 6, 32)]
+
+
+def test_gelu_backward_keeps_one_residual():
+    """GELU keeps its slope beside the second matmul's input. JAX's autodiff of the erf formula
+    kept four 32-wide values."""
+    wide = hidden_residuals(_Block())
     assert len(wide) == 2, wide
 
 
@@ -112,14 +117,7 @@ class _SwiGLU(torch.nn.Module):
 def test_silu_backward_keeps_one_residual():
     """SiLU keeps its slope beside the second matmul's input; JAX's autodiff of x * sigmoid(x)
     kept the input and the sigmoid as well."""
-    torch.manual_seed(0)
-    model = TorchModel(_SwiGLU())
-    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
-    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    key = jax.random.key_data(jax.random.key(0))
-    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
-    wide = [r.shape for r in jax.tree.leaves(vjp) if getattr(r, "shape", ()) == (4, 6, 32)]
+    wide = hidden_residuals(_SwiGLU())
     assert len(wide) == 2, wide
 
 
