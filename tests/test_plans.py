@@ -213,8 +213,10 @@ def test_tp2_fsdp4_parity_and_lowerings_agree():
     model = case("gpt")[0]
     plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))  # vocab split over tensor x data
     explicit = parity("gpt", TP2, plan)
+    unrolled = parity("gpt", TP2, plan, scan_layers=False)  # the blocks one after another
     xla = parity("gpt", TP2, plan, lowering="xla")
     np.testing.assert_allclose(explicit.losses, xla.losses, rtol=1e-5)
+    np.testing.assert_allclose(unrolled.losses, xla.losses, rtol=1e-5)
 
 
 def test_vocab_parallel_moves_activations_not_the_table():
