@@ -54,18 +54,16 @@ def _remat(body, remat, regather: "C.RegatherPolicy | None"):
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
     """One block parameter position: (layer 0's Sharded, the local values the layers run
     over). For the scan that is one (L, ...) value: the stored stacked parameter itself (no
-    copy), or else the layers' values stacked here at block 0's layout. Unrolled, it is one
-    value per layer: the per-layer parameters as stored, or the rows of a stacked one."""
+    copy), or else the layers' values stacked here at block 0's layout. Unrolled (parameters
+    are then stored per layer), it is one value per layer."""
     source = blocks.stacked_input(position)
     if source is not None:
         whole = read(source)
-        if whole.layout.dims[0] or whole.layout.partial:  # stacked specs never split the layer dim
-            raise AssertionError(f"stacked parameter {whole.shape} has its layer dimension split: {whole.layout}")
+        if unrolled or whole.layout.dims[0] or whole.layout.partial:  # stacked storage goes with the scan
+            raise AssertionError(f"stacked parameter {whole.shape} {whole.layout} in unrolled blocks or with its "
+                                 "layer dimension split")
         layer = Sharded(None, Layout(whole.layout.dims[1:]), whole.shape[1:], whole.dtype, param=whole.param)
-        if not unrolled:
-            return layer, [whole.value]
-        # one split, so the backward pass joins the layers' gradients with one concatenate
-        return layer, [row.reshape(row.shape[1:]) for row in lax.split(whole.value, (1,) * blocks.length)]
+        return layer, [whole.value]
     layers = [read(layer[position]) for layer in blocks.per_layer]
     layers = [C.relayout(ctx, x, layers[0].layout) for x in layers]
     values = [x.value for x in layers]
