@@ -33,6 +33,26 @@ def test_silu_value_and_gradient_match_torch():
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=2e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_value_and_gradient_match_torch(masked):
+    x = X.copy()
+    if masked:  # a causal mask's -inf entries, as attention writes them
+        x[..., 3:] = -np.inf
+    y, vjp = jax.vjp(lambda a: torch_ops._softmax(a, -1), jnp.asarray(x))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.softmax(xt, -1)
+    yt.backward(torch.tensor(G))
+    np.testing.assert_allclose(np.asarray(y), yt.detach().numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=1e-5)
+
+
+def test_softmax_over_a_leading_dim_and_in_a_given_dtype():
+    y = torch_ops._softmax(jnp.asarray(X), 0)
+    np.testing.assert_allclose(np.asarray(y), torch.softmax(torch.tensor(X), 0).numpy(), atol=1e-6)
+    half = torch_ops._softmax_int(jnp.asarray(X, jnp.bfloat16), 1, torch.float32)
+    assert half.dtype == jnp.float32
+
+
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(ValueError, match="approximate='erf'"):
         torch_ops._gelu(jnp.asarray(X), approximate="erf")
@@ -119,6 +139,36 @@ def test_silu_backward_keeps_one_residual():
     kept the input and the sigmoid as well."""
     wide = hidden_residuals(_SwiGLU())
     assert len(wide) == 2, wide
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, bias=False)
+
+    def forward(self, x, y):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        causal = torch.ones(6, 6, dtype=torch.bool).tril()
+        weights = (q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf")).softmax(-1)
+        return ((weights @ v) - y).pow(2).mean()
+
+
+def test_softmax_backward_keeps_only_its_output():
+    """The attention weights are what the backward pass reads of the softmax: its own
+    derivative and the weights @ v product both use them. JAX's autodiff of the formula
+    (jax.nn.softmax without the global jax_softmax_custom_jvp flag) kept the exponentials and
+    the row sums instead, and divided again in the backward."""
+    model = TorchModel(_Attention())
+    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
+    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    key = jax.random.key_data(jax.random.key(0))
+    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
+    kept = [np.asarray(r) for r in jax.tree.leaves(vjp)
+            if getattr(r, "shape", ())[:2] == (4, 6) and r.shape[2:] in ((6,), (1,)) and r.dtype == jnp.float32]
+    kept = [r for r in kept if r.any()]  # masked_fill's tangent keeps a zero array: not the softmax's
+    assert [r.shape for r in kept] == [(4, 6, 6)]
+    np.testing.assert_allclose(kept[0].sum(-1), 1.0, rtol=1e-5)  # rows of probabilities
 
 
 def _sdpa_case(rng, hq=4, hk=4):

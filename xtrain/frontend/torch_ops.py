@@ -1,8 +1,8 @@
 """Lowerings xtrain adds to, or fixes in, torchax's op table.
 
-GELU, SiLU and layer norm get derivative rules of their own (`jax.custom_jvp`), as torch's
-autograd has: the backward keeps one full-size residual per op (GELU's and SiLU's slope,
-the norm's normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
+GELU, SiLU, softmax and layer norm get derivative rules of their own (`jax.custom_jvp`), as
+torch's autograd has: the backward keeps one full-size residual per op (GELU's and SiLU's slope,
+softmax's output, the norm's normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
 forward formula, every intermediate of erf / the normalisation becomes a saved residual;
 inside the layer scan each residual is a stacked (L, ...) buffer written in the forward loop
 and read in the backward loop, which on XLA:CPU cost more than the matmuls around them.
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 import torchax
-from torchax.ops import ops_registry
+from torchax.ops import mappings, ops_registry
 
 aten = torch.ops.aten
 
@@ -125,6 +125,39 @@ def _silu_jvp(primals, tangents):
     return x * s, s * (1.0 + x * (1.0 - s)) * x_dot
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _softmax_core(x, axis: int):
+    shifted = x - lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    unnormalized = jnp.exp(shifted)
+    return unnormalized / jnp.sum(unnormalized, axis=axis, keepdims=True)
+
+
+@_softmax_core.defjvp
+def _softmax_jvp(axis, primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    y = _softmax_core(x, axis)
+    return y, y * (x_dot - jnp.sum(y * x_dot, axis=axis, keepdims=True))
+
+
+def _softmax(x, dim, half_to_float=False):
+    """aten._softmax, whose backward keeps only the output, as torch's does.
+    (jax.nn.softmax, which torchax calls, differentiates the formula unless the global
+    jax_softmax_custom_jvp flag is set: it keeps the exponentials beside the output, a second
+    attention-sized residual per layer.)"""
+    if x.ndim == 0:
+        return jnp.ones_like(x)
+    if half_to_float and x.dtype in (jnp.float16, jnp.bfloat16):
+        x = x.astype(jnp.float32)
+    return _softmax_core(x, dim % x.ndim)
+
+
+def _softmax_int(x, dim, dtype=None):
+    """aten.softmax.int: softmax in `dtype` when given (torch casts the input first)."""
+    if dtype is not None:
+        x = x.astype(mappings.t2j_dtype(dtype))
+    return _softmax(x, dim)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _normalize(x, k: int, eps: float):
     """(x - mean) / std over the last k dims -> (normalized, mean, 1/std), stats keeping dims."""
@@ -190,7 +223,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         scores = jnp.where(mask, scores, -jnp.inf)
     elif mask is not None:
         scores = scores + mask.astype(scores.dtype)
-    weights = jax.nn.softmax(scores, axis=-1)
+    weights = _softmax_core(scores, scores.ndim - 1)
     if dropout_p > 0:
         keep = jax.random.bernoulli(env.get_and_rotate_prng_key(), 1.0 - dropout_p, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0).astype(weights.dtype)
@@ -201,6 +234,8 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 _JAX_OVERRIDES = {
     aten.gelu.default: _gelu,
     aten.silu.default: _silu,
+    aten._softmax.default: _softmax,
+    aten.softmax.int: _softmax_int,
     aten.native_layer_norm.default: _native_layer_norm,
     aten.gather.default: _gather,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
