@@ -53,6 +53,32 @@ def test_softmax_over_a_leading_dim_and_in_a_given_dtype():
     assert half.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_value_and_gradients_match_torch(weighted):
+    w = RNG.standard_normal(8).astype(np.float32)
+    args = [jnp.asarray(X)] + ([jnp.asarray(w)] if weighted else [])
+
+    def loss(x, *weight):
+        return (torch_ops._rms_norm(x, [8], *(weight or (None,)), 1e-6) * G).sum()
+
+    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+    xt = torch.tensor(X, requires_grad=True)
+    wt = torch.tensor(w, requires_grad=True) if weighted else None
+    (torch.nn.functional.rms_norm(xt, (8,), wt, 1e-6) * torch.tensor(G)).sum().backward()
+    for got, want in zip(grads, [xt.grad] + ([wt.grad] if weighted else [])):
+        np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_in_bfloat16_computes_as_torch():
+    """16-bit inputs are normalized in float32 with float32's eps, scaled, then cast back."""
+    x, w = torch.tensor(X).bfloat16(), torch.tensor(G[0, 0]).bfloat16()
+    got = torch_ops._rms_norm(jnp.asarray(x.float().numpy(), jnp.bfloat16), (8,),
+                              jnp.asarray(w.float().numpy(), jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    want = torch.nn.functional.rms_norm(x, (8,), w)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
+
+
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(ValueError, match="approximate='erf'"):
         torch_ops._gelu(jnp.asarray(X), approximate="erf")
@@ -171,6 +197,80 @@ def test_softmax_backward_keeps_only_its_output():
     np.testing.assert_allclose(kept[0].sum(-1), 1.0, rtol=1e-5)  # rows of probabilities
 
 
+def _llama_norm_block(norm_cls):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(16, 32, bias=False)
+            self.norm = norm_cls(32, eps=1e-6)
+            self.down = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x, y):
+            return (self.down(self.norm(self.up(x))) - y).pow(2).mean()
+
+    return Block()
+
+
+def _norm_residuals(module) -> list[np.ndarray]:
+    """The distinct (4, 6, 32) values the backward pass of `_llama_norm_block` reads."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        module.norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
+    model = TorchModel(module)
+    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
+    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
+    key = jax.random.key_data(jax.random.key(0))
+    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
+    distinct: list[np.ndarray] = []
+    for r in jax.tree.leaves(vjp):
+        if getattr(r, "shape", ()) == (4, 6, 32) and not any(np.array_equal(r, d) for d in distinct):
+            distinct.append(np.asarray(r))
+    return distinct
+
+
+def test_hf_rms_norm_modules_get_the_derivative_rule(monkeypatch):
+    """HF's RMSNorm (separate torch ops) is traced through F.rms_norm: the backward reads the
+    normalized input and the scaled one (the next matmul's input), not the input besides.
+    A module whose forward differs keeps its own ops."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+
+    class ScaledRMSNorm(LlamaRMSNorm):  # a forward of its own: not HF Llama's
+        def forward(self, hidden_states):
+            return 2.0 * super().forward(hidden_states)
+
+    for cls in (LlamaRMSNorm, MistralRMSNorm):  # Mistral's is a copy of Llama's
+        with torch_ops.module_rules(_llama_norm_block(cls)) as patched:
+            assert len(patched) == 1
+        assert len(_norm_residuals(_llama_norm_block(cls))) == 2
+    with torch_ops.module_rules(_llama_norm_block(ScaledRMSNorm)) as patched:
+        assert patched == []
+    monkeypatch.setattr(torch_ops, "_hf_rms_norm_code", lambda: None)  # the rule off: torch's ops
+    assert len(_norm_residuals(_llama_norm_block(LlamaRMSNorm))) == 4  # + the input and 2 x (pow's slope)
+
+
+def test_hf_rms_norm_rule_matches_torch_and_leaves_the_module_as_it_was():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    block = _llama_norm_block(LlamaRMSNorm)
+    with torch.no_grad():
+        block.norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
+    model = TorchModel(block)
+    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
+    x = RNG.standard_normal((4, 6, 16)).astype(np.float32)
+    y = RNG.standard_normal((4, 6, 16)).astype(np.float32)
+    key = jax.random.key_data(jax.random.key(0))
+    loss, grads = jax.value_and_grad(
+        lambda p: model.apply(p, model.initial_buffers(), key, (jnp.asarray(x), jnp.asarray(y)), training=True)[0])(params)
+    want = block(torch.tensor(x), torch.tensor(y))
+    want.backward()
+    np.testing.assert_allclose(float(loss), want.item(), rtol=1e-6)
+    for name in ("norm.weight", "up.weight"):
+        np.testing.assert_allclose(np.asarray(grads[name]), block.get_parameter(name).grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert "forward" not in vars(block.norm)  # the patch is undone after tracing
+
+
 def _sdpa_case(rng, hq=4, hk=4):
     q = rng.standard_normal((2, hq, 5, 8)).astype(np.float32)
     k = rng.standard_normal((2, hk, 6, 8)).astype(np.float32)
@@ -235,8 +335,22 @@ def test_tensor_parallel_attention_stays_on_local_heads():
     step(*batches[0])
     inside = [c for c in step.report().collectives if "tensor" in c.axes and "scaled_dot_product" in c.source]
     assert not inside, [(c.kind, c.source) for c in inside]
-    # RMSNorm's x.pow(2) runs as integer_pow (a multiply): as a pow, the layer scan hoisted
-    # the cast exponent out of the loop and XLA:CPU ran exp/log on every activation
+    # RMSNorm runs through its derivative rule (F.rms_norm): no pow in the layer scan at all
+    pows = _layer_scan_pows(step.program(*batches[0]).jaxpr)
+    assert not pows, pows
+
+
+def test_a_squaring_pow_in_the_layer_scan_is_integer_pow(monkeypatch):
+    """x.pow(2) (here HF Llama's RMSNorm with the module rule off) runs as integer_pow, a
+    multiply: as a pow, the layer scan hoisted the cast exponent out of the loop and XLA:CPU
+    ran exp/log on every activation."""
+    import xtrain
+    from test_hf_models import adamw, lm_batches, lm_loss, llama
+
+    monkeypatch.setattr(torch_ops, "_hf_rms_norm_code", lambda: None)
+    torch.manual_seed(0)
+    model, batches = llama(), lm_batches()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=lm_loss)
     pows = _layer_scan_pows(step.program(*batches[0]).jaxpr)
     assert "pow" not in pows and pows.get("integer_pow"), pows
 

@@ -206,7 +206,7 @@ class TorchModel(Model):
         # Factory calls without a device (torch.arange(t), torch.ones(...)) must build traced
         # arrays, not host tensors: make "jax" the default device while tracing.
         with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
-                _training_mode(self.module, training):
+                _training_mode(self.module, training), torch_ops.module_rules(self.module):
             t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
             full = {**t_params, **t_buffers}
             for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():

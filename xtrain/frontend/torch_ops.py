@@ -1,11 +1,15 @@
 """Lowerings xtrain adds to, or fixes in, torchax's op table.
 
-GELU, SiLU, softmax and layer norm get derivative rules of their own (`jax.custom_jvp`), as
-torch's autograd has: the backward keeps one full-size residual per op (GELU's and SiLU's slope,
-softmax's output, the norm's normalized input) and computes the gradient in one pass. Under JAX's own autodiff of the
-forward formula, every intermediate of erf / the normalisation becomes a saved residual;
-inside the layer scan each residual is a stacked (L, ...) buffer written in the forward loop
-and read in the backward loop, which on XLA:CPU cost more than the matmuls around them.
+GELU, SiLU, softmax, layer norm and RMS norm get derivative rules of their own
+(`jax.custom_jvp`), as torch's autograd has: the backward keeps one full-size residual per op
+(GELU's and SiLU's slope, softmax's output, the norms' normalized input) and computes the
+gradient in one pass. HF writes its RMSNorm modules as separate torch ops, so modules whose
+forward is exactly HF Llama's RMSNorm (the same bytecode: Llama, Mistral, Qwen2/3, Phi-3, ...)
+are traced through F.rms_norm instead (`module_rules`), which gets the rule. Under JAX's own
+autodiff of the forward formula, every intermediate of erf / the normalisation becomes a saved
+residual; inside the layer scan each residual is a stacked (L, ...) buffer written in the
+forward loop and read in the backward loop, which on XLA:CPU cost more than the matmuls around
+them.
 Scaled dot-product attention keeps the heads as a batch dim (see `_sdpa`).
 
 torchax 0.0.14's batch norm computes new running statistics but never writes them back,
@@ -15,8 +19,10 @@ running buffers in place, as eager torch does.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +197,78 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     return out, mean, rstd
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _rms_normalize(x, k: int, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last k dims."""
+    axes = tuple(range(x.ndim - k, x.ndim))
+    return x * lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
+
+
+@_rms_normalize.defjvp
+def _rms_normalize_jvp(k, eps, primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    axes = tuple(range(x.ndim - k, x.ndim))
+    rstd = lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
+    xhat = x * rstd
+    return xhat, rstd * (x_dot - xhat * jnp.mean(x_dot * xhat, axis=axes, keepdims=True))
+
+
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    """F.rms_norm as torch computes it: in float32 for 16-bit inputs (eps defaulting to
+    float32's), the weight applied before the cast back. The backward keeps the normalized
+    input and 1/rms, not the input as well."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    compute = jnp.float32 if input.dtype in (jnp.bfloat16, jnp.float16) else input.dtype
+    eps = float(jnp.finfo(compute).eps) if eps is None else float(eps)
+    out = _rms_normalize(input.astype(compute), k, eps)
+    if weight is not None:
+        out = out * weight.astype(compute)
+    return out.astype(input.dtype)
+
+
+def _code(fn) -> tuple | None:
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
+
+
+def _hf_rms_norm_code() -> tuple | None:
+    """The bytecode of HF Llama's RMSNorm.forward, if transformers is in use."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.models.llama import modeling_llama
+    except ImportError:
+        return None
+    return _code(modeling_llama.LlamaRMSNorm.forward)
+
+
+def _hf_rms_norm_forward(module, hidden_states):
+    """HF's RMSNorm (normalize in float32, cast back, then scale) through F.rms_norm."""
+    dtype = hidden_states.dtype
+    normalized = torch.nn.functional.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],),
+                                              None, module.variance_epsilon)
+    return module.weight * normalized.to(dtype)
+
+
+@contextlib.contextmanager
+def module_rules(root: torch.nn.Module):
+    """While tracing, modules whose forward is HF Llama's RMSNorm, to the bytecode, run
+    `_hf_rms_norm_forward` (same arithmetic, one op with a derivative rule). Modules with a
+    forward of their own (an instance attribute: hooks, adapters) are left alone."""
+    reference = _hf_rms_norm_code()
+    patched = []
+    if reference is not None:
+        for module in root.modules():
+            if "forward" not in vars(module) and _code(type(module).forward) == reference:
+                module.forward = functools.partial(_hf_rms_norm_forward, module)
+                patched.append(module)
+    try:
+        yield patched
+    finally:
+        for module in patched:
+            del module.forward
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False, env=None):
     """F.scaled_dot_product_attention on (..., heads, length, dim) arrays, heads kept as a batch
@@ -239,6 +317,7 @@ _JAX_OVERRIDES = {
     aten.native_layer_norm.default: _native_layer_norm,
     aten.gather.default: _gather,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
+    torch.nn.functional.rms_norm: _rms_norm,
     torch.matmul: _matmul,
     torch.Tensor.matmul: _matmul,
     torch.Tensor.__matmul__: _matmul,
