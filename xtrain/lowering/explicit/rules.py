@@ -542,7 +542,13 @@ def custom_jvp(ctx: Context, eqn, args):
     def f_jvp(primals, tangents):
         jaxpr, jconsts, out_zeros = _trace_jvp(eqn, jvp_fun, len(prims))
         ctx.path = path
-        outs = interpret(ctx, jaxpr, jconsts, with_values(prims, primals) + with_values(prims, tangents))
+        # remat='selective' tags nothing inside the rule: its tangents are linear, and a tag
+        # (checkpoint_name) on them has no transpose; the rule's outputs are tagged outside
+        remat, ctx.remat = ctx.remat, None
+        try:
+            outs = interpret(ctx, jaxpr, jconsts, with_values(prims, primals) + with_values(prims, tangents))
+        finally:
+            ctx.remat = remat
         n = len(out_zeros)
         want = layouts or [o.layout for o in outs[:n]]
         p_out = [C.relayout(ctx, o, l) for o, l in zip(outs[:n], want)]
