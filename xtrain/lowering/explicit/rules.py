@@ -378,9 +378,25 @@ def dot_general(ctx: Context, eqn, args):
     lhs, rhs = _free_dims_clash(ctx, lhs, rhs, lfree, rfree)
     dims = [lhs.layout.dims[d] for d in lb] + [lhs.layout.dims[d] for d in lfree] + [rhs.layout.dims[d] for d in rfree]
     partial = lhs.layout.partial + rhs.layout.partial + tuple(a for d in lc for a in lhs.layout.dims[d])
-    out = _bind(ctx, eqn, [lhs.value, rhs.value], out_sharding=None) if "out_sharding" in eqn.params \
-        else _bind(ctx, eqn, [lhs.value, rhs.value])
-    return _wrap(eqn, out, [Layout(tuple(dims), partial)])
+    return _wrap(eqn, [_local_dot(ctx, eqn, lhs.value, rhs.value)], [Layout(tuple(dims), partial)])
+
+
+def _local_dot(ctx: Context, eqn, x, y):
+    """The equation's dot_general on the local values. An activation times a weight (no batch
+    dims, x contracted on its last dim only) runs on x flattened to 2-D (tokens, features):
+    the weight's gradient is then one 2-D product contracting the tokens, which XLA:CPU runs
+    on the output gradient in place. On the N-D form its dot canonicalisation copied the output
+    gradient transposed, and fused into that copy every elementwise op that produced the
+    gradient (the norms' backward; with the blocks unrolled, across layers, again per copy)."""
+    extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    if lb or tuple(lc) != (x.ndim - 1,) or x.ndim < 3:
+        return _bind(ctx, eqn, [x, y], **extra)[0]
+    x, y = _same_vma(ctx, [x, y])  # before the reshape: one cast of x (ctx caches it), so one
+    # sum of its gradient over the cast's axes for every product reading x (q, k and v's)
+    flat = _bind(ctx, eqn, [x.reshape(-1, x.shape[-1]), y], dimension_numbers=(((1,), tuple(rc)), ((), ())),
+                 **extra)[0]
+    return flat.reshape(*x.shape[:-1], *flat.shape[1:])
 
 
 def conv(ctx: Context, eqn, args):
