@@ -131,8 +131,8 @@ class _Block(torch.nn.Module):
         return ((x + self.out(torch.nn.functional.gelu(self.fc(self.ln(x))))) - y).pow(2).mean()
 
 
-def hidden_residuals(module: torch.nn.Module) -> list[tuple]:
-    """Shapes of what the backward pass reads that are as wide as the hidden layer (4, 6, 32)."""
+def backward_residuals(module: torch.nn.Module) -> list:
+    """The arrays the backward pass of `module(x, y)` reads, x and y of shape (4, 6, 16)."""
     torch.manual_seed(0)
     model = TorchModel(module)
     params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
@@ -140,7 +140,12 @@ def hidden_residuals(module: torch.nn.Module) -> list[tuple]:
     y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
     key = jax.random.key_data(jax.random.key(0))
     _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
-    return [r.shape for r in jax.tree.leaves(vjp) if getattr(r, "shape", ()) == (4, 6, 32)]
+    return [r for r in jax.tree.leaves(vjp) if hasattr(r, "shape")]
+
+
+def hidden_residuals(module: torch.nn.Module) -> list[tuple]:
+    """Shapes of what the backward pass reads that are as wide as the hidden layer (4, 6, 32)."""
+    return [r.shape for r in backward_residuals(module) if r.shape == (4, 6, 32)]
 
 
 def test_gelu_backward_keeps_one_residual():
@@ -184,14 +189,8 @@ def test_softmax_backward_keeps_only_its_output():
     derivative and the weights @ v product both use them. JAX's autodiff of the formula
     (jax.nn.softmax without the global jax_softmax_custom_jvp flag) kept the exponentials and
     the row sums instead, and divided again in the backward."""
-    model = TorchModel(_Attention())
-    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
-    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    key = jax.random.key_data(jax.random.key(0))
-    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
-    kept = [np.asarray(r) for r in jax.tree.leaves(vjp)
-            if getattr(r, "shape", ())[:2] == (4, 6) and r.shape[2:] in ((6,), (1,)) and r.dtype == jnp.float32]
+    kept = [np.asarray(r) for r in backward_residuals(_Attention())
+            if r.shape[:2] == (4, 6) and r.shape[2:] in ((6,), (1,)) and r.dtype == jnp.float32]
     kept = [r for r in kept if r.any()]  # masked_fill's tangent keeps a zero array: not the softmax's
     assert [r.shape for r in kept] == [(4, 6, 6)]
     np.testing.assert_allclose(kept[0].sum(-1), 1.0, rtol=1e-5)  # rows of probabilities
@@ -213,18 +212,11 @@ def _llama_norm_block(norm_cls):
 
 def _norm_residuals(module) -> list[np.ndarray]:
     """The distinct (4, 6, 32) values the backward pass of `_llama_norm_block` reads."""
-    torch.manual_seed(0)
     with torch.no_grad():
         module.norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
-    model = TorchModel(module)
-    params = {n: jnp.asarray(v) for n, v in model.initial_params().items()}
-    x = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    y = jnp.asarray(RNG.standard_normal((4, 6, 16)).astype(np.float32))
-    key = jax.random.key_data(jax.random.key(0))
-    _, vjp = jax.vjp(lambda p: model.apply(p, model.initial_buffers(), key, (x, y), training=True)[0], params)
     distinct: list[np.ndarray] = []
-    for r in jax.tree.leaves(vjp):
-        if getattr(r, "shape", ()) == (4, 6, 32) and not any(np.array_equal(r, d) for d in distinct):
+    for r in backward_residuals(module):
+        if r.shape == (4, 6, 32) and not any(np.array_equal(r, d) for d in distinct):
             distinct.append(np.asarray(r))
     return distinct
 
