@@ -9,6 +9,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import xtrain
+from xtrain.frontend import stacked
 from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, token_batches
@@ -169,11 +170,31 @@ def test_unrolled_zero3_keeps_one_layer_gathered_like_the_scan():
     assert temporaries[False] < 1.35 * temporaries[True], temporaries
 
 
-@pytest.mark.parametrize("bad", ["auto", 1, None])
-def test_scan_layers_takes_a_bool(bad):
+@pytest.mark.parametrize("bad", ["scan", 1, None])
+def test_scan_layers_takes_a_bool_or_auto(bad):
     model = GPT()
-    with pytest.raises(ValueError, match=r"scan_layers=.*: use True \(one scan over the repeated blocks\) or False"):
+    with pytest.raises(ValueError, match=r"scan_layers=.*: use True \(one scan over the repeated blocks\), False"):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), scan_layers=bad)
+
+
+def test_auto_unrolls_shallow_models_on_one_device_per_process():
+    names = [f"blocks.{k}.attn.weight" for k in range(8)] + ["blocks.0.extra.bias", "head.weight"]
+    deep = names + ["blocks.8.attn.weight"]
+    assert stacked.depth(names) == 8 and stacked.depth(deep) == 9 and stacked.depth(["head.weight"]) == 0
+    assert stacked.scan_layers_for("auto", names, "gpu", 1) is False
+    assert stacked.scan_layers_for("auto", names, "cpu", 1) is False
+    assert stacked.scan_layers_for("auto", deep, "cpu", 1) is True
+    assert stacked.scan_layers_for("auto", names, "cpu", 8) is True  # emulated devices share the cores
+    assert stacked.scan_layers_for("auto", names, "gpu", 8) is False
+    assert stacked.scan_layers_for(True, names, "gpu", 1) is True
+    assert stacked.scan_layers_for(False, deep, "cpu", 8) is False
+
+
+def test_default_scans_on_this_emulated_host():
+    model = GPT()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
+    assert step.scan_layers is True
+    assert any(stacked.is_stacked(n) for n in step.state.params)
 
 
 class Uneven(nn.Module):

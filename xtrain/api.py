@@ -36,7 +36,7 @@ def _jax_model(fn, params, optimizer):
 
 def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan: Plan | str | None = None,
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
-            lowering: str = "explicit", grad_sync=None, scan_layers: bool = True,
+            lowering: str = "explicit", grad_sync=None, scan_layers: bool | str = "auto",
             zero3_regather: bool | None = None, init_from: str | None = None,
             clip_grad_norm: float | None = None, accumulate: int = 1, detect_nan: bool = False,
             allow_recompile: bool = False):
@@ -71,9 +71,11 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             with one all-gather and checkpoints (remat) each layer. True: as one lax.scan over
             parameters stored stacked, (L, ...) per block position; compile time stays flat in
             depth. False: one layer after another, parameters stored per layer; compile time
-            grows with depth, and the program has no stacked residuals to write and read back
-            (on one CPU device it runs the 2-layer GPT example about 10% faster; on 8 emulated
-            devices the scan is as fast or faster: benchmarks/results/plans_explicit_vs_xla.md).
+            grows with depth, and the program has no stacked residuals to write and read back,
+            and each gradient bucket's all-reduce can start once its own layers' gradients
+            exist. "auto" (default): unrolled up to 8 layers, scanned beyond, and scanned on a
+            host emulating several CPU devices in one process (measured reasons and figures:
+            `xtrain.frontend.stacked.scan_layers_for`). `step.scan_layers` says which was used.
         clip_grad_norm, accumulate, detect_nan, allow_recompile: see
             `xtrain.step_options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
@@ -92,9 +94,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
 
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
-    if not isinstance(scan_layers, bool):
-        raise ValueError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks) or False "
-                         "(the blocks one after another)")
+    if not isinstance(scan_layers, bool) and scan_layers != "auto":
+        raise ValueError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks), False "
+                         "(the blocks one after another) or 'auto' (unrolled up to 8 layers)")
     options = StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate, detect_nan=detect_nan,
                           allow_recompile=allow_recompile)
     runtime.init()

@@ -44,7 +44,7 @@ class TrainStep:
 
     def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
                  tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
-                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool = True,
+                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool | str = "auto",
                  zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None,
                  options: StepOptions = StepOptions(), learning_rates: LearningRates | None = None):
         model = precision.apply_policy(model, plan.precision)
@@ -59,6 +59,9 @@ class TrainStep:
         self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
             shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
         self.model, self.stacking = model, stacked.Stacking({})
+        self.scan_layers = stacked.scan_layers_for(scan_layers, shapes, jax.devices()[0].platform,
+                                                   jax.local_device_count())
+        scan_layers = self.scan_layers
         if stacked.wanted(scan_layers, plan.pipeline, learning_rates is not None):
             stored = stacked.stack_blocks(model, self.param_specs, self.optimizer_specs, optimized,
                                           learning_rates.groups)

@@ -173,6 +173,38 @@ class StackedModel(Model):
         return self.inner.export_state(self.stacking.unstack_dict(params), buffers)
 
 
+UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (compile time about 2x the scan's)
+
+
+def depth(names: Iterable[str]) -> int:
+    """Layers of the deepest numbered family in `names` (blocks.0.*, blocks.1.*, ...); 0 if none."""
+    layers: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        if (fam := family(name)) is not None:
+            layers[fam[0]].add(fam[1])
+    return max((len(v) for v in layers.values()), default=0)
+
+
+def scan_layers_for(setting: bool | str, names: Iterable[str], platform: str, local_devices: int) -> bool:
+    """compile(scan_layers=...) resolved: True/False as given; "auto" unrolls a model of at most
+    UNROLL_MAX_LAYERS layers and scans deeper ones, except on a host emulating several CPU
+    devices in one process, which scans.
+
+    Why (measured on a 2-core CPU host, benchmarks/results/): unrolled, a layer's residuals are
+    plain buffers, where the scan zero-fills stacked buffers, copies each layer's residuals in
+    and slices them back out (17 of 133 ms per step of the 4-layer GPT at d_model 256 on one
+    device), and a gradient bucket's all-reduce depends only on its own layers, where after a
+    scan every bucket waits for the whole backward pass. The scan keeps compile time flat in
+    depth: 8 unrolled layers compile in about twice the time of 2 (compile_depth.md). Devices
+    emulated in one process share its cores; there the scan measured as fast or faster
+    (plans_explicit_vs_xla.md: ZeRO-2 0.88 of XLA's time scanned, 1.01 unrolled)."""
+    if setting != "auto":
+        return bool(setting)
+    if platform == "cpu" and local_devices > 1:
+        return True
+    return depth(names) > UNROLL_MAX_LAYERS
+
+
 def wanted(scan_layers: bool, pipeline: Any, torch_optimizer: bool) -> bool:
     """Stacked storage goes with the layer scan (scan_layers=True), for optimizers xtrain
     translated from torch (a user's optax transformation may depend on the parameter tree's
