@@ -121,7 +121,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
-                                zero, tx, grad_tx)
+                                zero, tx, grad_tx, bucket_bytes=sync.bucket_bytes)
     zero3 = any(set(_axes_of(e)) & set(program.batch_axes) for spec in param_specs.values() for e in spec)
     program.regather = C.RegatherPolicy(program.batch_axes) if zero3 and regather else None
     # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them

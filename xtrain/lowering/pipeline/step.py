@@ -310,7 +310,7 @@ def build(model: Model, tx: optax.GradientTransformation, shardings: TrainState,
     grad_axes = {n: tuple(a for a in program.batch_axes if a not in {x for e in param_specs[n] for x in _axes_of(e)})
                  for n in param_specs}
     update = zero_update.Update(dict(mesh.shape), program.batch_axes, param_specs, optimizer_specs or param_specs,
-                                zero, tx, grad_tx)
+                                zero, tx, grad_tx, bucket_bytes=sync.bucket_bytes)
 
     def global_args(state, batch):
         return (_layer_shapes({**state.params, **state.frozen}, storage),
