@@ -10,7 +10,10 @@ each tensor is cut into one block per device along its split dimension, laid out
 (n, block), the rows of a bucket's tensors side by side, and one reduce-scatter / all-gather
 moves the whole bucket. A collective has a fixed cost on every backend (a launch; on XLA:CPU
 with gloo about 1-4 ms), so one per tensor per layer made ZeRO-1 on the 4-layer GPT unrolled
-over 2 processes 1.7x slower than data parallel.
+over 2 processes 1.7x slower than data parallel. The price is memory: a ZeRO-2 bucket's
+gradients all exist whole before its reduce-scatter (at most `bucket_bytes` more than
+scattering tensor by tensor; a smaller `GradSync(bucket_bytes=...)` trades collectives back
+for memory).
 """
 from __future__ import annotations
 
