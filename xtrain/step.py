@@ -59,10 +59,9 @@ class TrainStep:
         self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
             shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
         self.model, self.stacking = model, stacked.Stacking({})
-        self.scan_layers = stacked.scan_layers_for(scan_layers, shapes, jax.devices()[0].platform,
+        self.scan_layers = stacked.scan_layers_for(scan_layers, shapes, mesh.devices.flat[0].platform,
                                                    jax.local_device_count())
-        scan_layers = self.scan_layers
-        if stacked.wanted(scan_layers, plan.pipeline, learning_rates is not None):
+        if stacked.wanted(self.scan_layers, plan.pipeline, learning_rates is not None):
             stored = stacked.stack_blocks(model, self.param_specs, self.optimizer_specs, optimized,
                                           learning_rates.groups)
             self.model, self.stacking, optimized = stored.model, stored.stacking, stored.optimized
@@ -84,7 +83,7 @@ class TrainStep:
             self._build = functools.partial(
                 explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
                 grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
+                self.scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
                 regather=zero3_regather is not False, grad_tx=grad_tx)
             self._train, self._eval, self._program = self._build(options=options, remat=plan.layer_remat())
         else:

@@ -85,7 +85,7 @@ class Update:
         return index
 
     def _slice(self, x, dim):
-        local = x.shape[dim] // math.prod(self.sizes[a] for a in self.data_axes)
+        local = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self._offset() * local, local, axis=dim)
 
     def _buckets(self, values: Mapping[str, jax.Array], whole_bytes) -> list[list[str]]:
@@ -104,7 +104,7 @@ class Update:
             with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 rows = [_rows(grads[n], split[n], self.n) for n in bucket]
                 mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), self.data_axes, scatter_dimension=0)
-                for n, block, r in zip(bucket, _split_columns(mine, [r.shape[1] for r in rows]), rows):
+                for n, block in zip(bucket, _split_columns(mine, [r.shape[1] for r in rows])):
                     shape = list(grads[n].shape)
                     shape[split[n]] //= self.n
                     out[n] = block.reshape(shape)
