@@ -41,6 +41,15 @@ def test_tensor_parallel_with_zero3_matches_torch_in_both_lowerings():
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_zero1_and_zero2_unrolled_match_torch(stage):
+    # what scan_layers="auto" runs with one device per process: per-layer tensors, many of them
+    # in one bucket
+    model, batches, reference = gpt_case()
+    assert_parity(run_parity(model, adamw, batches, xtrain.Mesh(data=8), plan=xtrain.Plan(zero=stage),
+                             reference=reference, scan_layers=False))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_tensor_parallel_with_zero1_and_zero2_matches_torch(stage):
     # Megatron splits weights on the tensor axis; ZeRO cuts each local block again over data,
     # on whichever dimension is left: the bucketed collectives reassemble blocks of any dim
