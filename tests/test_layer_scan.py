@@ -195,6 +195,11 @@ def test_default_scans_on_this_emulated_host():
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     assert step.scan_layers is True
     assert any(stacked.is_stacked(n) for n in step.state.params)
+    batch = token_batches(n=1, batch=8)[0]
+    assert "repeated blocks (2 layers) run as one layer scan (scan_layers='auto')" in step.report(*batch).notes
+    unrolled = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), scan_layers=False)
+    assert "repeated blocks (2 layers) run unrolled, one after another (scan_layers=False)" in \
+        unrolled.report(*batch).notes
 
 
 class Uneven(nn.Module):

@@ -61,6 +61,9 @@ class TrainStep:
         self.model, self.stacking = model, stacked.Stacking({})
         self.scan_layers = stacked.scan_layers_for(scan_layers, shapes, mesh.devices.flat[0].platform,
                                                    jax.local_device_count())
+        self._layers_note = (f"repeated blocks ({stacked.depth(shapes)} layers) run "
+                             f"{'as one layer scan' if self.scan_layers else 'unrolled, one after another'} "
+                             f"(scan_layers={scan_layers!r})")
         if stacked.wanted(self.scan_layers, plan.pipeline, learning_rates is not None):
             stored = stacked.stack_blocks(model, self.param_specs, self.optimizer_specs, optimized,
                                           learning_rates.groups)
@@ -372,6 +375,7 @@ class TrainStep:
             notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
         if self.lowering == "explicit":
             found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
+            notes += [self._layers_note] if self.plan.pipeline is None else []
             notes += self._stacking_notes()
             notes += self._program.describe() if self.plan.pipeline is not None else []
             for prim, paths in sorted(self._program.ctx.fallbacks.items()):
