@@ -49,7 +49,10 @@ def main() -> None:
     import torch
 
     import xtrain
-    from xtrain.cost import flops, hardware, search
+    from xtrain.cost import hardware, search
+    from xtrain.frontend.torch_module import wrap
+    from xtrain.step import host_batch
+    from xtrain.ir import flops
 
     xtrain.init()
     profile = hardware.emulated(8)
@@ -57,14 +60,16 @@ def main() -> None:
     data = bench_common.batches(args)
     candidates = [search.Candidate(**p) for p in PLANS]
     opt = lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01)  # noqa: E731
-    predicted = search.search_torch(model, opt(model), data[0], profile, 8, candidate_list=candidates,
-                                    regather=False,  # the CPU runtime keeps ZeRO-3 weights (xtrain.step)
-                                    prune_remat=False)
+    trainable = wrap(model, opt(model))
+    predicted = search.search(trainable.model, trainable.tx, host_batch(data[0]), profile, 8,
+                              structure=trainable.structure, candidate_list=candidates,
+                              regather=False,  # the CPU runtime keeps ZeRO-3 weights (xtrain.step)
+                              prune_remat=False)
     steps, compile_s = {}, {}
     for c in candidates:
         m = copy.deepcopy(model)
         start = time.perf_counter()
-        steps[c] = xtrain.compile(m, xtrain.Mesh(**c.mesh), optimizer=opt(m), plan=c.plan(m))
+        steps[c] = xtrain.compile(m, xtrain.Mesh(**c.mesh), optimizer=opt(m), plan=c.plan(trainable.structure))
         steps[c](*data[0])
         compile_s[c] = time.perf_counter() - start
     times = {c: [] for c in candidates}

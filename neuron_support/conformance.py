@@ -5,9 +5,12 @@
 Every finding names the rule, the HLO op, where it came from (the op_name metadata: jaxpr
 path and, for torch models, the aten op; plus the user's file:line when recorded) and the fix.
 
-Facts are from /work/shared/docs/PLATFORM.md ("Trainium (Neuron)"): permitted replica groups
-inside a trn1 node, the cap on distinct replica groups per program, permutes only around
-rings of adjacent ranks, and the ops and dtypes Neuron does not support. The program read is
+Facts are from the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com): permitted
+replica groups inside a trn1 node and permutes only around rings of adjacent ranks ("Neuron
+Collective Communication"), the cap on distinct replica groups per program (the Neuron
+runtime's NEC_MAX_COMM_N; 16 in older releases), and the ops and dtypes Neuron does not support
+("JAX NeuronX" known issues: lax.cond, dynamic while loops, host callbacks, complex and fp64,
+int64 narrowed to int32). The program read is
 XLA's optimized HLO for the backend it was compiled for (CPU in emulation): CPU passes may
 merge collectives, but they neither add nor remove the ops these rules look at.
 """
@@ -19,7 +22,7 @@ from typing import Callable, Iterable
 
 from neuron_support import topology
 from neuron_support.hlo import Instruction, Module, parse
-from xtrain.lowering.report import _groups as replica_groups_of  # the one parser of HLO groups
+from xtrain.ir.hlo import replica_groups as replica_groups_of  # the one parser of HLO groups
 
 # Distinct replica groups one compiled program may use, by Neuron runtime. Which releases moved
 # from one to the other is not recorded here; the stricter limit is the default.

@@ -103,6 +103,19 @@ def virtual_cluster(spec: str, devices: int | None = None) -> VirtualCluster:
     return VirtualCluster(instance=t, nodes=nodes, devices_per_node=per_node)
 
 
+_CURRENT: list[VirtualCluster] = []  # the cluster this process flies (xtrain.init(emulate=...))
+
+
+def use(cluster: VirtualCluster | None) -> None:
+    """Makes `cluster` the one this process emulates (`check_step`'s default)."""
+    _CURRENT[:] = [cluster] if cluster is not None else []
+
+
+def current() -> VirtualCluster | None:
+    """The cluster this process emulates, if any."""
+    return _CURRENT[0] if _CURRENT else None
+
+
 def device_order(compiled) -> list[int] | None:
     """Physical device id of every logical device id of a compiled program (jax `Compiled`):
     the device assignment jit chose, as its argument shardings record it."""
@@ -132,9 +145,7 @@ def check_step(step, *batch, cluster: VirtualCluster | None = None,
         runtime: the Neuron runtime whose limits apply (see conformance.REPLICA_GROUP_LIMITS).
     """
     if cluster is None:
-        from xtrain.runtime.devices import emulated_cluster
-
-        cluster = emulated_cluster()
+        cluster = current()
         if cluster is None:
             raise ValueError("check_step needs cluster=virtual_cluster('trn1.32xlarge:2', ...) or a job "
                              "started with xtrain.init(emulate='trn1.32xlarge:2')")

@@ -1,6 +1,9 @@
-"""Environment a Neuron process needs, from its launcher's ProcessEnv. Pure functions -> dicts.
+"""Environment a Neuron process needs, from its launcher's view of it. Pure functions -> dicts.
 
-Two layouts (PLATFORM.md, "Trainium (Neuron)"):
+Variables per the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com): "Reference:
+Neuron Runtime environment variables" (NEURON_RT_*), the JAX NeuronX setup guide
+(NEURON_PJRT_*), "neuronx-cc" (NEURON_CC_FLAGS) and the EFA setup for Trn1 (FI_*).
+Two layouts:
   process-per-node  the JAX recipe: one process owns every NeuronCore of its instance; the
                     Neuron runtime's collectives root and jax.distributed's coordinator listen
                     on two different ports of the master.
@@ -14,13 +17,26 @@ from __future__ import annotations
 
 import enum
 
+from typing import Protocol
+
 from neuron_support.topology import InstanceTopology, instance
-from xtrain.runtime.launch import ProcessEnv
+
+
+class ProcessEnv(Protocol):
+    """What neuron_env reads of a process's launch environment (xtrain.runtime.launch.ProcessEnv)."""
+
+    num_processes: int
+    process_id: int
+    num_nodes: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    coordinator_host: str | None
 
 # The port torch-neuronx puts NEURON_RT_ROOT_COMM_ID on (MASTER_ADDR:62182, its initializer's
 # set_rt_root_comm_id); away from torchrun's MASTER_PORT and jax's coordinator (MASTER_PORT+17).
 ROOT_COMM_PORT = 62182
-# The Neuron compiler's own default cache (PLATFORM.md: NEURON_COMPILE_CACHE_URL).
+# The Neuron compiler's own default cache (Neuron docs: NEURON_COMPILE_CACHE_URL).
 DEFAULT_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"
 
 
@@ -100,7 +116,8 @@ def compiler_flags(topology: str | InstanceTopology, *, optimization: int = 1,
 
 
 def precision_env(precision: Precision | str) -> dict[str, str]:
-    """bf16 training rounds stochastically (PLATFORM.md; the old XLA_USE_BF16 is deprecated)."""
+    """bf16 training rounds stochastically (Neuron docs, "Rounding modes"; the old XLA_USE_BF16 is
+    deprecated)."""
     return {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"} if _choice(Precision, "precision", precision) is Precision.BF16 else {}
 
 
@@ -132,6 +149,6 @@ def neuron_env(process: ProcessEnv, topology: str | InstanceTopology,
         **precision_env(precision),
         "NEURON_CC_FLAGS": " ".join(compiler_flags(t, optimization=optimization, precision=precision)),
         "NEURON_COMPILE_CACHE_URL": compile_cache or DEFAULT_COMPILE_CACHE,
-        # PLATFORM.md: threefry RNG is only partly supported on Neuron; rbg is.
+        # JAX NeuronX known issues: threefry RNG is only partly supported on Neuron; rbg is.
         "JAX_DEFAULT_PRNG_IMPL": "rbg",
     }

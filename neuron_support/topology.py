@@ -1,8 +1,9 @@
 """What one instance holds: chips, cores, memory and links, and the mesh that follows them.
 
-Numbers for trn1/trn1n/trn2 come from /work/shared/docs/PLATFORM.md ("Trainium (Neuron)",
-itself gathered from the AWS Neuron docs); numbers PLATFORM.md does not give are marked with
-their own source. The GPU rows exist so p4d/p5-shaped meshes can be emulated the same way.
+Each number names its public source: the AWS EC2 instance pages (aws.amazon.com/ec2/instance-types/
+trn1/, /trn2/, /p4/, /p5/) and the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com:
+"Trainium Architecture", "Neuron Collective Communication"). The GPU rows exist so
+p4d/p5-shaped meshes can be emulated the same way.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import math
 
 GIB = 2**30
 
-# PLATFORM.md: "Within a trn1 node, replica groups of size 1, 2, (4), 8 or 32 starting at a core
-# index that is a multiple of the size." The docs print 4 in parentheses (allowed, but marked
-# apart); it is accepted here. 16 is not in the list.
+# Neuron docs (Neuron Collective Communication, trn1): inside a node, replica groups of size 1,
+# 2, (4), 8 or 32 starting at a core index that is a multiple of the size. The docs print 4 in
+# parentheses (allowed, but marked apart); it is accepted here. 16 is not in the list.
 TRN1_GROUP_SIZES = (1, 2, 4, 8, 32)
 
 
@@ -72,43 +73,43 @@ class InstanceTopology:
 INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
     InstanceTopology(
         name="trn1.2xlarge", backend=Backend.NEURON, compiler_target="trn1",
-        chips=1, cores_per_chip=2,            # PLATFORM.md: 1 chip x 2 NeuronCores
-        hbm_gib_per_chip=32,                  # PLATFORM.md: 32 GiB
-        hbm_gib_s_per_chip=820,               # PLATFORM.md: the same Trainium chip as trn1.32xlarge, 820 GiB/s
+        chips=1, cores_per_chip=2,            # AWS Trn1 page: 1 Trainium chip; Neuron docs: 2 NeuronCore-v2 per chip
+        hbm_gib_per_chip=32,                  # AWS Trn1 page: 32 GiB accelerator memory
+        hbm_gib_s_per_chip=820,               # Neuron docs (Trainium Architecture): 820 GB/s per chip
         interconnect="none (one chip)",
-        efa_gbit_s=0,                         # not in PLATFORM.md; AWS trn1 page: no EFA, up to 12.5 Gbps ENA
+        efa_gbit_s=0,                         # AWS Trn1 page: no EFA, up to 12.5 Gbps ENA
         node_group_sizes=(1, 2),              # TRN1_GROUP_SIZES that fit 2 cores
     ),
     InstanceTopology(
         name="trn1.32xlarge", backend=Backend.NEURON, compiler_target="trn1",
-        chips=16, cores_per_chip=2,           # PLATFORM.md: 16 chips x 2 NeuronCore-v2
-        hbm_gib_per_chip=32,                  # PLATFORM.md: 32 GiB HBM per chip
-        hbm_gib_s_per_chip=820,               # PLATFORM.md: 820 GiB/s
-        interconnect="NeuronLink-v2 2D torus",  # PLATFORM.md: 2D torus
-        efa_gbit_s=800,                       # PLATFORM.md: 800 Gbps EFA
+        chips=16, cores_per_chip=2,           # AWS Trn1 page: 16 Trainium chips (2 NeuronCore-v2 each)
+        hbm_gib_per_chip=32,                  # AWS Trn1 page: 512 GiB accelerator memory in all
+        hbm_gib_s_per_chip=820,               # Neuron docs (Trainium Architecture): 820 GB/s per chip
+        interconnect="NeuronLink-v2 2D torus",  # Neuron docs (Trn1 Architecture): NeuronLink-v2 2D torus
+        efa_gbit_s=800,                       # AWS Trn1 page: 800 Gbps EFA
         node_group_sizes=TRN1_GROUP_SIZES,
     ),
     InstanceTopology(
         name="trn1n.32xlarge", backend=Backend.NEURON, compiler_target="trn1n",
-        chips=16, cores_per_chip=2,           # PLATFORM.md: "the same" as trn1.32xlarge
-        hbm_gib_per_chip=32,                  # PLATFORM.md: the same
-        hbm_gib_s_per_chip=820,               # PLATFORM.md: the same
-        interconnect="NeuronLink-v2 2D torus",  # PLATFORM.md: the same
-        efa_gbit_s=1600,                      # PLATFORM.md: 1600 Gbps
+        chips=16, cores_per_chip=2,           # AWS Trn1 page: trn1n as trn1.32xlarge, twice the network
+        hbm_gib_per_chip=32,                  # AWS Trn1 page: as trn1.32xlarge
+        hbm_gib_s_per_chip=820,               # AWS Trn1 page: as trn1.32xlarge
+        interconnect="NeuronLink-v2 2D torus",  # AWS Trn1 page: as trn1.32xlarge
+        efa_gbit_s=1600,                      # AWS Trn1 page: 1600 Gbps EFA
         node_group_sizes=TRN1_GROUP_SIZES,
     ),
     InstanceTopology(
         name="trn2.48xlarge", backend=Backend.NEURON, compiler_target="trn2",
-        chips=16, cores_per_chip=8,           # PLATFORM.md: 16 chips x 8 cores
-        logical_core_size=2,                  # PLATFORM.md: 64 logical cores at LNC=2
-        hbm_gib_per_chip=96,                  # PLATFORM.md: 96 GiB per chip
-        hbm_gib_s_per_chip=None,              # not in PLATFORM.md
-        interconnect="NeuronLink-v3 2D torus",  # not in PLATFORM.md (AWS trn2 page)
-        efa_gbit_s=3200,                      # PLATFORM.md: 3.2 Tbps
+        chips=16, cores_per_chip=8,           # AWS Trn2 page: 16 Trainium2 chips; Neuron docs: 8 NeuronCore-v3 each
+        logical_core_size=2,                  # Neuron docs (Logical NeuronCore): 64 logical cores at LNC=2
+        hbm_gib_per_chip=96,                  # AWS Trn2 page: 1.5 TiB accelerator memory in all
+        hbm_gib_s_per_chip=None,              # not given per chip by the pages above
+        interconnect="NeuronLink-v3 2D torus",  # AWS Trn2 page
+        efa_gbit_s=3200,                      # AWS Trn2 page: 3.2 Tbps EFAv3
     ),
     InstanceTopology(
         name="p4d.24xlarge", backend=Backend.CUDA,
-        chips=8, cores_per_chip=1,            # not in PLATFORM.md; AWS P4d page: 8 x A100
+        chips=8, cores_per_chip=1,            # AWS P4d page: 8 x A100
         hbm_gib_per_chip=40,                  # AWS P4d page: 40 GB HBM2 per A100 (320 GB total)
         hbm_gib_s_per_chip=1448,              # NVIDIA A100 40GB datasheet: 1,555 GB/s = 1448 GiB/s
         interconnect="NVLink 3 through NVSwitch, 600 GB/s per GPU",  # AWS P4d page
@@ -116,7 +117,7 @@ INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
     ),
     InstanceTopology(
         name="p5.48xlarge", backend=Backend.CUDA,
-        chips=8, cores_per_chip=1,            # not in PLATFORM.md; AWS P5 page: 8 x H100
+        chips=8, cores_per_chip=1,            # AWS P5 page: 8 x H100
         hbm_gib_per_chip=80,                  # AWS P5 page: 80 GB HBM3 per H100 (640 GB total)
         hbm_gib_s_per_chip=3120,              # NVIDIA H100 SXM datasheet: 3.35 TB/s = 3120 GiB/s
         interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page

@@ -26,7 +26,7 @@ os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 import torch  # noqa: E402
 
 import xtrain  # noqa: E402
-from xtrain.lowering.explicit import ordering  # noqa: E402
+from xtrain.lowering import ordering  # noqa: E402
 
 from models import GPT, token_batches  # noqa: E402
 

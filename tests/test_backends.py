@@ -78,7 +78,7 @@ def test_probe_rejects_unknown_flags_and_values_and_accepts_gpu_flags_on_cpu():
 
 
 def test_cuda_flags_are_latency_hiding_and_combining_up_to_one_gradient_bucket():
-    from xtrain.lowering.explicit.gradient_sync import GradSync
+    from xtrain.lowering.gradient_sync import GradSync
 
     assert backends.GPU_COMBINE_THRESHOLD_BYTES == GradSync().bucket_bytes
     assert backends.default_xla_flags("cuda") == (

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import xtrain
-from xtrain.api import _torch_model
-from xtrain.cost import flops, hardware, search
+from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import wrap
+from xtrain.cost import hardware, search
+from xtrain.ir import flops
 from xtrain.cost.program import abstract_step
 from xtrain.testing import assert_parity, run_parity
 
@@ -28,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def wrapped_gpt(d=32, layers=2, vocab=64, seq=16):
     torch.manual_seed(0)
     model = GPT(vocab=vocab, d=d, layers=layers, seq=seq)
-    wrapped, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
+    trainable = wrap(model, adamw(model.parameters()))
+    wrapped, tx = trainable.model, trainable.tx
     return model, wrapped, tx
 
 
@@ -141,7 +144,7 @@ def test_emulated_profile_is_calibrated_on_this_machine():
 def emulated_search():
     model, wrapped, tx = wrapped_gpt()
     # no pipeline candidates here: tests/test_cost_pipeline.py searches those
-    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, module=model, pipe_degrees=(1,))
+    return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, structure=describe(model), pipe_degrees=(1,))
 
 
 def test_search_lists_every_candidate_and_picks_a_fitting_one():
@@ -168,14 +171,14 @@ def test_tiny_memory_marks_what_does_not_fit_and_never_picks_it():
     limit = (by_name["dp8"] + min(by_name.values())) // 2       # DDP does not fit, something does
     model, wrapped, tx = wrapped_gpt()
     tiny = hardware.emulated(8).with_memory(limit)
-    result = search.search(wrapped, tx, host_batch(), tiny, 8, module=model, pipe_degrees=(1,))
+    result = search.search(wrapped, tx, host_batch(), tiny, 8, structure=describe(model), pipe_degrees=(1,))
     rows = {r.candidate.name: r for r in result.rows}
     assert not rows["dp8"].prediction.fits and "NO" in str(result)
     assert "needs" in rows["dp8"].reason and "> " in rows["dp8"].reason
     assert rows["dp8 remat"].prediction is not None                  # short of memory: remat is lowered
     assert result.best.prediction.memory_bytes <= limit
     assert all(r.prediction.memory_bytes <= limit for r in result.rows if r.usable)
-    nothing = search.search(wrapped, tx, host_batch(), tiny.with_memory(1024), 8, module=model,
+    nothing = search.search(wrapped, tx, host_batch(), tiny.with_memory(1024), 8, structure=describe(model),
                             candidate_list=[search.Candidate(data=8), search.Candidate(data=8, zero=3)])
     assert nothing.best is None and "none fits" in str(nothing)
 
@@ -185,7 +188,7 @@ def trn1_search(memory=None, batch=16, seq=32):
     model, wrapped, tx = wrapped_gpt(d=64, layers=2, vocab=64, seq=32)
     profile = hardware.profile("trn1.2xlarge")
     profile = profile.with_memory(memory) if memory else profile
-    return search.search(wrapped, tx, host_batch(batch, seq), profile, 2, module=model)
+    return search.search(wrapped, tx, host_batch(batch, seq), profile, 2, structure=describe(model))
 
 
 def test_trn1_picks_data_parallel_when_the_model_fits_easily():

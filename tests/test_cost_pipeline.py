@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import xtrain
-from xtrain.api import _torch_model
+from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import wrap
 from xtrain.cost import hardware, search
 from xtrain.cost.search import Candidate
 from xtrain.testing import assert_parity
@@ -27,7 +28,8 @@ PROFILE = hardware.profile("trn1.32xlarge")  # cited numbers: predictions do not
 def wrapped(kind="gpt"):
     torch.manual_seed(0)
     model = GPT(layers=2) if kind == "gpt" else MLP()
-    net, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
+    trainable = wrap(model, adamw(model.parameters()))
+    net, tx = trainable.model, trainable.tx
     return model, net, tx
 
 
@@ -40,7 +42,7 @@ def gpt_batch(rows=8):
 def gpt_search(memory=None):
     model, net, tx = wrapped()
     profile = PROFILE.with_memory(memory) if memory else PROFILE
-    return search.search(net, tx, gpt_batch(), profile, DEVICES, module=model)
+    return search.search(net, tx, gpt_batch(), profile, DEVICES, structure=describe(model))
 
 
 def rows_by_name(result):
@@ -64,7 +66,7 @@ def test_search_lists_pipeline_candidates_for_repeated_blocks_and_none_without()
         assert p.tokens_per_s == pytest.approx(8 * 16 / p.step_s)
     model, net, tx = wrapped("mlp")
     x = (np.zeros((8, 12), np.float32), np.zeros((8,), np.int64))
-    plain = search.search(net, tx, x, PROFILE, DEVICES, module=model)
+    plain = search.search(net, tx, x, PROFILE, DEVICES, structure=describe(model))
     assert plain.rows and all(r.candidate.pipe == 1 for r in plain.rows)
 
 
@@ -104,18 +106,18 @@ def test_pipeline_memory_divides_the_block_parameters_over_stages():
 def test_unusable_pipelines_are_listed_with_the_reason():
     model, net, tx = wrapped()
     listed = [Candidate(data=1, pipe=4), Candidate(data=2, pipe=2, microbatches=8), Candidate(data=2, pipe=2, zero=2)]
-    result = search.search(net, tx, gpt_batch(), PROFILE, DEVICES, module=model, candidate_list=listed)
+    result = search.search(net, tx, gpt_batch(), PROFILE, DEVICES, structure=describe(model), candidate_list=listed)
     reasons = [r.reason for r in result.rows]
     assert reasons[0] == "the model has 2 repeated blocks, fewer than pipe=4 stages"
     assert reasons[1] == "global batch 8 is not divisible by data=2 x microbatches=8 = 16"
     assert reasons[2].startswith("cannot lower: pipeline parallelism supports ZeRO stage 0 or 1")
     assert result.best is None and "pick: none" in str(result)
     # without the layer count, the lowering itself says why
-    row = search.evaluate(net, tx, model, listed[0], gpt_batch(), PROFILE)
+    row = search.evaluate(net, tx, describe(model), listed[0], gpt_batch(), PROFILE)
     assert "cannot lower: Pipeline: 4 stages but the model has only 2 repeated blocks" in row.reason
     mlp, mlp_net, mlp_tx = wrapped("mlp")
     x = (np.zeros((8, 12), np.float32), np.zeros((8,), np.int64))
-    none = search.search(mlp_net, mlp_tx, x, PROFILE, DEVICES, module=mlp, candidate_list=[Candidate(data=2, pipe=2)])
+    none = search.search(mlp_net, mlp_tx, x, PROFILE, DEVICES, structure=describe(mlp), candidate_list=[Candidate(data=2, pipe=2)])
     assert none.rows[0].reason == "no repeated blocks (blocks.0, blocks.1, ...) to cut into pipeline stages"
 
 
@@ -151,16 +153,17 @@ def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
     collectives the search lowered for an abstract mesh, XLA's memory analysis is close to the
     graph estimate, and it trains like torch."""
     model, batches, reference = gpt_case()                       # global batch 16, AdamW
-    net, tx, _, _ = _torch_model(model, adamw(model.parameters()), None)
+    trainable = wrap(model, adamw(model.parameters()))
+    net, tx = trainable.model, trainable.tx
     listed = [Candidate(data=4, pipe=2, microbatches=2), Candidate(data=4, pipe=2, microbatches=4, zero=1),
               Candidate(data=2, tensor=2, pipe=2, microbatches=4)]
     x, y = (b.numpy() for b in batches[0])
-    result = search.search(net, tx, (x, y), PROFILE, 8, module=model, candidate_list=listed)
+    result = search.search(net, tx, (x, y), PROFILE, 8, structure=describe(model), candidate_list=listed)
     best = result.best.candidate
     assert best.pipe == 2, str(result)
     candidate = copy.deepcopy(model)
     step = xtrain.compile(candidate, xtrain.Mesh(**best.mesh), optimizer=adamw(candidate.parameters()),
-                          plan=best.plan(candidate))
+                          plan=best.plan(describe(candidate)))
     compiled = search.compiled_step_cost(step, x, y)
     assert compiled.flops.matmul == result.best.cost.flops.matmul
     assert sorted((c.kind, c.axes, c.payload_bytes) for c in compiled.collectives) == \
@@ -176,4 +179,4 @@ def test_plan_auto_leaves_pipelines_out_when_accumulating():
     model, _, _ = gpt_case()
     plain = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
     accumulating = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto", accumulate=2)
-    assert plain._pipelines and not accumulating._pipelines
+    assert plain._searches_pipelines and not accumulating._searches_pipelines

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import xtrain
-from xtrain.frontend import TraceError
+from xtrain.ir import TraceError
 
 from models import MLP, mlp_batches
 

@@ -9,7 +9,8 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import xtrain
-from xtrain.frontend import stacked
+from xtrain.ir import stacked
+from xtrain.sharding import layout
 from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, token_batches
@@ -79,7 +80,7 @@ def test_blocks_become_one_scan_and_training_matches_torch(name):
     prefix = MODELS[name][3]
     # the forward scan and its transpose in the backward pass, each with L iterations
     assert scan_lengths(step.program(*batches[0])) == [LAYERS, LAYERS]
-    assert [(r.prefix, r.length) for r in step._program.repeated] == [(prefix, LAYERS)]
+    assert [(r.prefix, r.length) for r in step.lowered.strategy.program.repeated] == [(prefix, LAYERS)]
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=MODELS[name][1], scan_layers=True))
 
 
@@ -146,7 +147,7 @@ def test_unrolled_blocks_gather_each_layer_flat_and_train_like_torch(name):
                           scan_layers=False)
     program = step.program(*data[0])
     assert scan_lengths(program) == []
-    assert [(r.prefix, r.length) for r in step._program.repeated] == [(prefix, LAYERS)]
+    assert [(r.prefix, r.length) for r in step.lowered.strategy.program.repeated] == [(prefix, LAYERS)]
     assert not any("*" in n for n in step.state.params)  # stored per layer
     flat = [s for s in all_gather_sources(program) if "zero3_flat_gather" in s]
     assert len(flat) == 2 * LAYERS, flat
@@ -180,14 +181,14 @@ def test_scan_layers_takes_a_bool_or_auto(bad):
 def test_auto_unrolls_shallow_models_on_one_device_per_process():
     names = [f"blocks.{k}.attn.weight" for k in range(8)] + ["blocks.0.extra.bias", "head.weight"]
     deep = names + ["blocks.8.attn.weight"]
-    assert stacked.depth(names) == 8 and stacked.depth(deep) == 9 and stacked.depth(["head.weight"]) == 0
-    assert stacked.scan_layers_for("auto", names, "gpu", 1) is False
-    assert stacked.scan_layers_for("auto", names, "cpu", 1) is False
-    assert stacked.scan_layers_for("auto", deep, "cpu", 1) is True
-    assert stacked.scan_layers_for("auto", names, "cpu", 8) is True  # emulated devices share the cores
-    assert stacked.scan_layers_for("auto", names, "gpu", 8) is False
-    assert stacked.scan_layers_for(True, names, "gpu", 1) is True
-    assert stacked.scan_layers_for(False, deep, "cpu", 8) is False
+    assert layout.depth(names) == 8 and layout.depth(deep) == 9 and layout.depth(["head.weight"]) == 0
+    assert layout.scan_layers_for("auto", names, "gpu", 1) is False
+    assert layout.scan_layers_for("auto", names, "cpu", 1) is False
+    assert layout.scan_layers_for("auto", deep, "cpu", 1) is True
+    assert layout.scan_layers_for("auto", names, "cpu", 8) is True  # emulated devices share the cores
+    assert layout.scan_layers_for("auto", names, "gpu", 8) is False
+    assert layout.scan_layers_for(True, names, "gpu", 1) is True
+    assert layout.scan_layers_for(False, deep, "cpu", 8) is False
 
 
 def test_default_scans_on_this_emulated_host():
@@ -223,5 +224,5 @@ def test_blocks_that_differ_are_not_scanned():
     model, batches = Uneven(), mlp_batches()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     step(*batches[0])
-    assert step._program.repeated == []
+    assert step.lowered.strategy.program.repeated == []
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8)))

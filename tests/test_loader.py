@@ -272,7 +272,7 @@ def test_a_varying_stream_compiles_once_per_bucket_and_padding_keeps_the_loss():
         shapes.append(x.shape)
         step(x, y)
     assert shapes == [(16, 8), (16, 16), (16, 8), (16, 8), (16, 16), (16, 8), (16, 16), (16, 8)]
-    assert step._train._cache_size() == 2  # one compiled program per bucket, none per length
+    assert step.compilations == 2  # one compiled program per bucket, none per length
 
     # ignore-index targets drop the padded positions from the loss; causal attention keeps
     # real positions from seeing the pad tokens behind them

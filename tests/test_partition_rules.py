@@ -12,8 +12,8 @@ import pytest
 from jax import lax
 
 from xtrain.lowering.explicit.check import run_partitioned
-from xtrain.lowering.explicit.layout import Layout
-from xtrain.lowering.explicit.rules import RULES
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.registry import RULES
 
 SIZES = {"a": 2, "b": 4}
 DIMS = (2, 4, 8, 6, 12)
@@ -255,7 +255,7 @@ def test_data_parallel_matmul_emits_no_collective_until_output():
     the final gather the checker itself asks for."""
     x, w = normal(np.random.default_rng(0), (8, 6)), normal(np.random.default_rng(1), (6, 4))
     closed = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(x, w)
-    from xtrain.lowering.explicit.collectives import Context, Sharded
+    from xtrain.lowering.sharded import Context, Sharded
     from xtrain.lowering.explicit.interpreter import interpret
 
     def per_device(x, w):
@@ -273,7 +273,7 @@ def test_data_parallel_matmul_emits_no_collective_until_output():
 def test_pending_sum_onto_a_split_dim_is_one_reduce_scatter():
     """(m, k) @ (k, n) with k split over `a` leaves a partial sum; a constraint splitting m
     over `a` resolves it with psum_scatter, not psum + slice."""
-    from xtrain.lowering.explicit.collectives import Context, Sharded
+    from xtrain.lowering.sharded import Context, Sharded
     from xtrain.lowering.explicit.interpreter import interpret
 
     x, w = normal(np.random.default_rng(0), (8, 6)), normal(np.random.default_rng(1), (6, 4))

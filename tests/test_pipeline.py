@@ -64,13 +64,13 @@ def test_schedule_matches_torch(schedule, pipe, layers, v, split):
         with torch.no_grad():
             expected = trained.eval()(*batches[0]).item()
         assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
-    per_stage = step._program.layers.valid.sum(-1).ravel().tolist()
+    per_stage = step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist()
     assert sum(per_stage) == layers
     # each stage stores only its own layers: every block family's rows split over 'pipe'
-    families = step.stacking.groups
+    families = step.layout.stacking.groups
     per_block = [n for n in model.state_dict() if n.startswith("blocks.0.")]
     assert len(families) == len(per_block) and all(step.state.params[n].sharding.spec[0] == "pipe" for n in families)
-    held = [r for r in step.stacking.rows_of(next(iter(families))) if r is not None]
+    held = [r for r in step.layout.stacking.rows_of(next(iter(families))) if r is not None]
     assert sorted(held) == list(range(layers))
     if split != "auto":
         assert per_stage == [3, 1, 1, 1]
@@ -203,7 +203,7 @@ def test_checkpoints_move_between_pipeline_and_data_parallel(tmp_path, direction
     resumed = compiled(second)
     if direction == "data->placed pipeline":
         resumed(*batches[3])  # places the stages (and trains a step the load then overwrites)
-        assert resumed.stacking.groups
+        assert resumed.layout.stacking.groups
     resumed.load(tmp_path / "ckpt")
     losses += [resumed(*b)["loss"] for b in batches[2:]]
     assert_parity(ParityResult(losses, reference[0], resumed.state_dict(), reference[1], 1e-5))

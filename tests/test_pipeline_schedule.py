@@ -109,16 +109,12 @@ class Unequal(nn.Module):
 
 def _traced_costs(model, batch):
     from xtrain.frontend.torch_module import TorchModel
-    from xtrain.lowering.explicit.collectives import Context
-    from xtrain.lowering.explicit.interpreter import module_path
 
     wrapped = TorchModel(model)
     params = wrapped.initial_params()
     key = jax.random.key_data(jax.random.key(0))
     closed = jax.make_jaxpr(lambda p, k, b: wrapped.apply(p, {}, k, b, training=True))(params, key, batch)
-    probe = Context({}, wrapped.module_paths())
-    return partition.layer_costs(closed.jaxpr, lambda e: module_path(probe, e, ""),
-                                 closed.jaxpr.invars[:len(params)])
+    return partition.layer_costs(closed.jaxpr, wrapped.module_paths(), closed.jaxpr.invars[:len(params)])
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xtrain
-from xtrain.precision import LossScale, Precision
+from xtrain import LossScale, Precision
 from xtrain.testing import ParityResult, assert_parity, torch_reference
 
 from models import GPT, MLP, mlp_batches, token_batches

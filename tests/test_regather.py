@@ -12,7 +12,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 import xtrain
-from xtrain.lowering.explicit import ordering
+from xtrain.lowering import ordering
 from xtrain.lowering.report import memory_of
 
 from models import GPT, token_batches

@@ -91,7 +91,7 @@ def test_overlap_counts_only_independent_matmuls():
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from xtrain.lowering.explicit import accounting
+    from xtrain.lowering import accounting
 
     mesh = jax.make_mesh((8,), ("data",))
     specs = [P("data"), P(), P(), P()]

@@ -10,7 +10,7 @@ from jax.extend import core as jcore
 
 import xtrain
 from xtrain import plans
-from xtrain.frontend.stacked import Stacking, is_stacked, member
+from xtrain.ir.stacked import Stacking, is_stacked, member
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
 from models import GPT, token_batches
@@ -73,7 +73,7 @@ def test_state_is_stacked_and_the_user_sees_layers():
     state = step.state_dict()
     assert state.keys() == model.state_dict().keys()
     np.testing.assert_array_equal(state["blocks.2.attn.q.weight"].numpy(), np.asarray(q[2]))
-    families = len(step.stacking.groups)
+    families = len(step.layout.stacking.groups)
     assert f"{families} block parameter families stored stacked (4 layers each); the layer scan reads {families} " \
            "of them in place" in str(step.report(*token_batches(1)[0]))
 

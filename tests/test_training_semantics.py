@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import xtrain
-from xtrain.frontend import TorchModel, trace
+from xtrain.frontend.torch_module import TorchModel
+from xtrain.ir.graph import trace
 from xtrain.testing import assert_parity, run_parity
 
 import models

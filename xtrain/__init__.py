@@ -16,12 +16,15 @@ __version__ = "0.1.0"
 # lazily imported public names -> (module, attribute; None: the module itself)
 _LAZY = {
     "compile": ("xtrain.api", "compile"),
-    "GradSync": ("xtrain.lowering.explicit.gradient_sync", "GradSync"),
-    "Precision": ("xtrain.precision", "Precision"),
-    "LossScale": ("xtrain.precision", "LossScale"),
+    "GradSync": ("xtrain.lowering.gradient_sync", "GradSync"),
+    "Precision": ("xtrain.sharding.precision", "Precision"),
+    "LossScale": ("xtrain.sharding.precision", "LossScale"),
     "init": ("xtrain.runtime.devices", "init"),
     "shard": ("xtrain.sharding.annotate", "shard"),
     "plans": ("xtrain.plans", None),
+    "optim": ("xtrain.optim", None),
+    "Remat": ("xtrain.sharding.remat", "Remat"),
+    "TrainStep": ("xtrain.step", "TrainStep"),
     "checkpoint": ("xtrain.checkpoint", None),
     "observe": ("xtrain.observe", None),
     "Loader": ("xtrain.loader", "Loader"),

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from xtrain.data import to_numpy
+from xtrain.frontend.tensors import to_numpy
 
 IGNORE_INDEX = -100  # torch cross_entropy's default ignore_index
 

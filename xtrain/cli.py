@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import runpy
 import shlex
 import socket
 import sys
@@ -278,30 +279,81 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stop(Exception):
+    """Raised by the first-step hooks below to end the user's script once they have printed."""
+
+
+def _run_script(script: str, args: Sequence[str]) -> None:
+    """Runs `script` in this process as `python script args` would (its __main__ block included)."""
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+
+
+def _intercepted(script: str, args: Sequence[str], run, *, build: bool, what: str) -> int:
+    """Runs `script` with its first training step taken over by `run`; 0 once `run` has
+    printed, an error when the script never calls a training step."""
+    from xtrain.hooks import intercept_first_step
+
+    def stop_after(step, batch):
+        run(step, batch)
+        raise _Stop
+
+    with intercept_first_step(stop_after, build=build):
+        try:
+            _run_script(script, args)
+        except _Stop:
+            return 0
+    raise ValueError(f"{script} finished without calling a compiled training step, so there is no {what}: "
+                     "`xtrain.compile(...)` then `step(*batch)` must run")
+
+
 def report(script: str, args: Sequence[str]) -> int:
-    """Runs `script` with XTRAIN_REPORT_ONLY=1: its first training step prints the report and
-    exits 0 instead of training. Returns the script's exit status."""
-    import subprocess
+    """Runs `script`; its first training step prints the step's report instead of training."""
+    def show(step, batch):
+        text = str(step.report(*batch))
+        import jax
 
-    from xtrain.step import REPORT_ONLY
+        if jax.process_index() == 0:
+            print(text, flush=True)
 
-    return subprocess.run([sys.executable, script, *args], env={**os.environ, REPORT_ONLY: "1"}).returncode
+    return _intercepted(script, args, show, build=True, what="report")
 
 
 def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None) -> int:
-    """Runs `script` with XTRAIN_PLAN_TARGET set: its xtrain.compile returns a probe whose first
-    step(...) call prints the plan search for `target` and exits 0. Returns the exit status."""
-    import subprocess
-
+    """Runs `script`; its first training step prints the plan search for `target` (lowered for
+    an abstract mesh: no devices of that kind needed) instead of training."""
     from neuron_support.topology import parse_cluster
-    from xtrain.cost.auto import PLAN_GLOBAL_BATCH, PLAN_TARGET
 
     if not target.startswith("emulated"):
         parse_cluster(target)  # a bad target fails here, before the script runs
     if global_batch is not None and global_batch < 1:
         raise ValueError(f"--global-batch {global_batch} must be >= 1")
-    env = {**os.environ, PLAN_TARGET: target, **({PLAN_GLOBAL_BATCH: str(global_batch)} if global_batch else {})}
-    return subprocess.run([sys.executable, script, *args], env=env).returncode
+
+    def show(step, batch):
+        from xtrain.cost import hardware, search
+        from xtrain.step import host_batch
+
+        profile, devices = hardware.target(target)
+        shapes = _scaled(host_batch(batch), global_batch) if global_batch else host_batch(batch)
+        t = step.trainable
+        print(search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
+                            target=f"{target} ({devices} devices)"), flush=True)
+
+    return _intercepted(script, args, show, build=False, what="plan")
+
+
+def _scaled(batch: tuple, global_batch: int) -> tuple:
+    """The batch with its leading dimension set to `global_batch` (shapes only matter)."""
+    import jax
+    import numpy as np
+
+    return tuple(jax.ShapeDtypeStruct((global_batch,) + tuple(x.shape[1:]), x.dtype)
+                 if isinstance(x, np.ndarray) and x.ndim else x for x in batch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,22 +11,10 @@ import math
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.sharding.plan import Spec, _axes_of
-
-# JAX runs without x64: 64-bit inputs become 32-bit, as torchax does for the model itself.
-_NARROW = {np.dtype("int64"): np.int32, np.dtype("float64"): np.float32, np.dtype("uint64"): np.uint32}
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu()
-        x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
-    x = np.asarray(x)
-    return x.astype(_NARROW[x.dtype]) if x.dtype in _NARROW else x
+from xtrain.frontend.tensors import to_numpy
+from xtrain.sharding.plan import Spec, axes_of
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, spec: Spec, ndim: int) -> NamedSharding:
@@ -35,9 +23,9 @@ def batch_sharding(mesh: jax.sharding.Mesh, spec: Spec, ndim: int) -> NamedShard
 
 def check_divisible(index: int, shape: tuple[int, ...], spec: Spec, mesh: jax.sharding.Mesh) -> None:
     for dim, entry in enumerate(spec[: len(shape)]):
-        size = math.prod(mesh.shape[a] for a in _axes_of(entry))
+        size = math.prod(mesh.shape[a] for a in axes_of(entry))
         if shape[dim] % size:
-            axes = " x ".join(f"{a}={mesh.shape[a]}" for a in _axes_of(entry))
+            axes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes_of(entry))
             what = "global batch" if dim == 0 else f"dimension {dim}"
             raise ValueError(
                 f"batch argument {index} has shape {tuple(shape)}: {what} {shape[dim]} is not "

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain import data
 from xtrain.buckets import Buckets
-from xtrain.sharding.plan import Spec, _axes_of
+from xtrain.sharding.plan import Spec, axes_of
 
 _DONE = object()
 
@@ -42,7 +42,7 @@ def _placement(step, mesh, batch_spec: Spec | None) -> tuple[jax.sharding.Mesh |
         mesh = mesh.build()
     spec = tuple(batch_spec) if batch_spec is not None else (("data",) if mesh is not None else ())
     if mesh is not None:
-        unknown = [a for e in spec for a in _axes_of(e) if a not in mesh.shape]
+        unknown = [a for e in spec for a in axes_of(e) if a not in mesh.shape]
         if unknown:
             raise ValueError(f"batch_spec={spec} names mesh axes {unknown} that the mesh "
                              f"({dict(mesh.shape)}) lacks; use axes of the mesh")

@@ -12,9 +12,8 @@ FLOPs are counted in the traced graph of the model's forward and backward pass o
 batch (`model_flops`): 2·M·N·K per matmul (dot_general) and the equivalent per convolution,
 scan bodies times their length. That is the usual "model FLOPs" (no optimizer, no recompute,
 nothing counted twice for replicated work). XLA's compiled cost analysis is not used: it
-counts a `scan` body once, not once per layer (measured: the 2-layer example GPT gives 33 MFLOP
-per device with the layer scan and 54 MFLOP without). Where the peak is unknown (CPU), the
-achieved TFLOP/s is shown instead.
+counts a `scan` body once, not once per layer. Where the peak is unknown (CPU), the achieved
+TFLOP/s is shown instead.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Any, Iterator
 
 import jax
 
-from xtrain.cost import flops
+from xtrain.ir import flops
 from xtrain.cost.hardware import peak_flops
 
 
@@ -35,15 +34,15 @@ from xtrain.cost.hardware import peak_flops
 
 def matmul_flops(jaxpr) -> float:
     """FLOPs of every dot_general and convolution in `jaxpr` (a Jaxpr or ClosedJaxpr), nested
-    calls included; a scan body counts `length` times (xtrain.cost.flops)."""
+    calls included; a scan body counts `length` times (xtrain.ir.flops)."""
     return flops.count(jaxpr).matmul
 
 
 def model_flops(step, *batch: Any) -> float:
     """Global model FLOPs of one training step (forward + backward over the whole global
     batch) of a compiled xtrain step, for `batch`'s shapes or the last batch trained on."""
+    shapes = step._shapes(batch)  # builds a plan="auto" step first
     state = step.state
-    shapes = step._shapes(batch)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
     def loss(params, frozen, buffers, key, batch):
@@ -187,13 +186,30 @@ def _open_log(path: str | Path, append: bool):
     return path.open("a" if append else "w")
 
 
-def _open_board(directory: str | Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise ImportError(f"Monitor(tensorboard={str(directory)!r}) needs the tensorboard package "
-                          f"(pip install tensorboard); or leave tensorboard=None ({err})") from None
-    return SummaryWriter(str(directory))
+class _Board:
+    """Scalars to TensorBoard event files, with TensorBoard's own writer (no torch involved)."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError as err:
+            raise ImportError(f"Monitor(tensorboard={str(directory)!r}) needs the tensorboard package "
+                              f"(pip install tensorboard); or leave tensorboard=None ({err})") from None
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._writer = EventFileWriter(str(directory))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _open_board(directory: str | Path) -> _Board:
+    return _Board(directory)
 
 
 def _open_bar(total: int | None, start: int):

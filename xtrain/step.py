@@ -1,36 +1,59 @@
-"""The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`."""
+"""The compiled training step users call: `step(*batch)`, `step.eval`, `state_dict`, `report`.
+
+`TrainStep` resolves the state layout (xtrain.sharding.layout), places the initial state and
+lowers the step (xtrain.lowering.lower) for a plan; with `plan="auto"` it does so at the first
+call, for the plan the cost model picks (xtrain.cost.search) from the batch's shapes. Reports,
+checkpoints and exports are helpers beside it (xtrain.explain, xtrain.checkpoint).
+
+A caller that runs a user's script, such as the `xtrain report` and `xtrain plan` commands, takes
+the script's first step call over with `xtrain.hooks.intercept_first_step`.
+"""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import data, precision, recompile
-from xtrain.lowering import accumulation, nan_check
+from xtrain import checkpoint, data, explain, hooks, recompile
+from xtrain.cost import hardware, search
+from xtrain.frontend import tensors
+from xtrain.ir import stacked
+from xtrain.ir.model import Model, Trainable
+from xtrain.ir.tree import rebuild
+from xtrain.lowering import accumulation, nan_check, precision
+from xtrain.lowering import state as state_mod
 from xtrain.lowering.grad_transforms import GradTransforms
-from xtrain.optim import LearningRates
-from xtrain.remat import Remat
-from xtrain.step_options import StepOptions
-from xtrain.frontend import stacked
-from xtrain.frontend.model import Model
-from xtrain.lowering import report as report_mod
-from xtrain.lowering import xla_partitioner
-from xtrain.lowering.explicit import accounting
-from xtrain.lowering.explicit import step as explicit_step
-from xtrain.lowering.explicit.gradient_sync import GradSync
-from xtrain.lowering.xla_partitioner import TrainState
-from xtrain.sharding import zero as zero_mod
-from xtrain.sharding.plan import Plan, _axes_of
+from xtrain.lowering.gradient_sync import GradSync
+from xtrain.lowering.lower import lower
+from xtrain.lowering.options import StepOptions
+from xtrain.lowering.pipeline.program import placement
+from xtrain.lowering.state import TrainState
+from xtrain.lowering.train_step import StepConfig, StepProgram
+from xtrain.sharding import layout as layout_mod
+from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.mesh import Mesh
+from xtrain.sharding.plan import Plan
 
-REPORT_ONLY = "XTRAIN_REPORT_ONLY"  # set by `xtrain report`: print the first step's report, exit
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """What `xtrain.compile` was given besides the model, the mesh and the plan (see its
+    docstring for each)."""
+
+    seed: int = 0
+    lowering: str = "explicit"
+    grad_sync: GradSync | None = None
+    scan_layers: bool | str = "auto"
+    zero3_regather: bool | None = None
+    init_from: str | os.PathLike | None = None
+    step: StepOptions = StepOptions()
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -39,206 +62,208 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def host_batch(batch: tuple) -> tuple:
+    """The batch's arrays on the host (numpy), for what reads only their shapes."""
+    return tuple(x if x is None or isinstance(x, (bool, int, float, str)) else tensors.to_numpy(x) for x in batch)
+
+
 class TrainStep:
     """A model compiled for a mesh and plan. Call it with one global batch per step."""
 
-    def __init__(self, model: Model, mesh: jax.sharding.Mesh, plan: Plan,
-                 tx: optax.GradientTransformation, optimized: set[str], seed: int = 0,
-                 lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool | str = "auto",
-                 zero3_regather: bool | None = None, init_from: str | os.PathLike | None = None,
-                 options: StepOptions = StepOptions(), learning_rates: LearningRates | None = None):
-        model = precision.apply_policy(model, plan.precision)
-        self.mesh, self.plan, self.tx = mesh, plan, tx
-        self.lowering, self.options, self.learning_rates = lowering, options, learning_rates
-        grad_tx = GradTransforms(options.clip_grad_norm, learning_rates.groups if learning_rates else None,
-                                 options.detect_nan, plan.precision.loss_scale)
-        mesh_axes = dict(mesh.shape)
-        shapes = {n: p.shape for n, p in model.param_shapes().items()}
-        self.batch_spec = plan.batch_spec(mesh_axes)
-        data_axes = tuple(a for e in self.batch_spec for a in _axes_of(e))
-        self.param_specs, self.optimizer_specs, self.zero_whole = zero_mod.specs_for_stage(
-            shapes, plan.param_specs(shapes, mesh_axes), mesh_axes, data_axes, plan.zero)
-        self.model, self.stacking = model, stacked.Stacking({})
-        self.scan_layers = stacked.scan_layers_for(scan_layers, shapes, mesh.devices.flat[0].platform,
-                                                   jax.local_device_count())
-        self._layers_note = (f"repeated blocks ({stacked.depth(shapes)} layers) run "
-                             f"{'as one layer scan' if self.scan_layers else 'unrolled, one after another'} "
-                             f"(scan_layers={scan_layers!r})")
-        if stacked.wanted(self.scan_layers, plan.pipeline, learning_rates is not None):
-            stored = stacked.stack_blocks(model, self.param_specs, self.optimizer_specs, optimized,
-                                          learning_rates.groups)
-            self.model, self.stacking, optimized = stored.model, stored.stacking, stored.optimized
-            self.param_specs, self.optimizer_specs = stored.param_specs, stored.optimizer_specs
-        model, abstract = self.model, self.model.param_shapes()
-        named = lambda specs: {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
-        if init_from is None:
-            params, buffers = model.initial_params(), model.initial_buffers()
-        else:  # sharded init: each process reads only its devices' regions of the file
-            params, buffers = self._load_initial(init_from, abstract, named(self.param_specs))
-        state = self._initial_state(params, buffers, optimized, seed)
-        self.shardings = xla_partitioner.state_shardings(state, named(self.param_specs), mesh,
-                                                         named(self.optimizer_specs))
-        self.state: TrainState = jax.device_put(state, self.shardings)
-        self._stages_placed = False
-        if plan.pipeline is not None:
-            self._train, self._eval, self._program = self._pipeline(grad_sync, lowering, options, grad_tx)
-        elif lowering == "explicit":
-            self._build = functools.partial(
-                explicit_step.build, model, tx, self.shardings, mesh, self.param_specs, self.batch_spec,
-                grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                self.scan_layers, zero=plan.zero, optimizer_specs=self.optimizer_specs,
-                regather=zero3_regather is not False, grad_tx=grad_tx)
-            self._train, self._eval, self._program = self._build(options=options, remat=plan.layer_remat())
-        else:
-            if plan.remat is not Remat.OFF:
-                raise ValueError(f"Plan(remat={plan.remat.value!r}) checkpoints each layer of the explicit "
-                                 "lowering's repeated blocks; use lowering='explicit' or remat='off'")
-            self._train, self._eval = xla_partitioner.compile_steps(model, tx, self.shardings, mesh, options, grad_tx)
+    def __init__(self, trainable: Trainable, mesh: Mesh, plan: Plan | str, options: CompileOptions = CompileOptions()):
+        self.trainable, self.options, self.search = trainable, options, None
+        self._intercept = hooks.first_step()
+        self._pending_load: str | os.PathLike | None = None
+        self._built, self._mesh = False, None
+        self._request, self.plan = (mesh, plan), plan
+        if plan == AUTO:
+            devices = len(jax.devices())
+            if np.prod(list(mesh.resolve(devices).values())) != devices:
+                raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
+        elif self._intercept is None or self._intercept.build:
+            self._build(mesh.build(), plan)
+
+    # -- building --------------------------------------------------------------------------
+    def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
+        self._mesh, self.plan = mesh, plan
+        model = precision.apply_policy(self.trainable.model, plan.precision)
+        shapes = model.param_shapes()
+        scan = layout_mod.scan_layers_for(self.options.scan_layers, shapes, mesh.devices.flat[0].platform,
+                                          jax.local_device_count())
+        self.layout = layout_mod.resolve(plan, dict(mesh.shape), shapes, optimized=self.trainable.optimized,
+                                         lr_groups=self.trainable.lr_groups, scan_layers=scan)
+        self.model = stacked.stored_model(model, self.layout.stacking)
+        self.state = self._placed(self._initial_state())
+        self._program = self._lower(self.layout)
         self._last_batch: tuple | None = None
         self._compiled_for: list[recompile.Signature] = []  # batch signatures compiled so far
+        self._built = True
+        if self._pending_load is not None:
+            path, self._pending_load = self._pending_load, None
+            self.load(path)
 
-    def _load_initial(self, source, abstract: dict, shardings: dict) -> tuple[dict, dict]:
-        from xtrain import checkpoint
+    def _config(self, remat="plan") -> StepConfig:
+        plan, options = self.plan, self.options
+        grad_tx = GradTransforms(options.step.clip_grad_norm, self.trainable.lr_groups, options.step.detect_nan,
+                                 plan.precision.loss_scale)
+        return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
+                          sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
+                          remat=plan.layer_remat() if remat == "plan" else remat,
+                          regather=options.zero3_regather is not False)
 
-        aliases: dict[str, list[str]] = {}
-        for alias, name in getattr(self.model, "param_aliases", {}).items():
-            aliases.setdefault(name, []).append(alias)
-        params = checkpoint.load_sharded(source, abstract, shardings, aliases)
-        return params, self.model.initial_buffers(source)
+    def _lower(self, layout: StateLayout, remat="plan") -> StepProgram:
+        return lower(self.model, self.mesh, layout, self.shardings, self._config(remat), lowering=self.options.lowering,
+                     pipeline=self.plan.pipeline)
 
-    def _pipeline(self, grad_sync: GradSync | None, lowering: str, options: StepOptions, grad_tx: GradTransforms,
-                  **placed):
-        from xtrain.lowering.pipeline import step as pipeline_step
+    def _initial_state(self) -> TrainState:
+        model, layout = self.model, self.layout
+        if self.options.init_from is None:
+            params, buffers = model.initial_params(), model.initial_buffers()
+        else:  # sharded init: each process reads only its devices' regions of the file
+            params = checkpoint.load_sharded(self.options.init_from, model.param_shapes(),
+                                             state_mod.named(self.mesh, layout.param_specs), self._aliases())
+            buffers = model.initial_buffers(checkpoint.read_stored(self.options.init_from, model.buffer_names()))
+        return state_mod.initial(params, buffers, layout.optimized, self.trainable.tx, self.options.seed,
+                                 precision.initial_state(self.plan.precision))
 
-        if lowering != "explicit":
-            raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
-        self._pipeline_args = (grad_sync, lowering, options, grad_tx)
-        return pipeline_step.build(self.model, self.tx, self.shardings, self.mesh, self.param_specs, self.batch_spec,
-                                   grad_sync or GradSync(comm_dtype=self.plan.precision.wire_dtype),
-                                   self.plan.pipeline, zero=self.plan.zero, optimizer_specs=self.optimizer_specs,
-                                   options=options, grad_tx=grad_tx, remat=self.plan.layer_remat(), **placed)
+    def _aliases(self) -> dict[str, list[str]]:
+        """Tied tensors' other names, per canonical name (a file may store either)."""
+        aliases = getattr(self.model, "param_aliases", {})
+        return {name: [a for a, n in aliases.items() if n == name] for name in set(aliases.values())}
+
+    def _placed(self, state: TrainState) -> TrainState:
+        self.shardings = state_mod.shardings(state, self.layout, self.mesh)
+        return jax.device_put(state, self.shardings)
 
     def _place_stages(self, placed: tuple) -> None:
         """Pipeline plans, before the first step runs: move each block parameter family onto
         the stage that runs it (stored stacked, rows split over the pipe axis), so a stage
         stores only its own layers and their optimizer state. The stage partition is balanced
         on the traced graph, which needs the batch shapes: hence now, not at compile."""
-        if self.plan.pipeline is None or self._stages_placed:
+        if self.plan.pipeline is None or self.layout.stage_starts is not None:
             return
-        from xtrain.lowering.pipeline import step as pipeline_step
-
-        self._stages_placed = True
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                               ({**self.state.params, **self.state.frozen}, self.state.buffers, self.state.key, placed))
-        storage, starts = pipeline_step.plan_storage(
-            self.model, self.mesh, self.param_specs, self.optimizer_specs, self.batch_spec, self.plan.pipeline, shapes,
-            set(self.state.params), self.learning_rates.groups if self.learning_rates else None)
-        if not storage:
-            return
-        layer_specs = self.param_specs
-        self.param_specs = storage.stack_specs(layer_specs)
-        self.optimizer_specs = storage.stack_specs(self.optimizer_specs)
-        self.state, self.shardings = self._restacked(storage)
-        self.stacking = storage
-        self._train, self._eval, self._program = self._pipeline(
-            *self._pipeline_args, storage=storage, layer_specs=layer_specs, starts=starts)
+        where = placement(self.model, self.mesh, self.layout, self.plan.pipeline, shapes)
+        self.layout = layout_mod.place_stages(self.layout, where)
+        if self.layout.stacking:
+            shape = jax.eval_shape(lambda s: state_mod.restacked(s, self.layout.stacking, self.trainable.tx), self.state)
+            self.shardings = state_mod.shardings(shape, self.layout, self.mesh)
+            restack = jax.jit(lambda s: state_mod.restacked(s, self.layout.stacking, self.trainable.tx),
+                              out_shardings=self.shardings)
+            self.model = stacked.stored_model(self.model, self.layout.stacking)
+            self.state = restack(self.state)
+        self._program = self._lower(self.layout)
 
-    def _restacked(self, storage: stacked.Stacking) -> tuple[TrainState, TrainState]:
-        """The state with `storage`'s families stacked (its optimizer state alike), placed."""
-        from xtrain.checkpoint.layout import named_leaves, rebuild
+    def _choose_plan(self, batch: tuple) -> None:
+        """plan="auto": the cost model's pick for the current devices, agreed by every process."""
+        devices = len(jax.devices())
+        self.search = search.search(self.trainable.model, self.trainable.tx, host_batch(batch),
+                                    hardware.current_profile(), devices, structure=self.trainable.structure,
+                                    pipe_degrees=None if self._searches_pipelines else (1,))
+        if self.search.best is None:
+            raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
+        best = _agreed(self.search).candidate
+        self._build(Mesh(**best.mesh).build(), best.plan(self.trainable.structure))
 
-        named = lambda specs: {n: NamedSharding(self.mesh, PartitionSpec(*s)) for n, s in specs.items()}
+    @property
+    def _searches_pipelines(self) -> bool:
+        return self.options.step.accumulate == 1  # the pipeline step refuses accumulate > 1
 
-        def convert(state: TrainState) -> TrainState:
-            stack = lambda d: storage.stack_dict(d, stack=jnp.stack, zeros=jnp.zeros_like)
-            params, old = stack(state.params), named_leaves(state.opt_state)
+    def _ensure_built(self, batch: tuple) -> None:
+        if not self._built:
+            mesh, plan = self._request
+            self._choose_plan(batch) if plan == AUTO else self._build(mesh.build(), plan)
 
-            def leaf(name: str, like):
-                param = name.rsplit("/", 1)[-1]  # e.g. "0/mu/blocks.*.attn.q.weight": the parameter's name
-                prefix = name[:len(name) - len(param)]
-                if param not in storage.groups:
-                    return old[name]
-                members = storage.groups[param]
-                return jnp.stack([old[prefix + members[r]] if r is not None else jnp.zeros(like.shape[1:], like.dtype)
-                                  for r in storage.rows_of(param)])
-
-            template = jax.eval_shape(self.tx.init, params)
-            opt_state = rebuild(template, {n: leaf(n, like) for n, like in named_leaves(template).items()})
-            return dataclasses.replace(state, params=params, frozen=stack(state.frozen), opt_state=opt_state)
-
-        shape = jax.eval_shape(convert, self.state)
-        shardings = xla_partitioner.state_shardings(shape, named(self.param_specs), self.mesh,
-                                                    named(self.optimizer_specs))
-        return jax.jit(convert, out_shardings=shardings)(self.state), shardings
-
-    def _user_model(self) -> Model:
-        """The model under its own per-layer parameter names (what `stacking` unstacks to)."""
-        return self.model.inner if isinstance(self.model, stacked.StackedModel) else self.model
-
-    def _initial_state(self, params: dict, buffers: dict, optimized: set[str], seed: int) -> TrainState:
-        opt_params = {n: v for n, v in params.items() if n in optimized}
-        return TrainState(
-            params=opt_params,
-            frozen={n: v for n, v in params.items() if n not in optimized},
-            buffers=buffers,
-            opt_state=jax.jit(self.tx.init)(opt_params),
-            step=np.int32(0),
-            key=jax.random.key_data(jax.random.key(seed)),
-            loss_scale=precision.initial_state(self.plan.precision),
-        )
+    def _require_built(self, what: str) -> None:
+        if not self._built:
+            raise RuntimeError(f"plan='auto' chooses the plan at the first step(*batch) (it needs the batch shapes); "
+                               f"call the step once before {what}")
 
     # -- running ---------------------------------------------------------------------------
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The device mesh. Before plan="auto" has chosen its plan it is not known (an error);
+        under `xtrain plan` (a step left unbuilt) a one-device mesh of this host stands in, so a
+        script reaches its first step."""
+        if self._mesh is not None:
+            return self._mesh
+        if self.plan != AUTO:
+            return Mesh(data=1).build(jax.local_devices()[:1])
+        self._require_built(".mesh")
+
+    @property
+    def batch_spec(self):
+        return self.layout.batch_spec if self._built else ("data",)
+
+    @property
+    def lowering(self) -> str:
+        return self.options.lowering
+
+    @property
+    def param_specs(self) -> dict:
+        """Every stored parameter's spec (xtrain.sharding.layout: `step.layout` holds the rest)."""
+        self._require_built(".param_specs")
+        return dict(self.layout.param_specs)
+
+    @property
+    def scan_layers(self) -> bool:
+        self._require_built(".scan_layers")
+        return self.layout.scan_layers
+
     def _place(self, batch: tuple) -> tuple:
-        return data.shard_batch(batch, self.mesh, self.batch_spec)
+        return data.shard_batch(batch, self.mesh, self.layout.batch_spec)
 
     def _data_size(self) -> int:
-        return int(np.prod([self.mesh.shape[a] for a in _axes_of(self.batch_spec[0])])) if self.batch_spec else 1
+        return int(np.prod([self.mesh.shape[a] for a in self.layout.batch_axes]))
 
     def _lrs(self) -> jax.Array:
         """The current lr of every param group (a torch scheduler may have changed them),
         replicated on the mesh (every process holds the same values)."""
-        lrs = self.learning_rates.current() if self.learning_rates else np.zeros((0,), np.float32)
+        rates = self.trainable.learning_rates
+        lrs = rates.current() if rates is not None else np.zeros((0,), np.float32)
         return jax.make_array_from_callback(lrs.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: lrs[i])
 
     def __call__(self, *batch: Any) -> dict[str, float]:
         """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
-        (before clipping) when clipping, and "skipped" / "loss_scale" under fp16.
-
-        Under XTRAIN_REPORT_ONLY=1 (`xtrain report script.py`) the first call prints the
-        step's report instead and exits the process (status 0) without training."""
-        if os.environ.get(REPORT_ONLY, "") not in ("", "0"):
-            self._report_and_exit(batch)
+        (before clipping) when clipping, and "skipped" / "loss_scale" under fp16."""
+        if self._intercept is not None:
+            intercept, self._intercept = self._intercept, None
+            if intercept.build:
+                self._ensure_built(batch)
+            intercept.run(self, batch)
+        self._ensure_built(batch)
         placed = self._place(batch)
-        accumulation.check_divisible(placed, self.options.accumulate, self._data_size())
+        accumulation.check_divisible(placed, self.options.step.accumulate, self._data_size())
         self._place_stages(placed)
         self._guard(placed)
         self._last_batch = placed
         before = self._nan_evidence(placed)
-        self.state, out = self._train(self.state, placed, self._lrs())
-        if self.learning_rates:
-            self.learning_rates.mark_stepped()
+        self.state, out = self._program.train(self.state, placed, self._lrs())
+        if self.trainable.learning_rates is not None:
+            self.trainable.learning_rates.mark_stepped()
         out = {k: (bool(v) if k == "skipped" else float(v)) for k, v in out.items()}
-        if self.options.detect_nan and out.get("skipped"):
+        if self.options.step.detect_nan and out.get("skipped"):
             self._raise_nonfinite(out, before)
         return out
 
     def _guard(self, placed: tuple) -> None:
         now = recompile.signature(placed)
-        recompile.check(self._compiled_for, now, self.options.shape_limit)
+        recompile.check(self._compiled_for, now, self.options.step.shape_limit)
         if now not in self._compiled_for:
             self._compiled_for.append(now)
 
     def _nan_evidence(self, placed: tuple):
         """detect_nan: what the forward reads this step (the state is donated to the step)."""
-        if not self.options.detect_nan:
+        if not self.options.step.detect_nan:
             return None
         copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
         key = jax.random.fold_in(self.state.key, self.state.step)
-        params = self.stacking.unstack_dict({**self.state.params, **self.state.frozen})  # copies (slices) of rows
+        params = self.layout.stacking.unstack_dict({**self.state.params, **self.state.frozen})  # copies of rows
         return copy(params), copy(self.state.buffers), key, placed
 
     def _raise_nonfinite(self, out: dict, evidence) -> None:
-        bad = nan_check.first_nonfinite(self._user_model(), *evidence)
+        bad = nan_check.first_nonfinite(self.user_model(), *evidence)
         where = ("every forward tensor is finite; the backward pass produced the non-finite gradient"
                  if bad is None else f"first non-finite tensor: output of {bad.primitive} (shape {bad.shape}) in "
                  f"module {bad.module or '<top level>'!r}")
@@ -246,41 +271,45 @@ class TrainStep:
             f"step {self.step_count}: loss {out['loss']}, gradient norm {out.get('grad_norm')}; {where}. The update "
             "was skipped: parameters and optimizer state are those before this step")
 
-    def _report_and_exit(self, batch: tuple) -> None:
-        text = str(self.report(*batch))
-        if jax.process_index() == 0:
-            print(text, flush=True)
-        raise SystemExit(0)
-
     def eval(self, *batch: Any) -> dict[str, float]:
         """The loss in eval mode (dropout off, running statistics); updates nothing."""
+        self._ensure_built(batch)
         placed = self._place(batch)
         self._place_stages(placed)
-        loss = self._eval(self.state, placed)
+        loss = self._program.eval(self.state, placed)
         return {"loss": float(loss[0] / loss[1] if isinstance(loss, tuple) else loss)}
 
     @property
     def compilations(self) -> int:
         """Programs the training step has compiled: 1 after the first call, more only when
         allow_recompile let a new batch shape through (a new lr never adds one)."""
-        return self._train._cache_size()
+        return self._program.train._cache_size() if self._built else 0
 
     @property
     def step_count(self) -> int:
+        if not self._built:
+            return checkpoint.read_manifest(self._pending_load)["step"] if self._pending_load is not None else 0
         return int(self.state.step)
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, "Any"]:
-        """Full (unsharded) tensors under the model's own names; for torch modules every key
-        of `module.state_dict()`, loadable with `load_state_dict(strict=True)`."""
-        import torch
+    def user_model(self) -> Model:
+        """The model under its own per-layer parameter names (what `stacking` unstacks to)."""
+        return self.model.inner if isinstance(self.model, stacked.StackedModel) else self.model
 
+    def state_dict(self) -> dict[str, Any]:
+        """Full (unsharded) tensors under the model's own names; for torch modules every key
+        of `module.state_dict()`, loadable with `load_state_dict(strict=True)`. Before plan="auto"
+        has chosen its plan: the model's initial state."""
+        if not self._built:
+            if self._pending_load is not None:
+                self._require_built(f"state_dict() of the checkpoint loaded from {self._pending_load}")
+            model = self.trainable.model
+            return tensors.state_dict(model.export_state(model.initial_params(), model.initial_buffers()))
         params = {n: _to_host(v) for n, v in {**self.state.params, **self.state.frozen}.items()}
         buffers = {n: _to_host(v) for n, v in self.state.buffers.items()}
-        out = self._user_model().export_state(self.stacking.unstack_dict(params), buffers)
-        return {k: torch.from_numpy(np.array(v)) for k, v in out.items()}
+        out = self.user_model().export_state(self.layout.stacking.unstack_dict(params), buffers)
+        return tensors.state_dict(out)
 
-    # -- checkpoints (xtrain.checkpoint) -------------------------------------------------------
     def save(self, path: str | os.PathLike, extra: dict | None = None, *, blocking: bool = True):
         """Saves the whole training state (parameters, frozen parameters, buffers, optimizer
         state, step count, RNG key: every field of the TrainState) to the directory `path`.
@@ -296,19 +325,20 @@ class TrainStep:
         Returns:
             An `xtrain.checkpoint.SaveHandle`; `.wait()` returns the committed path.
         """
-        from xtrain import checkpoint
-
+        self._require_built("save()")
         return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking,
-                               rows=self.stacking.row_table())
+                               rows=self.layout.stacking.row_table())
 
     def load(self, path: str | os.PathLike) -> dict:
         """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
         under logical names and global shapes and are resharded on load: each process reads
-        only the regions its devices hold). Returns the `extra` dict saved with it."""
-        from xtrain import checkpoint
-        from xtrain.checkpoint.layout import rebuild
-
-        values, manifest = checkpoint.restore(path, self.state, rows=self.stacking.row_table())
+        only the regions its devices hold). Returns the `extra` dict saved with it. Before
+        plan="auto" has chosen its plan the checkpoint is checked now and restored onto the
+        chosen plan at the first step (the normal restart path)."""
+        if not self._built:
+            self._pending_load = path
+            return checkpoint.read_manifest(path)["extra"]
+        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table())
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 
@@ -317,12 +347,13 @@ class TrainStep:
         `.safetensors`, or `.pt`/`.pth`/`.bin` for torch.save. Every process calls it (the
         tensors are gathered); process 0 writes. Loads with `module.load_state_dict` or, written
         as `model.safetensors` next to an HF config, with `from_pretrained`."""
-        from xtrain import checkpoint
-
         return checkpoint.export(self.state_dict(), path)
 
-    # -- explanation -----------------------------------------------------------------------
+    # -- explanation (xtrain.explain) --------------------------------------------------------
     def _shapes(self, batch: tuple) -> tuple:
+        if batch:
+            self._ensure_built(batch)
+        self._require_built("program(), compiled() or report() without a batch")
         placed = self._place(batch) if batch else self._last_batch
         if placed is None:
             raise RuntimeError("needs the batch shapes: pass a batch or run step(*batch) once first")
@@ -332,61 +363,32 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        return jax.make_jaxpr(self._train)(self.state, self._shapes(batch), self._lrs())
+        shapes = self._shapes(batch)
+        return jax.make_jaxpr(self._program.train)(self.state, shapes, self._lrs())
 
-    def compiled(self, *batch: Any):
+    def compiled(self, *batch: Any, remat="plan"):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
         last batch trained on. `.as_text()` gives the optimized HLO."""
-        return self._train.lower(self.state, self._shapes(batch), self._lrs()).compile()
+        shapes = self._shapes(batch)
+        program = self._program if remat == "plan" else self._lower(self.layout, remat)
+        return program.train.lower(self.state, shapes, self._lrs()).compile()
 
-    def _remat_note(self, batch: tuple, memory: dict[str, int]) -> str:
-        """What activation checkpointing saves: this step's temporaries vs the same step
-        compiled without it."""
-        train = self._build(options=self.options, remat=None)[0]
-        without = report_mod.memory_of(train.lower(self.state, self._shapes(batch), self._lrs()).compile())
-        saved = without["temporaries"] - memory["temporaries"]
-        return (f"activation checkpointing remat={self.plan.remat.value!r}: temporaries {memory['temporaries']} B "
-                f"per device vs {without['temporaries']} B without (saves {saved} B)")
-
-    def _stacking_notes(self) -> list[str]:
-        if not self.stacking or self.plan.pipeline is not None:
-            return []
-        groups = self.stacking.groups
-        unscanned = sorted(n for n in groups if n not in self._program.scanned)
-        lengths = sorted({len(m) for m in groups.values()})
-        notes = [f"{len(groups)} block parameter families stored stacked ({'/'.join(map(str, lengths))} layers each); "
-                 f"the layer scan reads {len(groups) - len(unscanned)} of them in place"]
-        if unscanned:
-            notes.append(f"stored stacked but outside any layer scan (each layer sliced out every step): {unscanned[:6]}"
-                         f"{' ...' if len(unscanned) > 6 else ''}")
-        return notes
-
-    def report(self, *batch: Any) -> report_mod.Report:
+    def report(self, *batch: Any):
         """Collectives and per-device memory of the compiled training step, for `batch`'s
-        shapes or the last batch trained on."""
-        compiled = self.compiled(*batch)
-        sizes = dict(self.mesh.shape)
-        replicated = [n for n, s in self.param_specs.items() if not any(s)]
-        notes = [f"{len(replicated)} of {len(self.param_specs)} parameters replicated on every device"]
-        if self.zero_whole:
-            notes.append(f"ZeRO-{self.plan.zero} keeps {len(self.zero_whole)} tensors whole (no dimension divisible "
-                         f"by the data size): {self.zero_whole[:8]}{' ...' if len(self.zero_whole) > 8 else ''}")
-        if self.plan.remat is not Remat.OFF:
-            notes.append(self._remat_note(batch, report_mod.memory_of(compiled)))
-        if self.lowering == "explicit":
-            found = accounting.collectives(self.program(*batch), sizes, self.model.module_paths())
-            notes += [self._layers_note] if self.plan.pipeline is None else []
-            notes += self._stacking_notes()
-            notes += self._program.describe() if self.plan.pipeline is not None else []
-            for prim, paths in sorted(self._program.ctx.fallbacks.items()):
-                notes.append(f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}")
-        else:
-            found = report_mod.collectives_from_hlo(compiled.as_text(), sizes)
-        from xtrain.plans import largest_replicated
+        shapes or the last batch trained on (xtrain.explain.report)."""
+        return explain.report(self, *batch)
 
-        # ZeRO-2 reduces gradients straight to the optimizer-state shards
-        grad_specs = self.optimizer_specs if self.plan.zero == 2 else self.param_specs
-        grads = {n: NamedSharding(self.mesh, PartitionSpec(*s)) for n, s in grad_specs.items()}
-        return report_mod.Report(self.lowering, sizes, found, report_mod.memory_of(compiled), notes,
-                                 report_mod.state_memory(self.state, grads), list(self.plan.notes),
-                                 largest_replicated(self))
+    @property
+    def lowered(self) -> StepProgram:
+        """The lowered step (its strategy's notes feed the report)."""
+        self._require_built(".lowered")
+        return self._program
+
+
+def _agreed(result: search.SearchResult):
+    """The pick of process 0 in every process: each calibrates its own profile, and a job whose
+    processes compiled different plans would deadlock in its first collective."""
+    if jax.process_count() == 1:
+        return result.best
+    index = multihost_utils.broadcast_one_to_all(np.int32(result.rows.index(result.best)))
+    return result.rows[int(index)]

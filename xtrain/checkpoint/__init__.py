@@ -10,8 +10,8 @@ Format: safetensors files (one per process, its own shards) plus a JSON manifest
 """
 from xtrain.checkpoint.layout import CheckpointError
 from xtrain.checkpoint.manager import CheckpointManager, CheckpointOptions
-from xtrain.checkpoint.pretrained import export, load_sharded, meta_params
+from xtrain.checkpoint.pretrained import export, load_sharded, meta_params, read_stored
 from xtrain.checkpoint.store import SaveHandle, check_complete, read_manifest, restore, save
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointOptions", "SaveHandle", "check_complete",
-           "export", "load_sharded", "meta_params", "read_manifest", "restore", "save"]
+           "export", "load_sharded", "meta_params", "read_manifest", "read_stored", "restore", "save"]

@@ -8,7 +8,7 @@ reader assembles any region it needs from the pieces that overlap it.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -19,30 +19,6 @@ Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the globa
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt, or does not fit the step loading it."""
-
-
-def _entry_name(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    raise TypeError(f"unexpected pytree key {entry!r}")
-
-
-def leaf_name(path: Sequence[Any]) -> str:
-    """'opt_state/0/mu/blocks.0.attn.q.weight': stable across meshes, plans and processes."""
-    return "/".join(_entry_name(e) for e in path)
-
-
-def named_leaves(tree: Any) -> dict[str, Any]:
-    """{logical name: leaf} of a pytree (a TrainState, or any nested dict of arrays)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {leaf_name(path): leaf for path, leaf in flat}
-
-
-def rebuild(tree: Any, values: dict[str, Any]) -> Any:
-    """`tree` with each leaf replaced by `values[its logical name]`."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return jax.tree_util.tree_unflatten(treedef, [values[leaf_name(p)] for p, _ in flat])
 
 
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:

@@ -7,7 +7,6 @@ torch meta device can be trained without ever being materialised whole in one pr
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -19,7 +18,8 @@ import numpy as np
 from safetensors import safe_open
 
 from xtrain.checkpoint.layout import CheckpointError, make_array, read_slice, stacked_reader
-from xtrain.frontend import stacked
+from xtrain.frontend import tensors
+from xtrain.ir import stacked
 
 INDEX_SUFFIX = ".index.json"  # HF's sharded checkpoints: model.safetensors.index.json
 
@@ -96,47 +96,20 @@ def _region_reader(name: str, shape: tuple, dtype: np.dtype, aliases, where: dic
 
 def export(state: Mapping[str, "object"], path: str | os.PathLike) -> Path:
     """Writes a full torch state dict (name -> tensor) as `.safetensors` or a torch file
-    (`.pt`/`.pth`/`.bin`), from process 0 only."""
-    import torch
-
+    (`.pt`/`.pth`/`.bin`), from process 0 only (the front end writes it: xtrain.frontend.tensors)."""
     path = Path(path)
     if jax.process_index() != 0:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in state.items()}
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    elif path.suffix in (".pt", ".pth", ".bin"):
-        torch.save(tensors, path)
-    else:
-        raise ValueError(f"export path {path} must end in .safetensors (safetensors) or .pt/.pth/.bin (torch.save)")
+    tensors.save(state, path)
     return path
 
 
-@contextlib.contextmanager
-def meta_params():
-    """Builds modules whose parameters live on the meta device (no memory) while buffers keep
-    real values: rotary tables and masks are small, computed in `__init__`, and often not in
-    checkpoints (non-persistent), so a model built wholly under `torch.device("meta")` has none.
+def read_stored(source: str | os.PathLike, names) -> dict[str, np.ndarray]:
+    """The tensors among `names` that a safetensors checkpoint (file, directory or HF index)
+    holds, read whole: small ones, such as buffers (replicated)."""
+    where = tensor_locations(source)
+    return {n: read_slice(str(where[n][0]), n, ()) for n in names if n in where}
 
-        with xtrain.checkpoint.meta_params():
-            model = LlamaForCausalLM(config)
-        step = xtrain.compile(model, mesh, ..., init_from="checkpoint_dir")
 
-    Each parameter exists on the host only while its own module is constructed."""
-    import torch
-
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    torch.nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = original
+meta_params = tensors.meta_params

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from xtrain.checkpoint.layout import (CheckpointError, assemble, make_array, named_leaves, read_slice,
-                                      region_of, stacked_reader)
-from xtrain.frontend import stacked
+from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, read_slice, region_of, stacked_reader
+from xtrain.ir import stacked
+from xtrain.ir.tree import named_leaves
 
 FORMAT = "xtrain-checkpoint"
 VERSION = 1
@@ -141,7 +141,7 @@ def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = 
          blocking: bool = True, rows: Mapping[str, tuple] | None = None) -> SaveHandle:
     """Writes `tree` (a TrainState) to `path` atomically; every process must call it.
     `rows`: {stacked parameter name: layer of each row} where rows are not layers 0..L-1 in
-    order (xtrain.frontend.stacked.Stacking.row_table).
+    order (xtrain.ir.stacked.Stacking.row_table).
 
     The device-to-host copies happen now; with `blocking=False` the files are written by a
     background thread (`handle.wait()` joins it)."""

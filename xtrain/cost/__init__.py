@@ -1,9 +1,10 @@
-"""Cost model: FLOPs and memory of a lowered step, hardware profiles, predicted step time, and
-the plan search built on them.
+"""Cost model: FLOPs (xtrain.ir.flops) and memory of a lowered step, hardware profiles,
+predicted step time, and the plan search built on them.
 
-    flops.py     FLOPs per device by op from a jaxpr (dot_general, conv, elementwise, reductions)
-    hardware.py  hardware profiles (peak FLOP/s, HBM, links) and this machine's emulated mesh
+    hardware.py  hardware profiles (peak FLOP/s, HBM, links), this machine's emulated mesh, and
+                 which profile a target or the current devices get
     model.py     predicted step time (compute + exposed communication; a pipeline's bubble is in its compute), memory
-    program.py   the explicit per-device program for an abstract mesh (no devices needed)
+    program.py   the step's program for an abstract mesh (no devices needed): the same layout
+                 resolution and step skeleton as the step itself
     search.py    candidate plans for a target, their predictions, the pick (`plan="auto"`)
 """

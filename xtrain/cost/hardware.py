@@ -224,3 +224,39 @@ def emulated(devices: int | None = None) -> HardwareProfile:
                f"cores; collectives are memory copies ({'measured' if local > 1 else 'NOT measured, assumed'} "
                f"{link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); matmul "
                f"{matmul * local / n / 1e9:.1f} GFLOP/s per process"))
+
+
+# -- which profile --------------------------------------------------------------------------------
+# GPU kinds JAX reports -> the instance whose profile describes them
+_GPU_INSTANCES = (("A100", "p4d.24xlarge"), ("H100", "p5.48xlarge"))
+_NEURON_INSTANCES = (("trn2", "trn2.48xlarge"), ("nc_v3", "trn2.48xlarge"), ("trn1", "trn1.32xlarge"),
+                     ("nc_v2", "trn1.32xlarge"))
+
+
+def target(spec: str) -> tuple[HardwareProfile, int]:
+    """'trn1.32xlarge:4' -> (its profile, 128 devices); 'emulated' or 'emulated:8' -> this
+    machine's CPU devices (calibrated)."""
+    name, _, count = spec.partition(":")
+    if name == "emulated":
+        import jax
+
+        n = int(count) if count else jax.device_count()
+        return emulated(n), n
+    instance, nodes = topology.parse_cluster(spec)
+    return profile(instance.name), nodes * instance.devices
+
+
+def current_profile() -> HardwareProfile:
+    """The profile of the devices this process runs on."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return emulated(jax.device_count())
+    table = _GPU_INSTANCES if device.platform in ("gpu", "cuda") else _NEURON_INSTANCES
+    kind = device.device_kind.lower()
+    name = next((inst for needle, inst in table if needle.lower() in kind), None)
+    if name is None:
+        raise ValueError(f"plan='auto' has no hardware profile for device kind {device.device_kind!r}; known "
+                         f"profiles: {', '.join(PROFILES)}. Pass an explicit plan instead")
+    return profile(name)

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from xtrain.cost.flops import Flops
+from xtrain.ir.flops import Flops
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.lowering.report import Collective
 

@@ -2,7 +2,7 @@
 
     result = search(model, tx, batch, profile, devices=128)
     print(result)                      # one row per candidate; `*` marks the pick
-    result.best.candidate.plan(module) # the Plan, result.best.candidate.mesh the Mesh sizes
+    result.best.candidate.plan(structure)  # the Plan, result.best.candidate.mesh the Mesh sizes
 
 Candidates (in the fixed order of torchtitan's parallelize: tensor, pipeline, activation
 checkpointing, data/ZeRO): tensor degree t over the "tensor" axis (Megatron preset; on Trainium
@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
-from xtrain.cost import flops as flops_mod
+from xtrain.ir import flops as flops_mod
+from neuron_support import topology
 from xtrain.cost import model as cost_model
 from xtrain.cost import program as program_mod
 from xtrain.cost.hardware import HardwareProfile
-from xtrain.lowering.explicit import accounting
+from xtrain.ir.structure import Structure
+from xtrain.lowering import accounting
+from xtrain.sharding import presets
 from xtrain.sharding.plan import Plan
 
 # Candidates within this share of the fastest count as tied; the simplest of them is picked
@@ -92,17 +95,15 @@ class Candidate:
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         return name + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
 
-    def plan(self, module: Any = None) -> Plan:
-        """The Plan: Megatron rules for tensor > 1 (needs the torch module), the ZeRO stage,
-        remat, the pipeline."""
+    def plan(self, structure: Structure | None = None) -> Plan:
+        """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
+        stage, remat, the pipeline."""
         base = Plan()
         if self.tensor > 1:
-            from xtrain import plans
-
-            if module is None or not hasattr(module, "named_modules"):
+            if structure is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
-            base = plans.megatron(module, self.mesh)
+            base = presets.megatron(structure, self.mesh)
         if self.pipe == 1:
             return dataclasses.replace(base, zero=self.zero, remat=self.remat)
         return dataclasses.replace(base, zero=self.zero).with_pipeline(
@@ -225,8 +226,6 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
 
 def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
     """Divisors of the devices of one instance; on Trainium, replica-group sizes a node supports."""
-    from neuron_support import topology
-
     allowed = topology.INSTANCES.get(profile.name.split("[")[0])
     groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
     return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
@@ -270,8 +269,8 @@ def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
     return ""
 
 
-def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: HardwareProfile, *,
-             regather: bool = True, layers: int | None = None) -> Row:
+def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch: tuple, profile: HardwareProfile,
+             *, regather: bool = True, layers: int | None = None) -> Row:
     """Lowers `candidate` for an abstract mesh and predicts it on `profile`.
 
     Args:
@@ -282,7 +281,7 @@ def evaluate(model, tx, module, candidate: Candidate, batch: tuple, profile: Har
     if reason:
         return Row(candidate=candidate, reason=reason)
     try:
-        plan = candidate.plan(module)
+        plan = candidate.plan(structure)
         traced = program_mod.abstract_step(model, tx, sizes, plan, batch, regather=regather)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
@@ -320,25 +319,15 @@ def pick(rows: Sequence[Row]) -> Row | None:
     return min(tied, key=lambda r: (r.candidate.simplicity(), r.prediction.step_s))
 
 
-def search_torch(module, optimizer, batch: tuple, profile: HardwareProfile, devices: int, *,
-                 loss_fn=None, **kwargs) -> SearchResult:
-    """`search` for a torch module and its torch optimizer (as `xtrain.compile` takes them)."""
-    from xtrain.api import _torch_model
-    from xtrain.cost.auto import _host_batch
-
-    wrapped, tx, _, _ = _torch_model(module, optimizer, loss_fn)
-    return search(wrapped, tx, _host_batch(batch), profile, devices, module=module, **kwargs)
-
-
-def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, module: Any = None,
+def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, structure: Structure | None = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
-        model: xtrain's wrapped model (frontend.Model); tx: the optax transformation.
+        model: xtrain's wrapped model (xtrain.ir.Model); tx: the optax transformation.
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
-        module: the torch module (for Megatron tensor-parallel candidates).
+        structure: the model's module structure (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
         prune_remat: lower a memory-only variant (remat, 1F1B) only when its plain plan does not fit.
@@ -349,7 +338,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
     if candidate_list is None:
         pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
         candidate_list = candidates(devices, profile, pipe_degrees=pipes)
-    lower = lambda c: evaluate(model, tx, module, c, batch, profile, regather=regather, layers=facts.layers)
+    lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
     for c in candidate_list:
         if c.saves_memory_only:
@@ -364,12 +353,13 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, m
 def compiled_step_cost(step, *batch) -> cost_model.StepCost:
     """The StepCost of a compiled TrainStep (explicit lowering) for `batch`: its program's FLOPs
     and collectives, and memory from XLA's memory analysis of the compiled step."""
-    if step.lowering != "explicit":
-        raise ValueError(f"compiled_step_cost reads xtrain's emitted program; this step uses lowering={step.lowering!r}")
+    if step.options.lowering != "explicit":
+        raise ValueError("compiled_step_cost reads xtrain's emitted program; this step uses "
+                         f"lowering={step.options.lowering!r}")
     rep = step.report(*batch)
     program = step.program(*batch)
     sizes = dict(step.mesh.shape)
-    data_axes = tuple(a for e in step.batch_spec for a in ((e,) if isinstance(e, str) else (e or ())))
+    data_axes = step.layout.batch_axes
     memory = cost_model.memory_from_compiled(step.compiled(*batch), rep.state_memory)
     return cost_model.StepCost(flops=flops_mod.count(program), collectives=rep.collectives, mesh=sizes,
                                data_axes=data_axes, memory=memory, tokens=_tokens(batch))

@@ -1,7 +1,10 @@
-"""Front ends: a torch.nn.Module or a JAX loss function -> named state + pure JAX loss."""
-from xtrain.frontend.model import Model, TraceError
-from xtrain.frontend.torch_module import TorchModel
-from xtrain.frontend.jax_function import JaxModel
-from xtrain.frontend.graph import TracedGraph, trace
+"""Front ends: the only part of xtrain that imports torch and torchax.
 
-__all__ = ["Model", "TraceError", "TorchModel", "JaxModel", "TracedGraph", "trace"]
+    torch_module.py   torch.nn.Module -> xtrain.ir.Model (named state + pure JAX loss function)
+    torch_ops.py      torch ops xtrain lowers itself (derivative rules, fixes to torchax's table)
+    jax_function.py   a JAX loss function + parameter pytree -> xtrain.ir.Model
+    optim.py          torch.optim optimizers -> optax transformations
+    tensors.py        torch tensors <-> numpy arrays, torch state dicts and files
+
+Nothing is imported here: `import xtrain.frontend.jax_function` does not load torch.
+"""

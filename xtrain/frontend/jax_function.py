@@ -5,8 +5,9 @@ from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
+import optax
 
-from xtrain.frontend.model import Model, TraceError
+from xtrain.ir.model import Model, TraceError, Trainable
 
 
 def _path_name(path) -> str:
@@ -27,7 +28,7 @@ class JaxModel(Model):
     def initial_params(self) -> dict[str, np.ndarray]:
         return dict(self._initial)
 
-    def initial_buffers(self, source=None) -> dict[str, np.ndarray]:
+    def initial_buffers(self, stored=None) -> dict[str, np.ndarray]:
         return {}
 
     def trainable(self) -> dict[str, bool]:
@@ -43,3 +44,18 @@ class JaxModel(Model):
                 f"{self.name} returned {type(loss).__name__} of shape {getattr(loss, 'shape', None)}, "
                 "not a scalar loss; a JAX loss function must return a scalar")
         return loss, {}
+
+
+def param_shapes(params: Any) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a parameter pytree, named as JaxModel names them."""
+    return {_path_name(p): tuple(np.shape(v)) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def wrap(fn: Callable[..., Any], params: Any, optimizer: Any) -> Trainable:
+    """What `xtrain.compile(fn, mesh, params=..., optimizer=optax...)` trains."""
+    if params is None:
+        raise ValueError("xtrain.compile of a JAX function needs params=<pytree of initial parameters>")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError("xtrain.compile of a JAX function needs optimizer=<optax.GradientTransformation>")
+    model = JaxModel(fn, params)
+    return Trainable(model=model, tx=optimizer, optimized=frozenset(model.param_names))

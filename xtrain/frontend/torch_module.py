@@ -11,11 +11,21 @@ import numpy as np
 import torch
 import torchax
 from torch.nn.utils import stateless
+from torchax import interop as torchax_interop
 
-from xtrain.frontend import torch_ops
-from xtrain.frontend.model import Model, TraceError
+from xtrain.frontend import optim, structure, torch_ops
+from xtrain.ir import interop
+from xtrain.ir.model import Model, TraceError, Trainable
 
 LossFn = Callable[..., Any]
+
+
+def _shard_torch(fn: Callable, x: torch.Tensor):
+    """xtrain.shard on a torch tensor: through torchax while traced, a no-op in eager torch."""
+    return torchax_interop.call_jax(fn, x) if isinstance(x, torchax.tensor.Tensor) else x
+
+
+interop.register(lambda x: isinstance(x, torch.Tensor), _shard_torch)
 
 
 @functools.cache
@@ -52,15 +62,6 @@ def _np_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype == torch.bfloat16:
         return np.dtype(jax.numpy.bfloat16)
     return torch.empty((), dtype=dtype).numpy().dtype
-
-
-def _stored_buffers(source, names: list[str]) -> dict[str, np.ndarray]:
-    """Buffers (small: replicated) that a safetensors checkpoint holds."""
-    from xtrain.checkpoint.layout import read_slice
-    from xtrain.checkpoint.pretrained import tensor_locations
-
-    where = tensor_locations(source)
-    return {n: read_slice(str(where[n][0]), n, ()) for n in names if n in where}
 
 
 class _ModuleScopes:
@@ -150,7 +151,7 @@ class TorchModel(Model):
         self.name = type(module).__name__
         named_params = list(module.named_parameters(remove_duplicate=False))
         self.param_names, self.param_aliases, self._param_ids = _dedup(named_params)
-        self.buffer_names, self.buffer_aliases, _ = _dedup(list(module.named_buffers(remove_duplicate=False)))
+        self._buffer_names, self.buffer_aliases, _ = _dedup(list(module.named_buffers(remove_duplicate=False)))
         self._frozen = {n for n, p in named_params if not p.requires_grad}
         self._paths = frozenset(p for p, _ in module.named_modules() if p)
         self._state_keys = list(module.state_dict().keys())
@@ -165,22 +166,24 @@ class TorchModel(Model):
         named = dict(self.module.named_parameters())
         return {n: jax.ShapeDtypeStruct(tuple(named[n].shape), _np_dtype(named[n].dtype)) for n in self.param_names}
 
-    def initial_buffers(self, source=None) -> dict[str, np.ndarray]:
-        """The module's buffers; with `source` (a safetensors file, for sharded init) those
-        stored there are read from it, and a buffer left on the meta device is an error."""
-        named = dict(self.module.named_buffers())
-        stored = _stored_buffers(source, self.buffer_names) if source is not None else {}
+    def initial_buffers(self, stored=None) -> dict[str, np.ndarray]:
+        """The module's buffers; those in `stored` (read from a checkpoint, for sharded init)
+        taken from there. A buffer left on the meta device and not stored is an error."""
+        named, stored = dict(self.module.named_buffers()), stored or {}
         out = {}
-        for n in self.buffer_names:
+        for n in self._buffer_names:
             if n in stored:
-                out[n] = stored[n].astype(_np_dtype(named[n].dtype))
+                out[n] = np.asarray(stored[n]).astype(_np_dtype(named[n].dtype))
             elif named[n].is_meta:
-                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in {source}: build the "
-                                 "model under `with xtrain.checkpoint.meta_params():` (parameters on meta, buffers "
-                                 "real) instead of torch.device('meta'), or store the buffer in the file")
+                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in the checkpoint: "
+                                 "build the model under `with xtrain.checkpoint.meta_params():` (parameters on meta, "
+                                 "buffers real) instead of torch.device('meta'), or store the buffer in the file")
             else:
                 out[n] = _to_numpy(named[n])
         return out
+
+    def buffer_names(self) -> list[str]:
+        return list(self._buffer_names)
 
     def trainable(self) -> dict[str, bool]:
         return {n: n not in self._frozen for n in self.param_names}
@@ -257,3 +260,18 @@ class TorchModel(Model):
             f"{source} returned {got}, not a scalar loss. Return the loss from forward (or an "
             "HF-style output with .loss), a (loss sum, term count) pair of scalars, or pass "
             "loss_fn=lambda model, *batch: <scalar> to xtrain.compile")
+
+
+def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None = None) -> Trainable:
+    """What `xtrain.compile(module, mesh, optimizer=torch.optim....)` trains: the module as a
+    Model, its optimizer as optax with per-group learning rates, and its structure."""
+    if optimizer is None:
+        raise ValueError("xtrain.compile of a torch module needs optimizer=torch.optim.<...>(model.parameters(), ...)")
+    model = TorchModel(module, loss_fn=loss_fn)
+    tx, groups = optim.from_torch(optimizer, model.name_of, model.trainable())
+    return Trainable(model=model, tx=tx, optimized=frozenset(groups),
+                     learning_rates=optim.LearningRates(optimizer, groups), structure=structure.describe(module))
+
+
+def is_module(x) -> bool:
+    return isinstance(x, torch.nn.Module)

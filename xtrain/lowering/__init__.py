@@ -1,1 +1,20 @@
-"""Lowering: a Model + Plan + mesh -> compiled per-step programs, and what they communicate."""
+"""Lowering: a model's traced program, its state layout and a mesh -> the compiled training step,
+with every collective chosen and counted by xtrain.
+
+    lower.py           the entry: picks the strategy (explicit, pipeline, XLA's partitioner)
+    train_step.py      the one step skeleton: loss and gradients -> sync -> update -> outputs
+    explicit/          the explicit lowering: interpreter, partition rules by family, repeated
+                       blocks and the layer scan, the forward strategy
+    pipeline/          pipeline parallelism: schedules, stage partition, stages, executors
+    xla_partitioner.py the same step through XLA's SPMD partitioner (for comparison)
+    sharded.py         values of the per-device program (Layout, Sharded) and their moves
+    collectives.py     the collectives layer: every collective the program contains
+    zero.py            ZeRO: flat gathers of stage 3, re-gather policy, sharded update of 1/2
+    gradient_sync.py   bucketed (optionally hierarchical, narrower-dtype) gradient all-reduce
+    grad_transforms.py, clipping.py, accumulation.py, precision.py, remat.py, options.py
+                       what happens between gradients and update; micro-batches; mixed
+                       precision; activation checkpointing; step options
+    state.py           the TrainState and its shardings
+    ordering.py        one order of collectives on XLA's CPU runtime
+    accounting.py, report.py, nan_check.py   what the program communicates; the report; NaN locator
+"""

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax.numpy as jnp
-from jax import lax
+
+from xtrain.lowering import collectives
 
 TORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds it to the norm
 
@@ -33,7 +34,7 @@ def global_norm(grads: Mapping[str, jnp.ndarray], split_axes: Mapping[str, tuple
         by_axes[axes] = by_axes[axes] + square if axes in by_axes else square
     total = jnp.float32(0)
     for axes, value in sorted(by_axes.items()):
-        total = total + (lax.psum(value, axes) if axes else value)
+        total = total + (collectives.all_reduce(value, axes) if axes else value)
     return jnp.sqrt(total)
 
 

@@ -5,7 +5,7 @@ after it, the same in both lowerings:
     norm      the global gradient norm (clipping.global_norm), when clipping or when a
               non-finite step must be detected (fp16 overflow, detect_nan)
     clip      torch's clip_grad_norm_ rule
-    lr        each update times its param group's current lr (optim.scale_by_lr)
+    lr        each update times its param group's current lr (scale_by_lr)
     skip      fp16 / detect_nan: a step whose loss or gradient norm is not finite keeps the old
               parameters, optimizer state and buffers (finish_step); fp16's scale moves
 """
@@ -16,9 +16,9 @@ from typing import Mapping
 
 import jax.numpy as jnp
 
-from xtrain import optim, precision
-from xtrain.lowering import clipping
-from xtrain.precision import LossScale
+from xtrain.ir.stacked import member
+from xtrain.lowering import clipping, precision
+from xtrain.sharding.precision import LossScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class GradTransforms:
         return grads, norm
 
     def scale_lr(self, updates: Mapping, lrs) -> dict:
-        return optim.scale_by_lr(updates, lrs, self.lr_groups)
+        return scale_by_lr(updates, lrs, self.lr_groups)
 
 
 def finish_step(old, new, loss, norm, grad_tx: GradTransforms):
@@ -72,3 +72,12 @@ def finish_step(old, new, loss, norm, grad_tx: GradTransforms):
         out["loss_scale"] = old.loss_scale["scale"]
         new = dataclasses.replace(new, loss_scale=precision.next_state(old.loss_scale, finite, grad_tx.loss_scale))
     return new, out
+
+
+def scale_by_lr(updates: Mapping, lrs, groups: Mapping[str, int] | None) -> dict:
+    """Each parameter's update times its group's lr (`lrs[groups[name]]`); no-op for optax
+    transformations passed by the user (groups=None: their lr is inside the transformation).
+    A stacked family takes its layer 0's group (every layer of a family is in the same one)."""
+    if groups is None:
+        return dict(updates)
+    return {n: u * lrs[groups[member(n, 0)]].astype(u.dtype) for n, u in updates.items()}

@@ -12,9 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
-from xtrain.frontend.graph import module_path
+from xtrain.ir import walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,23 +25,17 @@ class BadTensor:
 
 def _walk(jaxpr, consts, args, paths, outer, found: list) -> list:
     """Evaluates `jaxpr`; appends (all finite?, BadTensor) per float-valued equation."""
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        path = module_path(eqn, paths, outer)
-        ins = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("pjit", "jit", "closed_call"):
-            closed = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            outs = _walk(closed.jaxpr, closed.consts, ins, paths, path, found)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            for out in outs:
-                if jnp.issubdtype(out.dtype, jnp.floating):
-                    found.append((jnp.all(jnp.isfinite(out)), BadTensor(path, eqn.primitive.name, tuple(out.shape))))
-        env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
-    return [read(v) for v in jaxpr.outvars]
+    def bind(eqn, ins, path):
+        if eqn.primitive.name in walk.CALLS:
+            body, body_consts = walk.call_body(eqn)
+            return _walk(body, body_consts, ins, paths, path, found)
+        outs = walk.bind_eqn(eqn, ins)
+        for out in outs:
+            if jnp.issubdtype(out.dtype, jnp.floating):
+                found.append((jnp.all(jnp.isfinite(out)), BadTensor(path, eqn.primitive.name, tuple(out.shape))))
+        return outs
+
+    return walk.evaluate(jaxpr, consts, args, bind, module_paths=paths, outer=outer)
 
 
 def first_nonfinite(model, params, buffers, key, batch) -> BadTensor | None:

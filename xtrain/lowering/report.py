@@ -11,6 +11,8 @@ import re
 
 import numpy as np
 
+from xtrain.ir import hlo
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -49,41 +51,6 @@ def _bytes_of(shape_text: str) -> int:
                for dt, dims in _ARRAY.findall(shape_text))
 
 
-def _mesh_groups(line: str) -> list[list[int]] | None:
-    """Groups written over a named iota mesh: `replica_groups=mesh['a'=8,'b'=1] {'a'}`."""
-    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if not match:
-        return None
-    dims = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", match.group(1))]
-    chosen = re.findall(r"'([^']+)'", match.group(2))
-    ids = np.arange(math.prod(v for _, v in dims)).reshape([v for _, v in dims])
-    order = [i for i, (n, _) in enumerate(dims) if n not in chosen] + [
-        next(i for i, (n, _) in enumerate(dims) if n == c) for c in chosen]
-    size = math.prod(v for n, v in dims if n in chosen)
-    return ids.transpose(order).reshape(-1, size).tolist()
-
-
-def _groups(line: str) -> list[list[int]]:
-    mesh_groups = _mesh_groups(line)
-    if mesh_groups is not None:
-        return mesh_groups
-    match = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
-    if match:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
-    match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if match:
-        out_dims = [int(x) for x in match.group(1).split(",")]
-        ids = np.arange(math.prod(int(x) for x in match.group(2).split(","))).reshape(
-            [int(x) for x in match.group(2).split(",")])
-        if match.group(3):
-            ids = ids.transpose([int(x) for x in match.group(3).split(",")])
-        return ids.reshape(out_dims[0], -1).tolist()
-    pairs = re.search(r"source_target_pairs=\{([\d,{}]*)\}", line)
-    if pairs:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    return []
-
-
 def _axes_of_group(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     coords = np.array([np.unravel_index(i, tuple(mesh_shape.values())) for i in group])
     return tuple(name for k, name in enumerate(mesh_shape) if len(set(coords[:, k])) > 1)
@@ -98,7 +65,7 @@ def collectives_from_hlo(hlo_text: str, mesh_shape: dict[str, int]) -> list[Coll
         if not match or "-done" in line.split("=")[0]:
             continue
         kind = match.group("kind")
-        groups = _groups(line)
+        groups = hlo.replica_groups(line)
         size = len(groups[0]) if groups and kind != "collective-permute" else 2
         payload = _bytes_of(match.group("shape"))
         if kind == "reduce-scatter":

@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from neuron_support import topology
+from neuron_support.env import neuron_env
+from xtrain.runtime.cache import cache_root
 from xtrain.runtime.launch import ProcessEnv
 
 log = logging.getLogger(__name__)
@@ -78,15 +81,13 @@ def instance_type(env: Mapping[str, str] | None = None, *,
                   read: Callable[[str], str | None] = _read) -> str | None:
     """The EC2 instance type: XTRAIN_INSTANCE_TYPE, SageMaker's SM_CURRENT_INSTANCE_TYPE, or the
     DMI product name when it is an instance type xtrain knows."""
-    from neuron_support.topology import INSTANCES
-
     env = os.environ if env is None else env
     for name in ("XTRAIN_INSTANCE_TYPE", "SM_CURRENT_INSTANCE_TYPE"):
         if env.get(name):
             value = env[name]
             return value[3:] if value.startswith("ml.") else value
     product = read(DMI_PRODUCT_NAME)
-    return product if product in INSTANCES else None
+    return product if product in topology.INSTANCES else None
 
 
 def _count_list(value: str) -> int:
@@ -111,9 +112,7 @@ def local_device_count(backend: str, env: Mapping[str, str] | None = None, *,
             return _count_list(env["NEURON_RT_VISIBLE_CORES"])
         kind = instance_type(env)
         if kind:
-            from neuron_support.topology import instance
-
-            return instance(kind).devices
+            return topology.instance(kind).devices
         return None
     return 1
 
@@ -235,8 +234,6 @@ def supported_xla_flags(flags: Sequence[str], *, probe: Callable[[Sequence[str]]
     in `cache_file` (xtrain's cache, `xla_flags.json`, by default) per jaxlib version.
     """
     if cache_file is None:
-        from xtrain.runtime.cache import cache_root
-
         root = cache_root()
         cache_file = root / "xla_flags.json" if root else None
     key = f"jaxlib {version or jaxlib_version()}"
@@ -264,6 +261,4 @@ def backend_env(backend: str, process: ProcessEnv, *, instance: str | None,
     if instance is None:
         raise ValueError("on Trainium xtrain needs the instance type to map processes onto NeuronCores; "
                          "set XTRAIN_INSTANCE_TYPE=trn1.32xlarge (or trn1.2xlarge, trn1n.32xlarge, trn2.48xlarge)")
-    from neuron_support.env import neuron_env
-
     return neuron_env(process, instance, neuron_layout(process), compile_cache=compile_cache)

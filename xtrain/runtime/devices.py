@@ -25,6 +25,7 @@ import inspect
 import logging
 import os
 
+from neuron_support import emulate as emulation
 from xtrain.runtime import backends, cache
 from xtrain.runtime.launch import ProcessEnv, process_env
 
@@ -69,9 +70,7 @@ def _emulated_cluster(spec: str | None, platform: str, cpu_devices: int | None):
     if platform != "cpu":
         log.warning("emulate=%r ignored: this machine runs %s, not CPU", spec, platform)
         return None
-    from neuron_support.emulate import virtual_cluster
-
-    return virtual_cluster(spec, devices=cpu_devices)
+    return emulation.virtual_cluster(spec, devices=cpu_devices)
 
 
 def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
@@ -94,8 +93,8 @@ def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
     os.environ.update(applied)
     import jax
 
-    # PLATFORM.md: threefry is only partly supported on Neuron; rbg is. The variable alone is
-    # read when jax is imported, which may have happened already.
+    # JAX NeuronX known issues: threefry is only partly supported on Neuron; rbg is. The
+    # variable alone is read when jax is imported, which may have happened already.
     jax.config.update("jax_default_prng_impl", os.environ["JAX_DEFAULT_PRNG_IMPL"])
     return applied
 
@@ -134,6 +133,7 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
     _enable_cache()
     if env.is_multi_process:
         _init_distributed(env, platform, heartbeat_timeout_s)
+    emulation.use(cluster)
     _state.update(initialized=True, process_env=env, cluster=cluster, backend_env=applied)
     return env
 
@@ -203,10 +203,3 @@ def backend() -> str:
 def emulated_cluster():
     """The cluster `init(emulate=...)` flies on CPU (a neuron_support VirtualCluster), or None."""
     return _state["cluster"]
-
-
-def job_devices() -> list:
-    """All devices of the job (every process), in process-major order."""
-    import jax
-
-    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

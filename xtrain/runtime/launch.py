@@ -8,6 +8,11 @@ Precedence when several launchers left variables: torchrun, then MPI, then Slurm
 SageMaker's one-process-per-host launch. The outer ones are cross-checked against the inner
 one (a torchrun job under srun must agree with Slurm on its size), and a disagreement is an
 error naming both sides' variables, never a guess.
+
+Why this is long: five launchers, each read in about 60 lines (Slurm's host lists included),
+and the checks that compare them read each other's variables; kept in one module so the
+precedence and every cross-check read top to bottom in one place, as one pure function of the
+environment mapping.
 """
 from __future__ import annotations
 

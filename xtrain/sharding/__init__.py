@@ -1,4 +1,13 @@
-"""Mesh, per-tensor sharding specs and plans."""
+"""How tensors are split over the mesh: what a plan says, and what it resolves to.
+
+    mesh.py      Mesh(data=4, tensor=2): named axes
+    plan.py      Plan: per-tensor specs by module-path glob, batch spec, ZeRO stage, pipeline,
+                 precision and remat (their settings: pipeline.py, precision.py, remat.py)
+    zero.py      which dimension ZeRO splits over the data axes (shared with the presets)
+    layout.py    layout resolution: plan + mesh sizes + shapes -> the state layout
+    presets.py   ddp, fsdp/zero, hybrid, megatron (megatron.py) as ordinary Plans
+    annotate.py  xtrain.shard: activation layouts written in model code
+"""
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 

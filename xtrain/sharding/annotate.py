@@ -15,7 +15,8 @@ import contextvars
 import math
 from typing import Any, Iterator, Sequence
 
-from xtrain.sharding.plan import AxisEntry, _axes_of
+from xtrain.ir import interop
+from xtrain.sharding.plan import AxisEntry, axes_of
 
 # The jax.sharding.Mesh xtrain is tracing the model for (None outside xtrain's traces).
 _MESH: contextvars.ContextVar = contextvars.ContextVar("xtrain_tracing_mesh", default=None)
@@ -50,23 +51,7 @@ def shard(x: Any, spec: Sequence[AxisEntry]) -> Any:
     if mesh is None:
         return x
     spec = tuple(spec) if not isinstance(spec, str) else (spec,)
-    if _is_torch(x):
-        if not _is_traced_torch(x):
-            return x
-        from torchax import interop
-
-        return interop.call_jax(lambda v: _constrain(v, spec, mesh), x)
-    return _constrain(x, spec, mesh)
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith(("torch", "torchax"))
-
-
-def _is_traced_torch(x) -> bool:
-    import torchax
-
-    return isinstance(x, torchax.tensor.Tensor)
+    return interop.apply(lambda v: _constrain(v, spec, mesh), x)  # a traced torch tensor: through torchax
 
 
 def _constrain(x, spec: tuple, mesh):
@@ -85,7 +70,7 @@ def _check(shape: tuple, spec: tuple, sizes: dict) -> None:
     if len(spec) != len(shape):
         raise ValueError(f"xtrain.shard{where}: spec {spec} has {len(spec)} entries for a tensor of "
                          f"shape {shape} ({len(shape)} dims); give one entry (axis name or None) per dim")
-    used = [a for entry in spec for a in _axes_of(entry)]
+    used = [a for entry in spec for a in axes_of(entry)]
     for axis in used:
         if axis not in sizes:
             raise ValueError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} names axis "
@@ -93,7 +78,7 @@ def _check(shape: tuple, spec: tuple, sizes: dict) -> None:
     if len(set(used)) != len(used):
         raise ValueError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} uses a mesh axis twice")
     for dim, (size, entry) in enumerate(zip(shape, spec)):
-        axes = _axes_of(entry)
+        axes = axes_of(entry)
         parts = math.prod(sizes[a] for a in axes)
         if size % parts:
             raise ValueError(f"xtrain.shard{where}: dim {dim} of tensor of shape {shape} (size {size}) is not "

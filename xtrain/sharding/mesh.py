@@ -1,4 +1,6 @@
-"""Named device meshes: `Mesh(data=4, tensor=2)`."""
+"""Named device meshes: `Mesh(data=4, tensor=2)`.
+
+`import xtrain` loads this module, so JAX is imported only where a mesh meets devices."""
 from __future__ import annotations
 
 import math
@@ -54,9 +56,14 @@ class Mesh:
         """The jax.sharding.Mesh over `devices` (all devices of the job by default)."""
         import jax
 
-        from xtrain.runtime import job_devices
-
         devices = job_devices() if devices is None else list(devices)
         sizes = self.resolve(len(devices))
         grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
         return jax.sharding.Mesh(grid, tuple(sizes))
+
+
+def job_devices() -> list:
+    """All devices of the job (every process), in process-major order: a mesh's device order."""
+    import jax
+
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

@@ -4,9 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
-from xtrain.lowering.pipeline.schedule import SCHEDULES
-
 Split = Union[str, tuple[str, ...]]
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the tables of xtrain.lowering.pipeline.schedule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

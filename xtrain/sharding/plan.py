@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import TYPE_CHECKING, Mapping, Sequence, Union
+from typing import Mapping, Sequence, Union
 
-if TYPE_CHECKING:  # imported lazily at run time (they import jax)
-    from xtrain.precision import Precision
-    from xtrain.remat import Remat
-    from xtrain.sharding.pipeline import Pipeline
+from xtrain.sharding.pipeline import Pipeline, pipeline
+from xtrain.sharding.precision import Precision
+from xtrain.sharding.remat import LayerRemat, Remat
 
 AxisEntry = Union[str, tuple[str, ...], None]
 Spec = tuple[AxisEntry, ...]
 
 
-def _axes_of(entry: AxisEntry) -> tuple[str, ...]:
+def axes_of(entry: AxisEntry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -43,7 +42,7 @@ class Plan:
             replicated; a rule that matches no parameter is an error. When several rules match
             one parameter, the first one wins.
         batch: spec of the leading dimensions of every batch argument. None means "the mesh's
-            `data` axis when it has one".
+            `data` axis when it has one" (xtrain.sharding.layout.batch_spec).
         notes: why a preset (`xtrain.plans`) chose what it did: tensors it kept whole and the
             reason, splits that are correct but not the textbook layout. Informational only.
         zero: ZeRO stage over the batch (data-parallel) axes. 0: replicated optimizer state;
@@ -64,23 +63,19 @@ class Plan:
     batch: Sequence[AxisEntry] | str | None = None
     notes: tuple[str, ...] = ()
     zero: int = 0
-    precision: "Precision | str" = "fp32"
-    remat: "Remat | str | bool" = "off"
+    precision: Precision | str = "fp32"
+    remat: Remat | str | bool = "off"
     remat_keep: tuple[str, ...] = ()
-    pipeline: "Pipeline | None" = None
+    pipeline: Pipeline | None = None
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
                       split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
                       checkpoint: bool = False) -> "Plan":
         """This plan with pipeline parallelism over mesh axis `axis` (see xtrain.sharding.pipeline.Pipeline)."""
-        from xtrain.sharding.pipeline import pipeline
-
         return dataclasses.replace(self, pipeline=pipeline(stages, microbatches, schedule, split,
                                                            virtual_stages, axis, checkpoint))
 
     def __post_init__(self):
-        from xtrain.precision import Precision
-
         object.__setattr__(self, "precision", Precision.of(self.precision))
         self._check_remat()
         if self.zero not in (0, 1, 2, 3):
@@ -91,8 +86,6 @@ class Plan:
         object.__setattr__(self, "notes", tuple(self.notes))
 
     def _check_remat(self) -> None:
-        from xtrain.remat import Remat
-
         remat = {True: "full", False: "off"}[self.remat] if isinstance(self.remat, bool) else self.remat
         try:
             object.__setattr__(self, "remat", Remat(remat))
@@ -104,10 +97,8 @@ class Plan:
             raise ValueError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
                              "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
 
-    def layer_remat(self):
-        """What the layer scan checkpoints (xtrain.remat.LayerRemat), or None."""
-        from xtrain.remat import LayerRemat, Remat
-
+    def layer_remat(self) -> LayerRemat | None:
+        """What the layer scan checkpoints, or None."""
         return None if self.remat is Remat.OFF else LayerRemat(self.remat, self.remat_keep)
 
     def __str__(self) -> str:
@@ -123,12 +114,10 @@ class Plan:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def batch_spec(self, mesh_axes: Mapping[str, int]) -> Spec:
-        """The batch spec for a mesh with `mesh_axes`."""
+    def check_batch(self, mesh_axes: Mapping[str, int]) -> None:
+        """Fails when `batch` names an axis the mesh lacks (or one twice)."""
         if self.batch is not None:
             _check_axes("batch", self.batch, mesh_axes, rule="Plan(batch=...)")
-            return self.batch
-        return ("data",) if "data" in mesh_axes else ()
 
     def param_specs(self, shapes: Mapping[str, tuple[int, ...]], mesh_axes: Mapping[str, int]) -> dict[str, Spec]:
         """Spec of every parameter (empty tuple = replicated), validated against shapes and mesh."""
@@ -155,7 +144,7 @@ class Plan:
 def _check_axes(what: str, spec: Spec, mesh_axes: Mapping[str, int], rule: str) -> None:
     seen: list[str] = []
     for entry in spec:
-        for axis in _axes_of(entry):
+        for axis in axes_of(entry):
             if axis not in mesh_axes:
                 raise ValueError(
                     f"{rule} splits {what} over mesh axis {axis!r}, which the mesh "
@@ -174,7 +163,7 @@ def _check_param(name: str, shape: tuple[int, ...], spec: Spec, mesh_axes: Mappi
     _check_axes(f"parameter {name}", spec, mesh_axes, rule)
     for dim, entry in enumerate(spec):
         size = 1
-        for axis in _axes_of(entry):
+        for axis in axes_of(entry):
             size *= mesh_axes[axis]
         if shape[dim] % size:
             raise ValueError(

@@ -9,17 +9,17 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from xtrain.sharding.plan import Spec, _axes_of
+from xtrain.sharding.plan import Spec, axes_of
 
 
 def shard_dim(shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], data_axes: tuple[str, ...]) -> int | None:
     """The dimension ZeRO splits over `data_axes`, or None when none fits."""
-    used = {a for e in spec for a in _axes_of(e)}
+    used = {a for e in spec for a in axes_of(e)}
     if not data_axes or used & set(data_axes):
         return None
     n = math.prod(mesh_axes[a] for a in data_axes)
     padded = tuple(spec) + (None,) * (len(shape) - len(spec))
-    local = [shape[d] // math.prod(mesh_axes[a] for a in _axes_of(padded[d])) for d in range(len(shape))]
+    local = [shape[d] // math.prod(mesh_axes[a] for a in axes_of(padded[d])) for d in range(len(shape))]
     candidates = [d for d in range(len(shape)) if local[d] % n == 0 and local[d] >= n]
     return max(candidates, key=lambda d: (local[d], -d)) if candidates else None
 
@@ -30,7 +30,7 @@ def with_data_split(shape, spec: Spec, mesh_axes, data_axes) -> Spec:
     if dim is None:
         return tuple(spec)
     padded = list(spec) + [None] * (len(shape) - len(spec))
-    padded[dim] = tuple(_axes_of(padded[dim])) + tuple(data_axes)
+    padded[dim] = tuple(axes_of(padded[dim])) + tuple(data_axes)
     padded[dim] = padded[dim][0] if len(padded[dim]) == 1 else padded[dim]
     return tuple(padded)
 
@@ -40,7 +40,7 @@ def specs_for_stage(shapes: Mapping[str, tuple], param_specs: Mapping[str, Spec]
     """(parameter specs, optimizer-state specs, names left whole) for a ZeRO stage."""
     split = {n: with_data_split(shapes[n], param_specs[n], mesh_axes, data_axes) for n in shapes}
     whole = [n for n in shapes if stage and split[n] == tuple(param_specs[n])
-             and not {a for e in param_specs[n] for a in _axes_of(e)} & set(data_axes)]
+             and not {a for e in param_specs[n] for a in axes_of(e)} & set(data_axes)]
     params = split if stage == 3 else dict(param_specs)
     optimizer = split if stage >= 1 else dict(param_specs)
     return params, optimizer, whole

@@ -1,10 +1,12 @@
 """The explicit lowering: a re-tracing interpreter that turns the global-shape jaxpr into a
 per-device program (inside `jax.shard_map`) with every collective inserted by xtrain.
 
-    layout.py        Layout: which mesh axes split each dim, plus pending partial sums
-    collectives.py   the collectives xtrain emits (and records for the report)
-    interpreter.py   walks a jaxpr, applies one rule per equation, recurses into calls
-    rules.py         the partition rule table: primitive -> rule
-    step.py          the training step: per-device forward, autodiff, gradient sync, update
-    gradient_sync.py bucketed (optionally bf16) gradient all-reduce
+    interpreter.py   walks a jaxpr (xtrain.ir.walk), applies one rule per equation
+    registry.py      the partition rule table: primitive -> rule, the replicated fallback
+    rules/           the rules, one module per family (elementwise, shape, reductions,
+                     contractions, indexing, control)
+    blocks.py        repeated blocks (blocks.0, blocks.1, ...) found in the traced graph
+    layer_scan.py    repeated blocks emitted as one scan (or one after another)
+    forward.py       the strategy: per-device forward, autodiff, what the skeleton syncs
+    check.py         differential check of the rules against whole-program execution
 """

@@ -11,10 +11,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from xtrain.lowering.explicit import collectives as C
-from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering import sharded as C
+from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.explicit.interpreter import interpret
-from xtrain.lowering.explicit.layout import Layout
+from xtrain.lowering.sharded import Layout
 
 
 def _spec(layout: Layout) -> PartitionSpec:

@@ -1,220 +1,151 @@
-"""Repeated blocks as one scan.
+"""The layer scan: a model's repeated blocks (explicit/blocks.py) emitted as one lax.scan over
+the first block's equations, or, with scan_layers=False, the same equations emitted once per
+layer one after another. Either way each layer's ZeRO-3 shards are gathered with one flat
+all-gather and each layer is checkpointed (remat) alike. Carries keep one layout across
+iterations.
 
-A transformer traced from torch unrolls its layers: blocks.0, blocks.1, ... each contribute
-a run of identical equations. `find_repeated_blocks` recognises such runs in the top-level
-jaxpr (same primitives, parameters and shapes; inputs that are either the previous block's
-output, the same shared value, or that block's own parameters) and describes one scan:
-
-    carry  <- the previous block's output (the residual stream)
-    xs     <- each block's parameters, stacked along a new leading axis
-    shared <- values every block reads (masks, positions)
-
-The interpreter then emits `lax.scan` over the first block's equations, so the program (and
-its compile time) stays flat in depth.
+`regions` hands the interpreter the repeated blocks to emit this way (xtrain.ir.walk.Region)
+and the equations left live around them.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import re
+import functools
 
+import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as jcore
 
-_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+from xtrain.ir import walk
+from xtrain.lowering import remat as remat_policy
+from xtrain.lowering import zero
+from xtrain.lowering.collectives import vma
+from xtrain.lowering import sharded as C
+from xtrain.lowering.explicit.blocks import RepeatedBlocks
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.sharded import Context, Sharded
 
 
-@dataclasses.dataclass(frozen=True)
-class RepeatedBlocks:
-    """L identical segments of a jaxpr's equations, [start, stop) in eqn indices."""
-
-    prefix: str                # module path of the container, e.g. "transformer.h"
-    start: int
-    stop: int
-    length: int                # L
-    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer
-    num_carry: int
-    num_shared: int
-    init: list                 # carry inputs of block 0 (vars outside the blocks)
-    shared: list               # shared vars
-    per_layer: list[list]      # per block: its parameter vars, in body invar order
-    outputs: list              # the last block's carry outputs (vars used after the blocks)
-    stacked: list = dataclasses.field(default_factory=list)  # per param position: the (L, ...) input
-    #                            whose layer k block k reads (stacked storage), or None
-
-    def stacked_input(self, position: int):
-        return self.stacked[position] if self.stacked else None
-
-    def inputs(self) -> list:
-        """The vars the scan reads: carries, shared values, and per parameter position the
-        stacked input or else every layer's value."""
-        out = list(self.init) + list(self.shared)
-        for position in range(len(self.per_layer[0])):
-            source = self.stacked_input(position)
-            out += [source] if source is not None else [layer[position] for layer in self.per_layer]
-        return out
+def _vary(values, vmas):
+    return [lax.pcast(v, tuple(sorted(m - vma(v))), to="varying") if m - vma(v) else v for v, m in zip(values, vmas)]
 
 
-def _block_key(path: str):
-    match = _BLOCK.match(path)
-    return (match.group(1), int(match.group(2))) if match else None
+def scan_with_stable_carry(body, init: list, xs, **kwargs):
+    """lax.scan whose carry may pick up varying mesh axes inside the body (e.g. a replicated
+    value sliced per device): on a carry type mismatch, widen the initial carry and retry."""
+    seen: list = []
+
+    def recording(carry, x):
+        new, y = body(carry, x)
+        seen[:] = [vma(v) for v in new]
+        return new, y
+
+    try:
+        return lax.scan(recording, init, xs, **kwargs)
+    except TypeError:
+        if not seen:
+            raise
+        return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(vma, init))]), xs, **kwargs)
 
 
-def _fingerprint(value) -> str:
-    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return str(value)
-    info = getattr(value, "debug_info", None)
-    if info is not None and callable(value) or hasattr(value, "call_wrapped"):
-        return f"fn:{getattr(info, 'func_name', '')}"
-    if callable(value):  # e.g. custom_vjp's out_trees closure: identical code in every block
-        return f"fn:{getattr(value, '__qualname__', type(value).__name__)}"
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_fingerprint(v) for v in value) + ")"
-    return repr(value)
+def _remat(body, remat, regather: zero.RegatherPolicy | None):
+    """One layer's body with activation checkpointing (`remat`: a LayerRemat): `full`
+    saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
+    values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather
+    (`regather`; None = off) saves all but the gathered weights: the backward pass gathers
+    each layer's weights again where it reaches that layer, so no layer's gathered weights
+    outlive it (remat's policies never keep them either)."""
+    if remat is not None:
+        return jax.checkpoint(body, policy=remat_policy.policy(remat))
+    return jax.checkpoint(body, policy=regather) if regather is not None else body
 
 
-def _signature(eqn) -> tuple:
-    return (str(eqn.primitive), tuple((k, _fingerprint(v)) for k, v in sorted(eqn.params.items())),
-            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars),
-            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars))
+def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
+    """One block parameter position: (layer 0's Sharded, the local values the layers run
+    over). For the scan that is one (L, ...) value: the stored stacked parameter itself (no
+    copy), or else the layers' values stacked here at block 0's layout. Unrolled (parameters
+    are then stored per layer), it is one value per layer."""
+    source = blocks.stacked_input(position)
+    if source is not None:
+        whole = read(source)
+        if unrolled or whole.layout.dims[0] or whole.layout.partial:  # stacked storage goes with the scan
+            raise AssertionError(f"stacked parameter {whole.shape} {whole.layout} in unrolled blocks or with its "
+                                 "layer dimension split")
+        layer = Sharded(None, Layout(whole.layout.dims[1:]), whole.shape[1:], whole.dtype, zero=whole.zero)
+        return layer, [whole.value]
+    layers = [read(layer[position]) for layer in blocks.per_layer]
+    layers = [C.relayout(ctx, x, layers[0].layout) for x in layers]
+    values = [x.value for x in layers]
+    return layers[0], values if unrolled else [jnp.stack(values)]
 
 
-def _segments(jaxpr, path_of) -> list[tuple[tuple, int, int]]:
-    keys = [_block_key(path_of(e)) for e in jaxpr.eqns]
-    out, index = [], 0
-    for key, group in itertools.groupby(keys):
-        n = len(list(group))
-        out.append((key, index, index + n))
-        index += n
-    return out
+def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
+    """The first block's equations run once per layer: as one lax.scan, or, with `ctx.unroll`
+    (compile(scan_layers=False)), emitted once per layer one after another. Both gather each
+    layer's ZeRO-3 shards with one flat all-gather and checkpoint each layer alike. Returns
+    the env entries of the last block's outputs."""
+    unrolled = ctx.unroll
+    init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
+    shared = [read(v) for v in blocks.shared]
+    positions = [_layer_position(ctx, blocks, k, read, unrolled) for k in range(len(blocks.per_layer[0]))]
+    first = [layer for layer, _ in positions]
+    carry_layouts = [x.layout for x in init]
+    path = ctx.path
+
+    def body(carry, xs, index=None):
+        ctx.path = path
+        ctx.layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
+        with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
+            # unrolled, XLA fuses slices of a gathered flat buffer into backward-pass consumers
+            # (a norm weight read where its gradient is computed), keeping the whole buffer
+            # alive to the end of the step; apart, only the small vectors' buffer stays
+            params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
+                                   vectors_apart=unrolled)
+        ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params
+        outs = interpret(ctx, blocks.body, [], ins)
+        outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
+        ctx.layer = None
+        return [o.value for o in outs], None
+
+    final = [x.value for x in init]
+    if unrolled:
+        for k in range(blocks.length):
+            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
+            final, _ = layer(final, [values[k] for _, values in positions])
+    else:
+        final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
+                                          [values[0] for _, values in positions], length=blocks.length)
+    return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 
-def _runs(segments) -> list[list[tuple[int, int]]]:
-    """Consecutive segments blocks.0, blocks.1, ... of one container (at least 2)."""
-    runs, current = [], []
-    for key, lo, hi in segments:
-        if key and current and key[0] == current[-1][0][0] and key[1] == current[-1][0][1] + 1:
-            current.append((key, lo, hi))
+def _live(jaxpr, repeated) -> set[int]:
+    """Indices of the equations whose results are used. Where the layer scan reads a stacked
+    parameter directly, the per-layer slices the traced model took of it are dead: not emitting
+    them keeps the program the same size whatever the depth."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    ends = {r.stop - 1: r for r in repeated}
+    live: set[int] = set()
+    index = len(jaxpr.eqns) - 1
+    while index >= 0:
+        if index in ends:
+            blocks = ends[index]
+            live.update(range(blocks.start, blocks.stop))
+            needed.update(v for v in blocks.inputs() if isinstance(v, jcore.Var))
+            index = blocks.start - 1
             continue
-        if len(current) > 1:
-            runs.append(current)
-        current = [(key, lo, hi)] if key and key[1] == 0 else []
-    if len(current) > 1:
-        runs.append(current)
-    return runs
+        eqn = jaxpr.eqns[index]
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.add(index)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        index -= 1
+    return live
 
 
-def _inputs(eqns, defined_before: set) -> list:
-    """Vars a segment reads that it does not define, in first-use order."""
-    local, seen, out = set(), set(), []
-    for eqn in eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var) and v not in local and v not in seen:
-                seen.add(v)
-                out.append(v)
-        local.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
-    return out
-
-
-def _describe(jaxpr, run, param_vars: set):
-    """Matches blocks position by position; returns a RepeatedBlocks or None."""
-    blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
-    if any(len(b) != len(blocks[0]) for b in blocks):
-        return None
-    if any(_signature(a) != _signature(b) for blk in blocks[1:] for a, b in zip(blocks[0], blk)):
-        return None
-    # position of every var a block defines: (eqn index, outvar index)
-    def defined(block):
-        return {v: (i, j) for i, e in enumerate(block) for j, v in enumerate(e.outvars)}
-
-    defs = [defined(b) for b in blocks]
-    ins = [_inputs(b, set()) for b in blocks]
-    if len({len(i) for i in ins}) != 1:
-        return None
-    # each input position of block 0 must be consistently: carry, shared or per-layer param
-    kinds, carry_src = [], []
-    for pos, v0 in enumerate(ins[0]):
-        vs = [i[pos] for i in ins]
-        if all(v is v0 for v in vs):
-            kinds.append("shared")
-        elif all(v in param_vars for v in vs):
-            kinds.append("param")
-        elif all(vs[k] in defs[k - 1] for k in range(1, len(vs))):
-            src = {defs[k - 1][vs[k]] for k in range(1, len(vs))}
-            if len(src) != 1:
-                return None
-            kinds.append("carry")
-            carry_src.append((pos, src.pop()))
-        else:
-            return None
-    # every var a block defines is used only inside it, by the next block as carry, or (last
-    # block) after the run
-    carry_positions = {src for _, src in carry_src}
-    users: dict = {}
-    for k, block in enumerate(blocks):
-        for e in block:
-            for v in e.invars:
-                if isinstance(v, jcore.Var):
-                    users.setdefault(v, set()).add(k)
-    after = {v for e in jaxpr.eqns[run[-1][2]:] for v in e.invars if isinstance(v, jcore.Var)}
-    after |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    last = len(blocks) - 1
-    for k in range(len(blocks)):
-        for v, position in defs[k].items():
-            if users.get(v, set()) - {k, k + 1}:
-                return None
-            if v in after and not (k == last and position in carry_positions):
-                return None
-    first = blocks[0]
-    carry_out = [first[i].outvars[j] for _, (i, j) in carry_src]
-    carry_in_pos = [p for p, _ in carry_src]
-    order = carry_in_pos + [p for p, k in enumerate(kinds) if k == "shared"] + [p for p, k in enumerate(kinds) if k == "param"]
-    body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in order], outvars=carry_out, eqns=first,
-                       effects=jcore.no_effects if hasattr(jcore, "no_effects") else set())
-    last = blocks[-1]
-    return RepeatedBlocks(
-        prefix=run[0][0][0], start=run[0][1], stop=run[-1][2], length=len(blocks), body=body,
-        num_carry=len(carry_src), num_shared=kinds.count("shared"),
-        init=[ins[0][p] for p in carry_in_pos], shared=[ins[0][p] for p, k in enumerate(kinds) if k == "shared"],
-        per_layer=[[i[p] for p, k in enumerate(kinds) if k == "param"] for i in ins],
-        outputs=[last[i].outvars[j] for _, (i, j) in carry_src])
-
-
-def layer_views(jaxpr, param_vars) -> dict:
-    """Vars that are layer k of a stacked parameter input (`slice` of row k, then `squeeze` of
-    the layer dim, as xtrain.frontend.stacked hands layers to the model): {var: (input, k)}."""
-    params, rows, views = set(param_vars), {}, {}
-    for eqn in jaxpr.eqns:
-        name = str(eqn.primitive)
-        if name == "slice" and eqn.invars[0] in params:
-            x = eqn.invars[0].aval
-            start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
-            strides = eqn.params["strides"] or (1,) * x.ndim
-            whole = all(s == 0 and l == n for s, l, n in zip(start[1:], limit[1:], x.shape[1:]))
-            if limit[0] - start[0] == 1 and whole and set(strides) == {1}:
-                rows[eqn.outvars[0]] = (eqn.invars[0], start[0])
-        elif name == "squeeze" and eqn.params["dimensions"] == (0,) and eqn.invars[0] in rows:
-            views[eqn.outvars[0]] = rows[eqn.invars[0]]
-    return views
-
-
-def _stacked_inputs(blocks: RepeatedBlocks, views: dict) -> list:
-    """Per parameter position: the stacked input whose row k every block k reads, or None."""
-    out = []
-    for position in range(len(blocks.per_layer[0])):
-        sources = [views.get(layer[position]) for layer in blocks.per_layer]
-        whole = sources[0] is not None and sources[0][0].aval.shape[0] == blocks.length
-        same = whole and all(s is not None and s == (sources[0][0], k) for k, s in enumerate(sources))
-        out.append(sources[0][0] if same else None)
-    return out
-
-
-def find_repeated_blocks(jaxpr, path_of, param_vars) -> list[RepeatedBlocks]:
-    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr`. Block
-    parameters may be inputs or layers of stacked inputs (layer_views)."""
-    views = layer_views(jaxpr, param_vars)
-    found = []
-    for run in _runs(_segments(jaxpr, path_of)):
-        blocks = _describe(jaxpr, run, set(param_vars) | set(views))
-        if blocks is not None:
-            found.append(dataclasses.replace(blocks, stacked=_stacked_inputs(blocks, views)))
-    return found
+def regions(ctx: Context, jaxpr, repeated: list[RepeatedBlocks]) -> tuple[dict[int, walk.Region], set[int] | None]:
+    """(regions, live equations) for interpreting `jaxpr` with its `repeated` blocks as layer scans."""
+    if not repeated:
+        return {}, None
+    emit = {r.start: walk.Region(r.stop, functools.partial(emit_repeated_blocks, ctx, r)) for r in repeated}
+    return emit, _live(jaxpr, repeated)

@@ -5,5 +5,6 @@
     graph.py       the traced model cut into prologue, repeated blocks, epilogue
     stage.py       one stage's work on one microbatch, as selects (no branches)
     executors.py   the tables run as scans over ticks, with ppermute around the ring of stages
-    step.py        the training step: trace, partition, execute, sync gradients, update
+    program.py     the traced, cut and partitioned model; where each stage's layers are stored
+    strategy.py    loss and gradients by the schedule, for the step skeleton (train_step.py)
 """

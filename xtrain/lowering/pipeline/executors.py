@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from xtrain.lowering.explicit.collectives import vma
+from xtrain.lowering.collectives import vma
 from xtrain.lowering.pipeline.schedule import Kind, Table
 from xtrain.lowering.pipeline.stage import microbatch, ring, take
 

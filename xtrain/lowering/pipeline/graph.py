@@ -14,7 +14,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from xtrain.lowering.explicit.layer_scan import RepeatedBlocks, find_repeated_blocks
+from xtrain.lowering.explicit.blocks import RepeatedBlocks, find_repeated_blocks
 
 # ops that pass the loss through unchanged in value (a cast, a reshape of a scalar)
 _PASS_THROUGH = {"convert_element_type", "reshape", "squeeze", "copy", "copy_p"}
@@ -63,11 +63,11 @@ def _pick_blocks(found: list[RepeatedBlocks], where: str) -> RepeatedBlocks:
     return max(found, key=lambda b: b.length)
 
 
-def cut(closed, path_of, param_names: list[str], num_buffers: int, where: str) -> Cut:
+def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffers: int, where: str) -> Cut:
     """Cuts `closed` (the model's (loss, buffers) function over (params, buffers, key, batch))."""
     jaxpr = closed.jaxpr
     params = jaxpr.invars[:len(param_names)]
-    blocks = _pick_blocks(find_repeated_blocks(jaxpr, path_of, params), where)
+    blocks = _pick_blocks(find_repeated_blocks(jaxpr, module_paths, params), where)
     loss, *new_buffers = jaxpr.outvars
     buffer_ins = jaxpr.invars[len(param_names):len(param_names) + num_buffers]
     if any(o is not i for o, i in zip(new_buffers, buffer_ins)):

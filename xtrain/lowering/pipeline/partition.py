@@ -17,8 +17,8 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
-from xtrain.cost import flops as cost_flops
-from xtrain.lowering.explicit.layer_scan import _segments
+from xtrain.ir import flops as cost_flops
+from xtrain.lowering.explicit.blocks import segments
 
 FLOPS_PER_BYTE = 100.0  # ridge point of a GPU/Trainium-class chip: where memory traffic costs as much as math
 
@@ -53,7 +53,7 @@ def _nbytes(var) -> int:
 
 
 def flops(eqns) -> float:
-    """FLOPs of a list of equations (nested jaxprs included; xtrain.cost.flops)."""
+    """FLOPs of a list of equations (nested jaxprs included; xtrain.ir.flops)."""
     return cost_flops.of_eqns(eqns).total
 
 
@@ -63,11 +63,11 @@ def cost_of(eqns, param_vars: set) -> Cost:
     return Cost(flops(eqns), sum(_nbytes(v) for v in reads), made)
 
 
-def layer_costs(jaxpr, path_of, param_vars) -> list[tuple[str, Cost]]:
+def layer_costs(jaxpr, module_paths: frozenset[str], param_vars) -> list[tuple[str, Cost]]:
     """(module path, cost) of every top-level block `prefix.k` of `jaxpr`, in order."""
     params = set(param_vars)
     out = []
-    for key, lo, hi in _segments(jaxpr, path_of):
+    for key, lo, hi in segments(jaxpr, module_paths):
         if key is not None:
             out.append((f"{key[0]}.{key[1]}", cost_of(jaxpr.eqns[lo:hi], params)))
     return out

@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from xtrain.sharding.pipeline import SCHEDULES
+
 
 class Kind(enum.IntEnum):
     IDLE = 0
     FORWARD = 1
     BACKWARD = 2
 
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)

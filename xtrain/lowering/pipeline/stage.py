@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from xtrain.lowering.explicit import collectives as C
-from xtrain.lowering.explicit.collectives import Context, Sharded
+from xtrain.lowering import collectives
+from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
-from xtrain.lowering.explicit.scan import scan_with_stable_carry
+from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
+from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.pipeline.graph import Cut
 
 
@@ -105,7 +106,7 @@ class Stage:
 def ring(axis: str, size: int, shift: int):
     """ppermute around the ring of pipeline stages (Trainium permutes only around rings)."""
     perm = [(s, (s + shift) % size) for s in range(size)]
-    return lambda x: lax.ppermute(x, axis, perm)
+    return lambda x: collectives.permute(x, axis, perm)
 
 
 def take(table: np.ndarray, index):

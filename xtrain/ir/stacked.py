@@ -27,7 +27,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 import numpy as np
 from jax import lax
 
-from xtrain.frontend.model import Model
+from xtrain.ir.model import Model
 
 MARK = "*"  # the layer index's place in a stacked name
 _LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")  # outermost numbered container, as the layer scan
@@ -93,6 +93,10 @@ class Stacking:
     def _stored(self, values: Mapping[str, Any], combine: Callable[[str], Any]) -> dict:
         return {n: combine(n) if n in self.groups else values[n] for n in self.stored_names(values)}
 
+    def member_names(self, names: Iterable[str]) -> list[str]:
+        """Stored `names` with each stacked family replaced by its members (the per-layer names)."""
+        return [m for n in names for m in (self.groups[n] if n in self.groups else (n,))]
+
     def stack_dict(self, values: Mapping[str, Any], stack: Callable[[list], Any] = np.stack,
                    zeros: Callable[[Any], Any] = np.zeros_like) -> dict:
         """Per-layer dict -> stored dict: each family's layers stacked in row order, padding rows
@@ -156,8 +160,11 @@ class StackedModel(Model):
     def param_shapes(self) -> dict[str, Any]:
         return self.stacking.stack_shapes(self.inner.param_shapes())
 
-    def initial_buffers(self, source: Any = None) -> dict[str, np.ndarray]:
-        return self.inner.initial_buffers(source)
+    def initial_buffers(self, stored: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        return self.inner.initial_buffers(stored)
+
+    def buffer_names(self) -> list[str]:
+        return self.inner.buffer_names()
 
     def trainable(self) -> dict[str, bool]:
         return self.stacking.stack_first(self.inner.trainable())
@@ -173,68 +180,6 @@ class StackedModel(Model):
         return self.inner.export_state(self.stacking.unstack_dict(params), buffers)
 
 
-UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (compile time about 2x the scan's)
-
-
-def depth(names: Iterable[str]) -> int:
-    """Layers of the deepest numbered family in `names` (blocks.0.*, blocks.1.*, ...); 0 if none."""
-    layers: dict[str, set[int]] = defaultdict(set)
-    for name in names:
-        if (fam := family(name)) is not None:
-            layers[fam[0]].add(fam[1])
-    return max((len(v) for v in layers.values()), default=0)
-
-
-def scan_layers_for(setting: bool | str, names: Iterable[str], platform: str, local_devices: int) -> bool:
-    """compile(scan_layers=...) resolved: True/False as given; "auto" unrolls a model of at most
-    UNROLL_MAX_LAYERS layers and scans deeper ones, except on a host emulating several CPU
-    devices in one process, which scans.
-
-    Why (measured on a 2-core CPU host, benchmarks/results/): unrolled, a layer's residuals are
-    plain buffers, where the scan zero-fills stacked buffers, copies each layer's residuals in
-    and slices them back out (17 of 133 ms per step of the 4-layer GPT at d_model 256 on one
-    device), and a gradient bucket's all-reduce depends only on its own layers, where after a
-    scan every bucket waits for the whole backward pass. The scan keeps compile time flat in
-    depth: 8 unrolled layers compile in about twice the time of 2 (compile_depth.md). Devices
-    emulated in one process share its cores; there neither wins throughout: unrolled / scan is
-    0.91-1.11 over the 12 plans of plans_explicit_vs_xla.md, the scan ahead on the FSDP and
-    Megatron plans, so the scan, whose compile time does not grow, stays."""
-    if setting != "auto":
-        return bool(setting)
-    if platform == "cpu" and local_devices > 1:
-        return True
-    return depth(names) > UNROLL_MAX_LAYERS
-
-
-def wanted(scan_layers: bool, pipeline: Any, torch_optimizer: bool) -> bool:
-    """Stacked storage goes with the layer scan (scan_layers=True), for optimizers xtrain
-    translated from torch (a user's optax transformation may depend on the parameter tree's
-    structure; JAX code scans its own stacked parameters). The pipeline step cuts the graph by
-    per-layer parameter names and keeps them."""
-    return scan_layers and pipeline is None and torch_optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Stored:
-    """A step's model and per-tensor decisions, in the names and shapes the step stores."""
-
-    model: Model
-    stacking: Stacking
-    param_specs: dict[str, tuple]
-    optimizer_specs: dict[str, tuple]
-    optimized: set[str]
-
-
-def stack_blocks(model: Model, specs: Mapping[str, tuple], optimizer_specs: Mapping[str, tuple],
-                 optimized: set[str], groups: Mapping[str, int] | None) -> Stored:
-    """Every stackable family of `model` stored stacked (`model` itself when there is none),
-    with the specs and the set of optimized tensors under the stored names."""
-    shapes = model.param_shapes()
-
-    def agree(name: str) -> Hashable:
-        return (tuple(shapes[name].shape), str(shapes[name].dtype), name in optimized,
-                (groups or {}).get(name), tuple(specs[name]), tuple(optimizer_specs[name]))
-
-    stacking = Stacking.find(shapes, agree)
-    return Stored(StackedModel(model, stacking) if stacking else model, stacking, stacking.stack_specs(specs),
-                  stacking.stack_specs(optimizer_specs), set(stacking.stored_names(optimized)))
+def stored_model(model: Model, stacking: Stacking) -> Model:
+    """`model` as a step stores it: its stacked families under their stacked names."""
+    return StackedModel(model, stacking) if stacking else model

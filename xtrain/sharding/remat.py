@@ -1,12 +1,11 @@
 """Activation checkpointing per layer of the layer scan (`Plan(remat=...)`, explicit lowering):
-what each layer keeps for the backward pass and what it recomputes."""
+what each layer keeps for the backward pass and what it recomputes. The lowering turns it into
+a jax.checkpoint policy (xtrain.lowering.remat)."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import fnmatch
-
-KEPT = "xtrain.remat.kept"  # checkpoint_name of the values remat='selective' keeps
 
 
 class Remat(enum.Enum):
@@ -31,16 +30,6 @@ class LayerRemat:
 
     mode: Remat
     keep: tuple[str, ...] = ()
-
-    def policy(self):
-        """jax.checkpoint policy of one layer (None: save nothing but the layer's input)."""
-        import jax
-
-        if self.mode is Remat.DOTS:
-            return jax.checkpoint_policies.dots_saveable
-        if self.mode is Remat.SELECTIVE:
-            return jax.checkpoint_policies.save_only_these_names(KEPT)
-        return None
 
     def keeps(self, path: str) -> bool:
         """Whether values computed in module `path` (or a module inside a kept one) are kept."""

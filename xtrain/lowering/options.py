@@ -1,6 +1,6 @@
 """Options of the training step beyond the plan: clipping, accumulation, NaN detection and the
 recompilation guard (`xtrain.compile(..., **options)`). Activation checkpointing is the plan's
-(`Plan(remat=...)`, xtrain/remat.py)."""
+(`Plan(remat=...)`)."""
 from __future__ import annotations
 
 import dataclasses

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xtrain.lowering import collectives
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GradSync:
@@ -83,21 +85,19 @@ def buckets(sizes: Mapping[str, int], bucket_bytes: int | None) -> list[list[str
 
 def _hierarchical(flat, inner: tuple[str, ...], outer: tuple[str, ...]):
     """psum of `flat` over inner + outer, the outer axes carrying 1/inner of the bytes."""
-    from xtrain.lowering.explicit.collectives import all_gather_invariant
-
     n = math.prod(lax.axis_size(a) for a in inner)
     size = flat.shape[0]
     flat = jnp.pad(flat, (0, -size % n))  # reduce-scatter needs a multiple of the inner size
-    shard = lax.psum_scatter(flat, inner, scatter_dimension=0, tiled=True)  # (padded / n,)
-    shard = lax.psum(shard, outer)
-    return all_gather_invariant(shard, inner, axis=0, tiled=True)[:size]
+    shard = collectives.reduce_scatter(flat, inner, 0)  # (padded / n,)
+    shard = collectives.all_reduce(shard, outer)
+    return collectives.all_gather(shard, inner, 0, invariant=True)[:size]
 
 
 def _all_reduce(grads: list, axes: tuple[str, ...], config: GradSync) -> list:
     dtype = grads[0].dtype if config.comm_dtype is None else config.comm_dtype
     flat = jnp.concatenate([g.astype(dtype).ravel() for g in grads])
     inner, outer = config.split(axes)
-    flat = _hierarchical(flat, inner, outer) if inner else lax.psum(flat, axes)
+    flat = _hierarchical(flat, inner, outer) if inner else collectives.all_reduce(flat, axes)
     out, offset = [], 0
     for g in grads:
         out.append(flat[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
@@ -109,16 +109,14 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
     """All-reduces each gradient over its axes (name -> axes), bucketing tensors that share axes.
 
     Reverse order: the last layers' gradients exist first in the backward pass."""
-    from xtrain.lowering.explicit.collectives import vma
-
     out = dict(grads)
     by_axes: dict[tuple, dict[str, int]] = {}
     for name in reversed(list(grads)):
-        if axes[name]:
+        if axes.get(name):
             g = grads[name]
             # one bucket mixes only gradients that vary over the same mesh axes (a tensor-
             # parallel shard must not make a replicated gradient look split)
-            key = (axes[name], tuple(sorted(vma(g))))
+            key = (axes[name], tuple(sorted(collectives.vma(g))))
             by_axes.setdefault(key, {})[name] = int(np.prod(g.shape)) * g.dtype.itemsize
     for (group_axes, _), sizes in by_axes.items():
         for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):

@@ -1,6 +1,12 @@
 """Counts the collectives of the emitted program (the jaxpr xtrain hands to XLA), autodiff's
 transposes included, with the module path each one serves. XLA may later merge all-reduces;
-this count is what xtrain asked for."""
+this count is what xtrain asked for.
+
+With each collective goes the compute it could overlap with: every equation of its program
+region (the jaxpr it sits in: the per-device step, or one iteration of a layer scan) that
+neither feeds it nor consumes its result. The matmul/convolution FLOPs of those equations are
+what a scheduler (XLA's latency-hiding scheduler on GPU and Neuron) can hide it behind; 0 means
+the collective is on the critical path wherever it is placed."""
 from __future__ import annotations
 
 import math
@@ -8,7 +14,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
-from xtrain.lowering.explicit.overlap import Region
+from xtrain.ir import flops
 from xtrain.lowering.report import Collective
 
 _KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",
@@ -55,3 +61,39 @@ def _walk(jaxpr, sizes, module_paths, times, found):
         repeat = times * eqn.params["length"] if name == "scan" else times
         for sub in jcore.jaxprs_in_params(eqn.params):
             _walk(sub, sizes, module_paths, repeat, found)
+
+
+# -- overlap ---------------------------------------------------------------------------------------
+def _ancestors(jaxpr) -> list[int]:
+    """Per equation, a bitset of the equations it depends on (transitively)."""
+    producer: dict = {}
+    anc: list[int] = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        bits = 0
+        for v in eqn.invars:
+            p = producer.get(v) if isinstance(v, jcore.Var) else None
+            if p is not None:
+                bits |= (1 << p) | anc[p]
+        anc.append(bits)
+        for v in eqn.outvars:
+            producer[v] = i
+    return anc
+
+
+def independent_flops(jaxpr, index: int, anc: list[int], flops: list[float]) -> float:
+    """FLOPs of the equations of `jaxpr` that neither feed nor consume equation `index`."""
+    mine = 1 << index
+    return sum(f for j, f in enumerate(flops)
+               if f and j != index and not (anc[index] >> j) & 1 and not anc[j] & mine)
+
+
+class Region:
+    """Dependency facts of one jaxpr, computed once for all its collectives."""
+
+    def __init__(self, jaxpr):
+        self.jaxpr = jaxpr
+        self.anc = _ancestors(jaxpr)
+        self.flops = [flops.of_eqn(e).matmul for e in jaxpr.eqns]
+
+    def overlap(self, index: int) -> float:
+        return independent_flops(self.jaxpr, index, self.anc, self.flops)

@@ -7,16 +7,8 @@ from typing import Iterator
 import jax
 from jax.extend import core as jex_core
 
-from xtrain.frontend.model import Model
-
-
-def module_path(eqn, module_paths: frozenset[str], outer: str = "") -> str:
-    """The innermost module path of `module_paths` in `eqn`'s name stack, else `outer`."""
-    path = outer
-    for part in str(eqn.source_info.name_stack).split("/"):
-        if part in module_paths:
-            path = part
-    return path
+from xtrain.ir import walk
+from xtrain.ir.model import Model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +24,11 @@ class TracedGraph:
         Equations inside nested jaxprs (jit, custom_jvp, scan bodies) carry name stacks
         relative to their call site: pass the call site's path as `outer`.
         """
-        return module_path(eqn, self.module_paths, outer)
+        return walk.eqn_path(eqn, self.module_paths, outer)
 
     def equations(self) -> Iterator[tuple[object, str]]:
         """Every equation, nested ones included, with its module path."""
-        yield from self._walk(self.jaxpr.jaxpr, "")
-
-    def _walk(self, jaxpr, outer: str):
-        for eqn in jaxpr.eqns:
-            path = self.module_path(eqn, outer)
-            yield eqn, path
-            for sub in jex_core.jaxprs_in_params(eqn.params):
-                yield from self._walk(sub, path)
+        yield from walk.equations(self.jaxpr.jaxpr, self.module_paths)
 
 
 def trace(model: Model, params, buffers, key, batch: tuple, *, training: bool = True) -> TracedGraph:

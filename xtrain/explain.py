@@ -1,0 +1,60 @@
+"""`step.report()`: what a compiled step communicates and holds, and the notes that explain it.
+
+For the explicit lowering the collectives are read from the program xtrain emits (accounting:
+every one it asked for, with the module it serves); for XLA's partitioner from XLA's optimized
+HLO. Memory comes from XLA's compiled memory analysis and the placed state's shardings.
+"""
+from __future__ import annotations
+
+from xtrain.lowering import accounting
+from xtrain.lowering import report as report_mod
+from xtrain.lowering.state import named
+from xtrain.sharding import layout as layout_mod
+from xtrain.sharding import presets
+from xtrain.sharding.remat import Remat
+
+
+def _remat_note(step, batch: tuple, memory: dict[str, int]) -> str:
+    """What activation checkpointing saves: this step's temporaries vs the same step compiled
+    without it."""
+    without = report_mod.memory_of(step.compiled(*batch, remat=None))
+    saved = without["temporaries"] - memory["temporaries"]
+    return (f"activation checkpointing remat={step.plan.remat.value!r}: temporaries {memory['temporaries']} B "
+            f"per device vs {without['temporaries']} B without (saves {saved} B)")
+
+
+def _layers_note(step) -> str:
+    layers = layout_mod.depth(step.user_model().param_shapes())
+    how = "as one layer scan" if step.layout.scan_layers else "unrolled, one after another"
+    return f"repeated blocks ({layers} layers) run {how} (scan_layers={step.options.scan_layers!r})"
+
+
+def _state_notes(step) -> list[str]:
+    layout = step.layout
+    replicated = layout.replicated()
+    notes = [f"{len(replicated)} of {len(layout.param_specs)} parameters replicated on every device"]
+    whole = layout.zero_whole
+    if whole:
+        notes.append(f"ZeRO-{layout.zero} keeps {len(whole)} tensors whole (no dimension divisible by the data "
+                     f"size): {list(whole[:8])}{' ...' if len(whole) > 8 else ''}")
+    return notes
+
+
+def report(step, *batch) -> report_mod.Report:
+    """Collectives and per-device memory of `step`'s compiled training step, for `batch`'s
+    shapes or the last batch trained on."""
+    compiled = step.compiled(*batch)
+    sizes, layout = dict(step.mesh.shape), step.layout
+    notes = _state_notes(step)
+    if step.plan.remat is not Remat.OFF:
+        notes.append(_remat_note(step, batch, report_mod.memory_of(compiled)))
+    if step.options.lowering == "explicit":
+        found = accounting.collectives(step.program(*batch), sizes, step.model.module_paths())
+        notes += [_layers_note(step)] if step.plan.pipeline is None else []
+        notes += step.lowered.notes()
+    else:
+        found = report_mod.collectives_from_hlo(compiled.as_text(), sizes)
+    shapes = {n: tuple(v.shape) for n, v in {**step.state.params, **step.state.frozen}.items()}
+    return report_mod.Report(step.options.lowering, sizes, found, report_mod.memory_of(compiled), notes,
+                             report_mod.state_memory(step.state, named(step.mesh, layout.grad_specs)),
+                             list(step.plan.notes), presets.largest_replicated(layout.param_specs, shapes))

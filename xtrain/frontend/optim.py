@@ -1,0 +1,142 @@
+"""torch.optim optimizers -> optax transformations with the same update rule.
+
+Supported: SGD (momentum, nesterov, weight_decay), Adam (betas, eps, weight_decay as L2 added
+to the gradient, as torch does), AdamW (decoupled weight decay), each with param groups.
+
+The learning rate is not baked into the program: every supported rule ends in "multiply by
+-lr", so the transformation is built with lr=1 and the step multiplies each group's update by
+that group's current lr, read from `optimizer.param_groups` on the host before every step
+(`LearningRates`). A torch LR scheduler stepping the optimizer's groups therefore works as in
+torch, and a new lr value never recompiles the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import numpy as np
+import optax
+import torch
+
+from xtrain.ir.stacked import member
+
+# Options that change the update rule and that xtrain does not translate (value = torch default).
+_UNSUPPORTED = {
+    "SGD": {"dampening": 0, "maximize": False},
+    "Adam": {"amsgrad": False, "maximize": False},
+    "AdamW": {"amsgrad": False, "maximize": False},
+}
+# Options that only select a torch kernel; they cannot change the result.
+_IGNORED = {"foreach", "fused", "capturable", "differentiable", "initial_lr"}
+_KNOWN = {
+    "SGD": {"lr", "momentum", "nesterov", "weight_decay"},
+    "Adam": {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"},
+    "AdamW": {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"},
+}
+
+
+def _sgd(g: Mapping) -> optax.GradientTransformation:
+    parts = []
+    if g["weight_decay"]:
+        parts.append(optax.add_decayed_weights(g["weight_decay"]))
+    if g["momentum"]:
+        parts.append(optax.trace(decay=g["momentum"], nesterov=g["nesterov"]))
+    parts.append(optax.scale(-g["lr"]))
+    return optax.chain(*parts)
+
+
+def _adam(g: Mapping) -> optax.GradientTransformation:
+    if g.get("decoupled_weight_decay", False):  # torch's Adam(decoupled_weight_decay=True) is AdamW
+        return _adamw(g)
+    b1, b2 = g["betas"]
+    parts = [optax.add_decayed_weights(g["weight_decay"])] if g["weight_decay"] else []
+    parts += [optax.scale_by_adam(b1=b1, b2=b2, eps=g["eps"]), optax.scale(-g["lr"])]
+    return optax.chain(*parts)
+
+
+def _adamw(g: Mapping) -> optax.GradientTransformation:
+    if not g.get("decoupled_weight_decay", True):
+        return _adam(g)
+    b1, b2 = g["betas"]
+    return optax.adamw(g["lr"], b1=b1, b2=b2, eps=g["eps"], weight_decay=g["weight_decay"])
+
+
+_BUILDERS: dict[str, Callable[[Mapping], optax.GradientTransformation]] = {
+    "SGD": _sgd, "Adam": _adam, "AdamW": _adamw,
+}
+
+
+def _check_group(kind: str, index: int, group: Mapping) -> None:
+    for option, default in _UNSUPPORTED[kind].items():
+        if option in group and group[option] != default:
+            raise ValueError(
+                f"torch.optim.{kind} option {option}={group[option]!r} (param group {index}) is not "
+                f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
+    unknown = set(group) - _KNOWN[kind] - set(_UNSUPPORTED[kind]) - _IGNORED - {"params"}
+    if unknown:
+        raise ValueError(
+            f"torch.optim.{kind} option(s) {sorted(unknown)} (param group {index}) are not "
+            f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
+    if float(group["lr"]) != group["lr"] or isinstance(group["lr"], torch.Tensor):
+        raise ValueError(f"torch.optim.{kind} lr must be a Python float (param group {index})")
+
+
+def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor], str | None],
+               trainable: Mapping[str, bool]) -> tuple[optax.GradientTransformation, dict[str, int]]:
+    """Translates a torch optimizer.
+
+    Args:
+        optimizer: the user's torch optimizer over the model's parameters.
+        name_of: maps a parameter tensor to its canonical name (None if not the model's).
+        trainable: the model's parameters and whether each requires grad.
+
+    Returns:
+        (optax transformation over the dict of optimized parameters, name -> param group index).
+        Parameters in no group are not optimized, as in torch.
+    """
+    kind = type(optimizer).__name__
+    if kind not in _BUILDERS:
+        raise ValueError(
+            f"optimizer torch.optim.{kind} is not supported by xtrain; supported: "
+            f"{', '.join('torch.optim.' + k for k in _BUILDERS)}")
+    groups: dict[str, int] = {}
+    transforms = {}
+    for index, group in enumerate(optimizer.param_groups):
+        _check_group(kind, index, group)
+        transforms[str(index)] = _BUILDERS[kind]({**group, "lr": 1.0})  # lr enters per step
+        for p in group["params"]:
+            name = name_of(p)
+            if name is None:
+                raise ValueError(
+                    f"param group {index} of the optimizer holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the compiled model; build the optimizer over "
+                    "model.parameters()")
+            if trainable.get(name, False):
+                groups[name] = index
+    if len(transforms) == 1:
+        return transforms["0"], groups
+    labels = lambda params: {n: str(groups[member(n, 0)]) for n in params}  # a stacked family: its layer 0's
+    return optax.multi_transform(transforms, labels), groups
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRates:
+    """The current lr of each param group of a torch optimizer, read on the host every step.
+
+    Attributes:
+        optimizer: the user's optimizer; a torch LR scheduler writes `param_groups[i]["lr"]`.
+        groups: parameter name -> param group index (from `from_torch`).
+    """
+
+    optimizer: torch.optim.Optimizer
+    groups: Mapping[str, int]
+
+    def current(self) -> np.ndarray:
+        """(num_groups,) float32: the lr of every param group now."""
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        return np.asarray(lrs, dtype=np.float32)
+
+    def mark_stepped(self) -> None:
+        """Tells torch LR schedulers that the optimizer stepped (it steps inside the compiled
+        program), so `scheduler.step()` after `step(*batch)` does not warn about call order."""
+        self.optimizer._opt_called = True

@@ -1,0 +1,68 @@
+"""The collectives layer: every collective xtrain emits is one of these calls.
+
+Partition rules (explicit/sharded.py), gradient synchronisation, ZeRO, gradient clipping and
+the pipeline's permutes all communicate through here and nowhere else (a test checks the
+sources), so what the program can contain is this list: all-reduce, reduce-scatter,
+all-gather, collective permute. The report counts them back from the emitted program
+(accounting.py), autodiff's transposes included; the Neuron conformance checker and the cost
+model read the same program.
+
+Axes are mesh axis names (major first); a collective over several axes runs over the
+flattened group.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+from jax import lax
+from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant  # no public name in jax 0.10
+
+Axes = tuple[str, ...]
+
+
+def _name(axes: Sequence[str]):
+    axes = tuple(axes)
+    return axes[0] if len(axes) == 1 else axes
+
+
+def all_reduce(x, axes: Sequence[str]):
+    """The sum of `x` over the devices of `axes`, on each of them."""
+    return lax.psum(x, _name(axes))
+
+
+def reduce_scatter(x, axes: Sequence[str], dim: int, *, tiled: bool = True):
+    """The sum of `x` over `axes`, each device keeping its block of dimension `dim`."""
+    return lax.psum_scatter(x, _name(axes), scatter_dimension=dim, tiled=tiled)
+
+
+def all_gather(x, axes: Sequence[str], dim: int, *, tiled: bool = True, invariant: bool = False):
+    """Every device's `x` joined along `dim` (tiled) or stacked on a new leading dim.
+
+    `invariant`: the result is typed as the same on every device of `axes` (so the rest of the
+    program is not typed as varying over them); else varying, which makes the transpose a
+    reduce-scatter (what a consumer that varies over `axes` anyway needs)."""
+    gather = _all_gather_invariant if invariant else lax.all_gather
+    return gather(x, _name(axes), axis=dim, tiled=tiled)
+
+
+def permute(x, axis: str, pairs: Sequence[tuple[int, int]]):
+    """`x` sent from device i to device j along `axis` for each (i, j) of `pairs`."""
+    return lax.ppermute(x, axis, list(pairs))
+
+
+def axis_offset(sizes: Mapping[str, int], axes: Sequence[str]):
+    """This device's index along `axes` flattened major-first (0 for no axes). No communication."""
+    index = 0
+    for a in axes:
+        index = index * sizes[a] + lax.axis_index(a)
+    return index
+
+
+def vma(x) -> frozenset:
+    """Mesh axes a value varies over inside shard_map (empty for constants and Python scalars)."""
+    if not (isinstance(x, jax.Array) or hasattr(x, "aval")):
+        return frozenset()
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; older releases: aval.vma
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())

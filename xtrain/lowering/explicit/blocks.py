@@ -1,0 +1,233 @@
+"""Repeated blocks: the runs of identical layers in a traced model, which the layer scan and the
+pipeline's stages run over.
+
+A transformer traced from torch unrolls its layers: blocks.0, blocks.1, ... each contribute
+a run of identical equations. `find_repeated_blocks` recognises such runs in the top-level
+jaxpr (same primitives, parameters and shapes; inputs that are either the previous block's
+output, the same shared value, or that block's own parameters) and describes one scan:
+
+    carry  <- the previous block's output (the residual stream)
+    xs     <- each block's parameters, stacked along a new leading axis
+    shared <- values every block reads (masks, positions)
+
+The interpreter then emits `lax.scan` over the first block's equations, so the program (and
+its compile time) stays flat in depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+from jax.extend import core as jcore
+
+from xtrain.ir import walk
+
+_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedBlocks:
+    """L identical segments of a jaxpr's equations, [start, stop) in eqn indices."""
+
+    prefix: str                # module path of the container, e.g. "transformer.h"
+    start: int
+    stop: int
+    length: int                # L
+    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer
+    num_carry: int
+    num_shared: int
+    init: list                 # carry inputs of block 0 (vars outside the blocks)
+    shared: list               # shared vars
+    per_layer: list[list]      # per block: its parameter vars, in body invar order
+    outputs: list              # the last block's carry outputs (vars used after the blocks)
+    stacked: list = dataclasses.field(default_factory=list)  # per param position: the (L, ...) input
+    #                            whose layer k block k reads (stacked storage), or None
+
+    def stacked_input(self, position: int):
+        return self.stacked[position] if self.stacked else None
+
+    def inputs(self) -> list:
+        """The vars the scan reads: carries, shared values, and per parameter position the
+        stacked input or else every layer's value."""
+        out = list(self.init) + list(self.shared)
+        for position in range(len(self.per_layer[0])):
+            source = self.stacked_input(position)
+            out += [source] if source is not None else [layer[position] for layer in self.per_layer]
+        return out
+
+
+def _block_key(path: str):
+    match = _BLOCK.match(path)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _fingerprint(value) -> str:
+    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+        return str(value)
+    info = getattr(value, "debug_info", None)
+    if info is not None and callable(value) or hasattr(value, "call_wrapped"):
+        return f"fn:{getattr(info, 'func_name', '')}"
+    if callable(value):  # e.g. custom_vjp's out_trees closure: identical code in every block
+        return f"fn:{getattr(value, '__qualname__', type(value).__name__)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_fingerprint(v) for v in value) + ")"
+    return repr(value)
+
+
+def _signature(eqn) -> tuple:
+    return (str(eqn.primitive), tuple((k, _fingerprint(v)) for k, v in sorted(eqn.params.items())),
+            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars),
+            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars))
+
+
+def segments(jaxpr, module_paths: frozenset[str]) -> list[tuple[tuple | None, int, int]]:
+    """Runs of top-level equations by the numbered block they belong to: ((container, k) or
+    None, start, stop)."""
+    keys = [_block_key(walk.eqn_path(e, module_paths)) for e in jaxpr.eqns]
+    out, index = [], 0
+    for key, group in itertools.groupby(keys):
+        n = len(list(group))
+        out.append((key, index, index + n))
+        index += n
+    return out
+
+
+def _runs(segments) -> list[list[tuple[int, int]]]:
+    """Consecutive segments blocks.0, blocks.1, ... of one container (at least 2)."""
+    runs, current = [], []
+    for key, lo, hi in segments:
+        if key and current and key[0] == current[-1][0][0] and key[1] == current[-1][0][1] + 1:
+            current.append((key, lo, hi))
+            continue
+        if len(current) > 1:
+            runs.append(current)
+        current = [(key, lo, hi)] if key and key[1] == 0 else []
+    if len(current) > 1:
+        runs.append(current)
+    return runs
+
+
+def _inputs(eqns, defined_before: set) -> list:
+    """Vars a segment reads that it does not define, in first-use order."""
+    local, seen, out = set(), set(), []
+    for eqn in eqns:
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var) and v not in local and v not in seen:
+                seen.add(v)
+                out.append(v)
+        local.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
+    return out
+
+
+def _input_kinds(ins: list[list], defs: list[dict], param_vars: set) -> tuple[list[str], list] | None:
+    """Each input position of block 0 must be consistently a carry (the previous block's output
+    at one position), a shared value, or a per-layer parameter: (kinds, [(position, source)])."""
+    kinds, carry_src = [], []
+    for pos, v0 in enumerate(ins[0]):
+        vs = [i[pos] for i in ins]
+        if all(v is v0 for v in vs):
+            kinds.append("shared")
+        elif all(v in param_vars for v in vs):
+            kinds.append("param")
+        elif all(vs[k] in defs[k - 1] for k in range(1, len(vs))):
+            src = {defs[k - 1][vs[k]] for k in range(1, len(vs))}
+            if len(src) != 1:
+                return None
+            kinds.append("carry")
+            carry_src.append((pos, src.pop()))
+        else:
+            return None
+    return kinds, carry_src
+
+
+def _stays_inside(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> bool:
+    """Every var a block defines is used only inside it, by the next block as carry, or (last
+    block) after the run."""
+    carry_positions = {src for _, src in carry_src}
+    users: dict = {}
+    for k, block in enumerate(blocks):
+        for e in block:
+            for v in e.invars:
+                if isinstance(v, jcore.Var):
+                    users.setdefault(v, set()).add(k)
+    after = {v for e in jaxpr.eqns[run[-1][2]:] for v in e.invars if isinstance(v, jcore.Var)}
+    after |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    last = len(blocks) - 1
+    for k in range(len(blocks)):
+        for v, position in defs[k].items():
+            if users.get(v, set()) - {k, k + 1}:
+                return False
+            if v in after and not (k == last and position in carry_positions):
+                return False
+    return True
+
+
+def _describe(jaxpr, run, param_vars: set):
+    """Matches blocks position by position; returns a RepeatedBlocks or None."""
+    blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
+    if any(len(b) != len(blocks[0]) for b in blocks):
+        return None
+    if any(_signature(a) != _signature(b) for blk in blocks[1:] for a, b in zip(blocks[0], blk)):
+        return None
+    # position of every var a block defines: (eqn index, outvar index)
+    defs = [{v: (i, j) for i, e in enumerate(b) for j, v in enumerate(e.outvars)} for b in blocks]
+    ins = [_inputs(b, set()) for b in blocks]
+    found = _input_kinds(ins, defs, param_vars) if len({len(i) for i in ins}) == 1 else None
+    if found is None or not _stays_inside(jaxpr, run, blocks, defs, found[1]):
+        return None
+    kinds, carry_src = found
+    positions = lambda kind: [p for p, k in enumerate(kinds) if k == kind]
+    carry_in = [p for p, _ in carry_src]
+    body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in carry_in + positions("shared") + positions("param")],
+                       outvars=[blocks[0][i].outvars[j] for _, (i, j) in carry_src], eqns=blocks[0],
+                       effects=jcore.no_effects if hasattr(jcore, "no_effects") else set(),
+                       debug_info=jcore.DebugInfo("xtrain layer scan", run[0][0][0], None, None))
+    return RepeatedBlocks(
+        prefix=run[0][0][0], start=run[0][1], stop=run[-1][2], length=len(blocks), body=body,
+        num_carry=len(carry_src), num_shared=kinds.count("shared"),
+        init=[ins[0][p] for p in carry_in], shared=[ins[0][p] for p in positions("shared")],
+        per_layer=[[i[p] for p in positions("param")] for i in ins],
+        outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src])
+
+
+def layer_views(jaxpr, param_vars) -> dict:
+    """Vars that are layer k of a stacked parameter input (`slice` of row k, then `squeeze` of
+    the layer dim, as xtrain.ir.stacked hands layers to the model): {var: (input, k)}."""
+    params, rows, views = set(param_vars), {}, {}
+    for eqn in jaxpr.eqns:
+        name = str(eqn.primitive)
+        if name == "slice" and eqn.invars[0] in params:
+            x = eqn.invars[0].aval
+            start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+            strides = eqn.params["strides"] or (1,) * x.ndim
+            whole = all(s == 0 and l == n for s, l, n in zip(start[1:], limit[1:], x.shape[1:]))
+            if limit[0] - start[0] == 1 and whole and set(strides) == {1}:
+                rows[eqn.outvars[0]] = (eqn.invars[0], start[0])
+        elif name == "squeeze" and eqn.params["dimensions"] == (0,) and eqn.invars[0] in rows:
+            views[eqn.outvars[0]] = rows[eqn.invars[0]]
+    return views
+
+
+def _stacked_inputs(blocks: RepeatedBlocks, views: dict) -> list:
+    """Per parameter position: the stacked input whose row k every block k reads, or None."""
+    out = []
+    for position in range(len(blocks.per_layer[0])):
+        sources = [views.get(layer[position]) for layer in blocks.per_layer]
+        whole = sources[0] is not None and sources[0][0].aval.shape[0] == blocks.length
+        same = whole and all(s is not None and s == (sources[0][0], k) for k, s in enumerate(sources))
+        out.append(sources[0][0] if same else None)
+    return out
+
+
+def find_repeated_blocks(jaxpr, module_paths: frozenset[str], param_vars) -> list[RepeatedBlocks]:
+    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr` (blocks named
+    by module path: `prefix.0`, `prefix.1`, ...). Block parameters may be inputs or layers of
+    stacked inputs (layer_views)."""
+    views = layer_views(jaxpr, param_vars)
+    found = []
+    for run in _runs(segments(jaxpr, module_paths)):
+        blocks = _describe(jaxpr, run, set(param_vars) | set(views))
+        if blocks is not None:
+            found.append(dataclasses.replace(blocks, stacked=_stacked_inputs(blocks, views)))
+    return found

@@ -1,0 +1,160 @@
+"""The explicit lowering's strategy: the model's global jaxpr interpreted per device (rules insert
+the collectives), its repeated blocks as the layer scan, and JAX autodiff of that per-device
+forward. Parameters are cast to varying over the batch axes first, so autodiff does not sum
+their gradients itself: the skeleton's gradient sync does (xtrain.lowering.train_step).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax import lax
+
+from xtrain.ir.model import Model
+from xtrain.lowering import accumulation
+from xtrain.lowering import zero as zero_mod
+from xtrain.lowering.explicit import layer_scan
+from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
+from xtrain.lowering import sharded as C
+from xtrain.lowering.explicit.blocks import find_repeated_blocks
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.state import TrainState
+from xtrain.lowering.train_step import Gradients, PerDevice, StepConfig
+from xtrain.sharding.annotate import tracing_for
+from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.plan import Spec, axes_of
+
+
+def layout_of(spec: Spec, ndim: int) -> Layout:
+    """The Layout of a value split by `spec` (entries past `ndim` ignored, missing ones whole)."""
+    dims = tuple(axes_of(e) for e in spec[:ndim])
+    return Layout(dims + ((),) * (ndim - len(dims)))
+
+
+def global_args(state: TrainState, batch: tuple):
+    """Global shapes of the model function's arguments: (params, buffers, key, batch)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+
+
+class Program:
+    """Builds the per-device forward for one batch shape and records what it emitted."""
+
+    def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
+        self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
+        self.ctx: Context | None = None
+        self.repeated: list = []
+        self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
+        zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
+        self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
+
+    def _inputs(self, values, global_args) -> list[Sharded]:
+        """Sharded values of the model function's arguments (params, buffers, key, batch)."""
+        params, buffers, key, batch = global_args
+        names = sorted(params)  # the order of a dict's leaves
+        layouts = ([layout_of(self.layout.param_specs[n], params[n].ndim) for n in names]
+                   + [Layout.replicated(b.ndim) for b in jax.tree.leaves(buffers)] + [Layout.replicated(key.ndim)]
+                   + [layout_of(self.layout.batch_spec, x.ndim) for x in batch if hasattr(x, "ndim")])
+        zero = [self.layout.zero_axes(n) for n in names]
+        avals = jax.tree.leaves(global_args)
+        return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else ())
+                for i, (v, l, a) in enumerate(zip(values, layouts, avals))]
+
+    def forward(self, training: bool, global_args) -> Callable:
+        """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
+        returns the per-device function: local params, buffers, key, batch -> loss, buffers."""
+
+        def apply(params, buffers, key, batch):
+            return self.model.apply(params, buffers, key, batch, training=training)
+
+        with tracing_for(self.mesh):  # xtrain.shard calls in the model become sharding_constraint
+            closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
+        repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
+        by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
+        self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
+
+        def local(params, buffers, key, batch):
+            ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
+            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
+                               remat=self.remat if training else None,
+                               regather=self.regather if training else None, unroll=not self.layout.scan_layers)
+            regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
+            outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
+            outs = [C.replicate(self.ctx, o).value for o in outs]
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+        return local
+
+    def _repeated_blocks(self, jaxpr, num_params: int) -> list:
+        self.repeated = find_repeated_blocks(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
+        if self.remat is not None and not self.repeated:
+            raise ValueError(
+                f"remat={self.remat.mode.value!r} checkpoints each layer of the model's repeated blocks, but "
+                f"{self.model.name} has none (no run of identical blocks.0, blocks.1, ...); use remat='off'")
+        return self.repeated
+
+
+class ExplicitStrategy:
+    """Loss and gradients by the explicit lowering (see the module docstring)."""
+
+    def __init__(self, model: Model, mesh, layout: StateLayout, state_specs: TrainState, config: StepConfig):
+        self.program = Program(model, mesh, layout, config)
+        self.layout, self.config = layout, config
+        self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
+        self.update = zero_mod.Update.of_layout(layout, config.tx, config.grad_tx, config.sync.bucket_bytes)
+        self.grad_axes = {n: layout.grad_axes(n) for n in layout.param_specs}
+        # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
+        self.pending = {n: () if self.update.scatters(n) else a for n, a in self.grad_axes.items()}
+
+    def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
+        steps = self.config.options.accumulate
+        forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps)))
+        regather = self.program.regather
+
+        def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
+            def loss_of(params, buffers, micro, index):
+                micro_key = key if steps == 1 else jax.random.fold_in(key, index)
+                loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
+                return accumulation.objective(loss, scale), (loss, buffers)
+
+            if regather is not None and self.config.remat is None:
+                # ZeRO-3: the backward pass gathers each weight again instead of keeping every
+                # gathered weight alive (the layer scan does it per layer: Program.regather).
+                # Not with remat: the outermost jax.checkpoint's policy decides for everything
+                # inside it, the layer scan's remat policy included; the layers' weights are
+                # then gathered again by that policy, the rest stay gathered (FSDP's root).
+                loss_of = jax.checkpoint(loss_of, policy=regather)
+            params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] else p
+                      for n, p in state.params.items()}
+            loss, buffers, grads = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
+            return Gradients(loss, buffers, grads, self.pending)
+
+        return compute
+
+    def loss(self, state: TrainState, batch: tuple) -> Callable:
+        forward = self.program.forward(False, global_args(state, batch))
+
+        def compute(state: TrainState, batch: tuple, key):
+            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0]
+
+        return compute
+
+    def notes(self) -> list[str]:
+        ctx = self.program.ctx
+        return self._stacking_notes() + [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
+                                         for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())]
+
+    def _stacking_notes(self) -> list[str]:
+        groups = self.layout.stacking.groups
+        if not groups:
+            return []
+        unscanned = sorted(n for n in groups if n not in self.program.scanned)
+        lengths = sorted({len(m) for m in groups.values()})
+        notes = [f"{len(groups)} block parameter families stored stacked ({'/'.join(map(str, lengths))} layers each); "
+                 f"the layer scan reads {len(groups) - len(unscanned)} of them in place"]
+        if unscanned:
+            notes.append(f"stored stacked but outside any layer scan (each layer sliced out every step): {unscanned[:6]}"
+                         f"{' ...' if len(unscanned) > 6 else ''}")
+        return notes

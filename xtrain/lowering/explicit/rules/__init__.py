@@ -1,0 +1,13 @@
+"""The partition rules of the explicit lowering, one module per family of primitives; importing
+this package registers them all (xtrain.lowering.explicit.registry).
+
+    elementwise.py    same-shape ops: operands aligned, linear ops keep pending sums
+    shape.py          broadcast, reshape, transpose, slices, pads, joins; layout annotations
+    reductions.py     sums (pending partial sums), max/min (combined over shards), the rest whole
+    contractions.py   dot_general (tensor parallel products), convolutions
+    indexing.py       gathers, vocab-parallel embedding lookups
+    control.py        calls, custom derivative rules, scan and while loops, replicated ops
+"""
+from xtrain.lowering.explicit.rules import contractions, control, elementwise, indexing, reductions, shape
+
+__all__ = ["contractions", "control", "elementwise", "indexing", "reductions", "shape"]

@@ -1,0 +1,122 @@
+"""Partition rules of contractions: dot_general (column/row parallel products, pending partial
+sums over split contracting dims) and convolutions (batch split only)."""
+from __future__ import annotations
+
+from xtrain.lowering import sharded as C
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.registry import bind, register, same_vma, whole_dims_where, wrap
+from xtrain.lowering.sharded import Context, Sharded
+
+
+def _match_pairs(ctx, lhs, rhs, pairs):
+    """Gives each (lhs dim, rhs dim) pair one split: the split side's, or none if they clash."""
+    for l, r in pairs:
+        a, b = lhs.layout.dims[l], rhs.layout.dims[r]
+        if a == b:
+            continue
+        if a and b and (a == b[:len(a)] or b == a[:len(b)]):
+            # one side is split further (e.g. a row-parallel weight also split over data by
+            # FSDP): gather only the extra minor axes, not the whole dimension on both sides
+            lhs, rhs = (lhs, C.gather_dim(ctx, rhs, r, b[len(a):])) if len(b) > len(a) else \
+                (C.gather_dim(ctx, lhs, l, a[len(b):]), rhs)
+            continue
+        if b and not a and _frees_axes_of_lhs(ctx, lhs, b):
+            lhs = _gather_axes(ctx, lhs, b)
+        if a and not b and not set(a) & set(rhs.layout.split_axes() + rhs.layout.partial):
+            rhs = C.split_dim(ctx, rhs, r, a)
+        elif b and not a and not set(b) & set(lhs.layout.split_axes() + lhs.layout.partial):
+            lhs = C.split_dim(ctx, lhs, l, b)
+        else:
+            lhs, rhs = C.gather_dim(ctx, lhs, l), C.gather_dim(ctx, rhs, r)
+    return lhs, rhs
+
+
+def _frees_axes_of_lhs(ctx, lhs, axes) -> bool:
+    """Whether a clash over `axes` is resolved by gathering the lhs (the activation) rather
+    than the rhs (the weight): yes unless they are batch axes (ZeRO-3 gathers the weight,
+    never the batch) or the lhs holds a pending sum over them."""
+    return not set(axes) & set(ctx.batch_axes) and not set(axes) & set(lhs.layout.partial)
+
+
+def _gather_axes(ctx, x, axes) -> Sharded:
+    """Gathers the dims of `x` split over `axes` for a consumer that varies over them."""
+    for d in range(x.ndim):
+        if set(x.layout.dims[d]) & set(axes):
+            x = C.gather_dim(ctx, x, d, tuple(set(x.layout.dims[d]) & set(axes)), varying=True)
+    return x
+
+
+def _no_partial_clash(ctx, lhs, rhs):
+    """An operand's pending sum over an axis the other operand is split on is resolved."""
+    if set(lhs.layout.partial) & set(rhs.layout.split_axes()):
+        lhs = C.resolve(ctx, lhs)
+    if set(rhs.layout.partial) & set(lhs.layout.split_axes()):
+        rhs = C.resolve(ctx, rhs)
+    return lhs, rhs
+
+
+def _free_dims_clash(ctx, lhs, rhs, lfree, rfree):
+    """One mesh axis cannot split two output dims: Megatron's sequence parallel gathers the
+    activation (lhs) before a column-parallel matmul; over batch axes the rhs is gathered."""
+    for d in rfree:
+        clash = set(rhs.layout.dims[d]) & set(lhs.layout.split_axes())
+        if clash and _frees_axes_of_lhs(ctx, lhs, clash):
+            lhs = _gather_axes(ctx, lhs, clash)
+        clash = set(rhs.layout.dims[d]) & set(lhs.layout.split_axes())
+        if clash:
+            rhs = C.gather_dim(ctx, rhs, d, tuple(clash))
+    return lhs, rhs
+
+
+def dot_general(ctx: Context, eqn, args):
+    """Batch dims split alike stay split; free dims keep their split; a split contracting
+    dim (both sides alike) leaves a partial sum over its axes."""
+    lhs, rhs = args
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lhs.layout.partial and rhs.layout.partial:
+        rhs = C.resolve(ctx, rhs)
+    lhs, rhs = _no_partial_clash(ctx, lhs, rhs)
+    lhs, rhs = _match_pairs(ctx, lhs, rhs, list(zip(lb, rb)) + list(zip(lc, rc)))
+    lhs, rhs = _no_partial_clash(ctx, lhs, rhs)
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    lhs, rhs = _free_dims_clash(ctx, lhs, rhs, lfree, rfree)
+    dims = [lhs.layout.dims[d] for d in lb] + [lhs.layout.dims[d] for d in lfree] + [rhs.layout.dims[d] for d in rfree]
+    partial = lhs.layout.partial + rhs.layout.partial + tuple(a for d in lc for a in lhs.layout.dims[d])
+    return wrap(eqn, [_local_dot(ctx, eqn, lhs.value, rhs.value)], [Layout(tuple(dims), partial)])
+
+
+def _local_dot(ctx: Context, eqn, x, y):
+    """The equation's dot_general on the local values. An activation times a weight (no batch
+    dims, x contracted on its last dim only) runs on x flattened to 2-D (tokens, features):
+    the weight's gradient is then one 2-D product contracting the tokens, which XLA:CPU runs
+    on the output gradient in place. On the N-D form its dot canonicalisation copied the output
+    gradient transposed, and fused into that copy every elementwise op that produced the
+    gradient (the norms' backward; with the blocks unrolled, across layers, again per copy)."""
+    extra = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    if lb or tuple(lc) != (x.ndim - 1,) or x.ndim < 3:
+        return bind(ctx, eqn, [x, y], **extra)[0]
+    x, y = same_vma(ctx, [x, y])  # before the reshape: one cast of x (ctx caches it), so one
+    # sum of its gradient over the cast's axes for every product reading x (q, k and v's)
+    flat = bind(ctx, eqn, [x.reshape(-1, x.shape[-1]), y], dimension_numbers=(((1,), tuple(rc)), ((), ())),
+                 **extra)[0]
+    return flat.reshape(*x.shape[:-1], *flat.shape[1:])
+
+
+def conv(ctx: Context, eqn, args):
+    """Convolutions split over the batch dim only; everything else whole."""
+    lhs, rhs = C.resolve_all(ctx, args)
+    dn = eqn.params["dimension_numbers"]
+    batch_dim, out_batch = dn.lhs_spec[0], dn.out_spec[0]
+    lhs = whole_dims_where(ctx, lhs, lambda d: d != batch_dim)
+    rhs = C.replicate(ctx, rhs)
+    if eqn.params["batch_group_count"] != 1:
+        lhs = C.gather_dim(ctx, lhs, batch_dim)
+    dims = [()] * lhs.ndim
+    dims[out_batch] = lhs.layout.dims[batch_dim]
+    return wrap(eqn, bind(ctx, eqn, [lhs.value, rhs.value]), [Layout(tuple(dims))])
+
+
+register(dot_general, "dot_general")
+register(conv, "conv_general_dilated")

@@ -1,0 +1,221 @@
+"""Partition rules of control flow: calls (interpreted inline), the user's derivative rules
+(custom_jvp / custom_vjp: primal and rule both interpreted on shards), scan and while loops
+(carries keep one layout across iterations), and the ops that always run replicated."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from xtrain.lowering.collectives import vma
+from xtrain.lowering import sharded as C
+from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.registry import fallback, register, replicated, same_vma, wrap
+from xtrain.lowering.sharded import Context, Sharded
+
+
+def call(ctx: Context, eqn, args):
+    """jit / closed_call: interpret the callee with the operands' layouts."""
+    closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if isinstance(closed, jcore.ClosedJaxpr):
+        return interpret(ctx, closed.jaxpr, closed.consts, args, inline=True)
+    return interpret(ctx, closed, [], args, inline=True)
+
+
+def _trace_jvp(eqn, jvp_fun, n: int):
+    """The custom JVP rule's jaxpr, traced in the mesh context the model was traced in (the
+    operands' abstract mesh, Auto axes). Traced under shard_map's Manual mesh instead, JAX
+    reshards every use of a primal to that mesh, which this interpreter reads as a gather."""
+    from jax._src import mesh as mesh_lib
+
+    meshes = {getattr(getattr(v.aval, "sharding", None), "mesh", None) for v in eqn.invars}
+    mesh = meshes.pop() if len(meshes) == 1 else None
+    if not isinstance(mesh, mesh_lib.AbstractMesh):
+        mesh = mesh_lib.empty_abstract_mesh
+    with mesh_lib.use_abstract_mesh(mesh):
+        return jvp_fun.call_wrapped(*[False] * n)
+
+
+def custom_jvp(ctx: Context, eqn, args):
+    """Keeps the user's derivative rule: the primal and its JVP are both interpreted."""
+    call_jaxpr, jvp_fun = eqn.params["call_jaxpr"], eqn.params["jvp_jaxpr_fun"]
+    consts, prims = args[: eqn.params["num_consts"]], args[eqn.params["num_consts"]:]
+    path = ctx.path
+    with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
+
+    def primal(*vals):
+        ctx.path = path
+        return interpret(ctx, call_jaxpr.jaxpr, call_jaxpr.consts, consts + with_values(prims, vals))
+
+    layouts: list = []  # output layouts, fixed by whichever of f / f_jvp is traced first
+
+    @jax.custom_jvp
+    def f(*vals):
+        outs = primal(*vals)
+        layouts[:] = [o.layout for o in outs]
+        return [o.value for o in outs]
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        jaxpr, jconsts, out_zeros = _trace_jvp(eqn, jvp_fun, len(prims))
+        ctx.path = path
+        # remat='selective' tags nothing inside the rule: its tangents are linear, and a tag
+        # (checkpoint_name) on them has no transpose; the rule's outputs are tagged outside
+        remat, ctx.remat = ctx.remat, None
+        try:
+            outs = interpret(ctx, jaxpr, jconsts, with_values(prims, primals) + with_values(prims, tangents))
+        finally:
+            ctx.remat = remat
+        n = len(out_zeros)
+        want = layouts or [o.layout for o in outs[:n]]
+        p_out = [C.relayout(ctx, o, l) for o, l in zip(outs[:n], want)]
+        t_out = [C.relayout(ctx, o, l) for o, l in zip(outs[n:], want)]
+        layouts[:] = want
+        return [o.value for o in p_out], [o.value for o in t_out]
+
+    values = f(*[p.value for p in prims])
+    return wrap(eqn, values, layouts)
+
+
+def _instantiate(cts, avals):
+    """bwd rules may return None / symbolic zeros for inputs without a cotangent."""
+    out = []
+    for ct, aval in zip(cts, avals):
+        if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+            ct = jnp.zeros(aval.shape, aval.dtype)
+        out.append(ct)
+    return out
+
+
+def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
+    """A cotangent in the primal's layout and type. A pending sum over an axis the primal
+    varies on stays pending: each device's addend is its own contribution, which autodiff
+    (or xtrain's gradient sync) sums later; summing it here would count it n times."""
+    # (an axis the primal is split on is summed: a shard's cotangent is a slice of the sum)
+    keep = vma(primal.value) - set(primal.layout.split_axes())
+    ct = C.resolve(ctx, ct, tuple(a for a in ct.layout.partial if a not in keep))
+    ct = C.relayout(ctx, ct, primal.layout.with_partial(ct.layout.partial))
+    return same_vma(ctx, [ct.value, primal.value])[0]
+
+
+def custom_vjp(ctx, eqn, args):
+    """Keeps the user's VJP: primal, fwd and bwd are all interpreted on shards. Outputs and
+    cotangents cross the boundary whole along pending sums (partial sums are resolved)."""
+    p = eqn.params
+    call, n_consts = p["call_jaxpr"], p["num_consts"]
+    if n_consts:
+        return fallback(ctx, eqn, args)
+    prims, path = args, ctx.path
+    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
+    # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
+    # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
+    _, res_tree, forwards = p["out_trees"]()
+    n_res = sum(f is None for f in forwards)
+    out_avals = [v.aval for v in eqn.outvars]
+    prim_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in prims]
+    with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
+    layouts: dict = {}
+
+    def resolved(outs):
+        return [C.resolve(ctx, o) for o in outs]
+
+    @jax.custom_vjp
+    def f(*vals):
+        ctx.path = path
+        outs = resolved(interpret(ctx, call.jaxpr, call.consts, with_values(prims, vals)))
+        layouts.setdefault("out", [o.layout for o in outs])
+        return [o.value for o in outs]
+
+    def f_fwd(*vals):
+        ctx.path = path
+        ins = with_values(prims, vals)
+        outs = interpret(ctx, fwd_jaxpr, fwd_consts, ins)
+        primal = resolved(outs[n_res:])
+        want = layouts.setdefault("out", [o.layout for o in primal])
+        primal = [C.relayout(ctx, o, l) for o, l in zip(primal, want)]
+        own = iter(outs[:n_res])
+        res = [next(own) if f is None else ins[f] for f in forwards]
+        layouts["res"] = res
+        return [o.value for o in primal], [r.value for r in res]
+
+    def f_bwd(res, cts):
+        ctx.path = path
+        res_structs = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in layouts["res"]]
+        bwd = jax.make_jaxpr(lambda *a: _instantiate(p["bwd"].call_wrapped(*a), prim_avals))(
+            *res_structs, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+        ins = ([dataclasses.replace(r, value=v) for r, v in zip(layouts["res"], res)]
+               + [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(cts, layouts["out"], out_avals)])
+        outs = interpret(ctx, bwd.jaxpr, bwd.consts, ins)
+        return tuple(_cotangent_for(ctx, o, x) for o, x in zip(outs, prims))
+
+    f.defvjp(f_fwd, f_bwd)
+    values = f(*[x.value for x in prims])
+    return wrap(eqn, values, layouts["out"])
+
+
+def scan_rule(ctx: Context, eqn, args):
+    """A scan of the traced graph: the scanned axis whole, carries at their initial layout."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = args[:n_consts], args[n_consts:n_consts + n_carry], args[n_consts + n_carry:]
+    init = C.resolve_all(ctx, init)  # carries hold whole values
+    xs = [C.gather_dim(ctx, C.resolve(ctx, x), 0) for x in xs]
+    body_jaxpr = p["jaxpr"]
+    y_layouts: list = []
+    path = ctx.path
+
+    def body(carry, x_vals):
+        ctx.path = path
+        ins = (consts + [dataclasses.replace(c, value=v) for c, v in zip(init, carry)]
+               + [Sharded(v, Layout(x.layout.dims[1:]), x.shape[1:], x.dtype) for x, v in zip(xs, x_vals)])
+        outs = interpret(ctx, body_jaxpr.jaxpr, body_jaxpr.consts, ins)
+        new = [C.relayout(ctx, o, c.layout) for o, c in zip(outs[:n_carry], init)]
+        y_layouts[:] = [o.layout for o in outs[n_carry:]]
+        return [o.value for o in new], [o.value for o in outs[n_carry:]]
+
+    final, ys = scan_with_stable_carry(body, [c.value for c in init], [x.value for x in xs],
+                                       length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    out_avals = [v.aval for v in eqn.outvars]
+    carries = [dataclasses.replace(c, value=v) for c, v in zip(init, final)]
+    stacked = [Sharded(v, Layout(((),) + l.dims, l.partial), tuple(a.shape), a.dtype)
+               for v, l, a in zip(ys, y_layouts, out_avals[n_carry:])]
+    return carries + stacked
+
+
+def while_rule(ctx: Context, eqn, args):
+    """A while loop: the predicate computed replicated, carries at their initial layout."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    c_consts, b_consts = args[:p["cond_nconsts"]], args[p["cond_nconsts"]:p["cond_nconsts"] + p["body_nconsts"]]
+    init = C.resolve_all(ctx, args[p["cond_nconsts"] + p["body_nconsts"]:])  # carries hold whole values
+    path = ctx.path
+
+    def as_sharded(vals):
+        return [dataclasses.replace(c, value=v) for c, v in zip(init, vals)]
+
+    def cond_fn(vals):
+        ctx.path = path
+        (pred,) = interpret(ctx, cond.jaxpr, cond.consts, c_consts + as_sharded(vals))
+        return C.replicate(ctx, pred).value
+
+    def body_fn(vals):
+        ctx.path = path
+        outs = interpret(ctx, body.jaxpr, body.consts, b_consts + as_sharded(vals))
+        return [C.relayout(ctx, o, c.layout).value for o, c in zip(outs, init)]
+
+    final = lax.while_loop(cond_fn, body_fn, [c.value for c in init])
+    return as_sharded(final)
+
+
+register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
+register(custom_jvp, "custom_jvp_call")
+register(custom_vjp, "custom_vjp_call")
+register(scan_rule, "scan")
+register(while_rule, "while")
+register(replicated, "iota", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
+         "random_unwrap", "threefry2x32", "rng_bit_generator")

@@ -1,0 +1,98 @@
+"""Partition rules of elementwise primitives: operands aligned to one layout, pending partial
+sums kept where the op is linear in them."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from xtrain.lowering import sharded as C
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.registry import bind, out_avals, register, wrap
+from xtrain.lowering.sharded import Context, Sharded
+
+
+LINEAR_UNARY = {"neg", "copy", "copy_p", "reduce_precision", "real", "imag", "conj", "stop_gradient"}
+
+
+ADDITIVE = {"add", "sub", "add_any"}
+
+
+def _target_dims(args, out_shape: tuple) -> tuple:
+    """Each output dim takes the split of the most split operand that has that dim at full
+    size; size-1 (broadcasting) dims stay whole."""
+    ranked = sorted((a for a in args if a.ndim), key=lambda a: -len(a.layout.split_axes()))
+    dims, used = [], set()
+    for d, size in enumerate(out_shape):
+        split = next((a.layout.dims[d] for a in ranked if a.shape[d] == size and a.layout.dims[d]
+                      and not set(a.layout.dims[d]) & used), ())
+        used.update(split)
+        dims.append(split)
+    return tuple(dims)
+
+
+def _align(ctx: Context, args, out_shape: tuple, keep: tuple | None = None) -> tuple[list[Sharded], tuple]:
+    """Brings operands to one dims layout (`_target_dims`). Pending sums are kept if in
+    `keep` (default: all) and the result is not split over their axis (an addend's slice is
+    not a slice's addend); the others are resolved, by reduce-scatter where the result splits
+    a dim over them."""
+    dims = _target_dims(args, out_shape)
+    split = {a for d in dims for a in d}
+    out = []
+    for a in args:
+        want = tuple(dims[d] if a.shape[d] == out_shape[d] else () for d in range(a.ndim))
+        partial = tuple(p for p in a.layout.partial if p not in split and (keep is None or p in keep))
+        out.append(C.relayout(ctx, a, Layout(want, partial)))
+    return out, tuple(dims)
+
+
+def _partial_after(prim: str, args) -> tuple | None:
+    """The partial axes an elementwise op can keep, or None when all must be resolved."""
+    partials = [a.layout.partial for a in args]
+    if not any(partials):
+        return ()
+    if prim in LINEAR_UNARY or (prim == "convert_element_type" and args[0].dtype.kind == "f"):
+        return partials[0]
+    if prim in ADDITIVE and len(set(partials)) == 1:
+        return partials[0]
+    if prim == "mul" and sum(bool(p) for p in partials) == 1:
+        return next(p for p in partials if p)
+    if prim == "div" and partials[0] and not partials[1]:
+        return partials[0]
+    return None
+
+
+def elementwise(ctx: Context, eqn, args):
+    """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear."""
+    keep = _partial_after(str(eqn.primitive), args)
+    out_shape = tuple(out_avals(eqn)[0].shape)
+    if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
+        keep = ()
+    args, dims = _align(ctx, args, out_shape, keep)
+    outs = bind(ctx, eqn, [a.value for a in args])
+    return wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in out_avals(eqn)])
+
+
+def pow_(ctx: Context, eqn, args):
+    """x ** c with a literal whole exponent (RMSNorm's x.pow(2)) as integer_pow, which XLA
+    emits as multiplies. As an operand the exponent is typed varying like x (a pcast), and in
+    a layer scan JAX hoists that loop-invariant cast out of the loop: XLA then sees a pow by
+    an unknown value and runs the generic exp/log form."""
+    exponent = eqn.invars[1]
+    if (isinstance(exponent, jcore.Literal) and np.ndim(exponent.val) == 0
+            and jnp.issubdtype(args[0].dtype, jnp.floating)
+            and float(exponent.val).is_integer() and abs(float(exponent.val)) <= 16):
+        x = C.resolve(ctx, args[0])
+        return [Sharded(lax.integer_pow(x.value, int(exponent.val)), x.layout, x.shape, x.dtype)]
+    return elementwise(ctx, eqn, args)
+
+
+register(pow_, "pow")
+register(elementwise, "add", "sub", "mul", "div", "max", "min", "integer_pow", "neg", "exp", "exp2",
+         "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "abs",
+         "sign", "floor", "ceil", "round", "is_finite", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+         "square", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+         "rem", "atan2", "nextafter", "convert_element_type", "copy", "copy_p", "stop_gradient",
+         "add_any", "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+         "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh")

@@ -1,0 +1,95 @@
+"""Partition rules of indexing: gathers local where the operand is whole, vocab-parallel
+lookups where an embedding table is split over model axes."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from xtrain.lowering import sharded as C
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.registry import bind, out_avals, register, whole_dims_where, wrap
+from xtrain.lowering.explicit.rules.contractions import _gather_axes, _match_pairs
+from xtrain.lowering.sharded import Context, Sharded
+
+
+def _row_lookup_dim(eqn, operand: Sharded) -> int | None:
+    """The table dim of an embedding-style lookup (one indexed dim, collapsed, one row per
+    index: embeddings, take_along_axis of a cross-entropy's target logit); else None."""
+    dn = eqn.params["dimension_numbers"]
+    if len(dn.start_index_map) != 1 or operand.layout.partial:
+        return None
+    d = dn.start_index_map[0]
+    if d not in dn.collapsed_slice_dims or eqn.params["slice_sizes"][d] != 1:
+        return None
+    return d if jnp.issubdtype(operand.dtype, jnp.floating) else None
+
+
+def _model_prefix(ctx: Context, axes) -> tuple:
+    """The leading axes that are not batch axes (a ZeRO split over batch axes sits after them)."""
+    out = []
+    for a in axes:
+        if a in ctx.batch_axes:
+            break
+        out.append(a)
+    return tuple(out)
+
+
+def _vocab_parallel_gather(ctx: Context, eqn, operand: Sharded, indices: Sharded, d: int):
+    """Megatron's vocab-parallel embedding: each device looks up the rows its shard holds
+    (zeros elsewhere); the result is a partial sum over the table's axes, resolved by the
+    consumer (all-reduce, or reduce-scatter under sequence parallel). Moves activations,
+    never the table."""
+    from jax._src.lax.slicing import GatherScatterMode
+
+    axes = _model_prefix(ctx, operand.layout.dims[d])
+    operand = C.gather_dim(ctx, operand, d, operand.layout.dims[d][len(axes):])  # ZeRO part
+    indices = _gather_axes(ctx, indices, axes)  # e.g. tokens split over tensor: small, ints
+    batching = set(eqn.params["dimension_numbers"].operand_batching_dims)
+    operand = whole_dims_where(ctx, operand, lambda k: k != d and k not in batching)
+    rows, local = operand.shape[d], operand.value.shape[d]
+    index = indices.value
+    if eqn.params["mode"] == GatherScatterMode.CLIP:
+        index = jnp.clip(index, 0, rows - 1)
+    shifted = index - (C.axis_offset(ctx, axes) * local).astype(index.dtype)
+    mine = (shifted >= 0) & (shifted < local)  # (..., 1)
+    out = bind(ctx, eqn, [operand.value, jnp.where(mine, shifted, 0)])[0]
+    offset_dims = eqn.params["dimension_numbers"].offset_dims
+    mask = jnp.expand_dims(mine[..., 0], offset_dims)
+    out = jnp.where(mask, out, jnp.zeros((), out.dtype))
+    if eqn.params["mode"] == GatherScatterMode.FILL_OR_DROP:
+        # an out-of-range index reads the fill value: added once, by the first shard
+        fill = eqn.params["fill_value"]
+        fill = jnp.nan if fill is None else fill
+        outside = jnp.expand_dims(((index < 0) | (index >= rows))[..., 0], offset_dims)
+        first = C.axis_offset(ctx, axes) == 0
+        out = jnp.where(outside & first, jnp.asarray(fill, out.dtype), out)
+    batch_out = [k for k in range(out.ndim) if k not in offset_dims]
+    dims = [()] * out.ndim
+    for out_d, idx_d in zip(batch_out, range(indices.ndim - 1)):
+        dims[out_d] = indices.layout.dims[idx_d]
+    return wrap(eqn, [out], [Layout(tuple(dims), axes)])
+
+
+def gather(ctx: Context, eqn, args):
+    """Gathers whose operand is whole except on batching dims: each device gathers locally;
+    output batch dims follow the index array's split. An embedding lookup from a table split
+    over model axes is vocab-parallel instead (`_vocab_parallel_gather`)."""
+    operand, indices = args
+    dn = eqn.params["dimension_numbers"]
+    indices = C.gather_dim(ctx, C.resolve(ctx, indices), indices.ndim - 1)  # index vector whole
+    for od, idim in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+        operand, indices = _match_pairs(ctx, operand, indices, [(od, idim)])
+    d = _row_lookup_dim(eqn, operand)
+    if d is not None and _model_prefix(ctx, operand.layout.dims[d]):
+        return _vocab_parallel_gather(ctx, eqn, operand, indices, d)
+    batching = set(dn.operand_batching_dims)
+    operand = whole_dims_where(ctx, operand, lambda d: d not in batching)
+    out_ndim = len(out_avals(eqn)[0].shape)
+    batch_out = [d for d in range(out_ndim) if d not in dn.offset_dims]
+    dims = [()] * out_ndim
+    for out_d, idx_d in zip(batch_out, range(indices.ndim - 1)):
+        dims[out_d] = indices.layout.dims[idx_d]
+    out = bind(ctx, eqn, [operand.value, indices.value])
+    return wrap(eqn, out, [Layout(tuple(dims), operand.layout.partial)])
+
+
+register(gather, "gather")

@@ -1,0 +1,35 @@
+"""The lowering's entry: a model, its state layout and a mesh -> the compiled training step,
+by the strategy the plan calls for."""
+from __future__ import annotations
+
+import jax
+
+from xtrain.ir.model import Model
+from xtrain.lowering import train_step
+from xtrain.lowering.explicit.forward import ExplicitStrategy
+from xtrain.lowering.pipeline.strategy import PipelineStrategy
+from xtrain.lowering.state import TrainState
+from xtrain.lowering.train_step import StepConfig, StepProgram
+from xtrain.lowering.xla_partitioner import XlaStrategy
+from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.pipeline import Pipeline
+
+LOWERINGS = ("explicit", "xla")
+
+
+def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config: StepConfig, *,
+          lowering: str = "explicit", pipeline: Pipeline | None = None) -> StepProgram:
+    """The jit-compiled step: the explicit lowering (its pipeline strategy when the plan has a
+    pipeline) or XLA's partitioner on the same layout."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    if pipeline is not None:
+        if lowering != "explicit":
+            raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
+        strategy = PipelineStrategy(model, mesh, layout, specs, config, pipeline)
+    elif lowering == "explicit":
+        strategy = ExplicitStrategy(model, mesh, layout, specs, config)
+    else:
+        strategy = XlaStrategy(model, mesh, layout, config)
+    return train_step.build(strategy, shardings, mesh, config)

@@ -1,0 +1,244 @@
+"""Values of the per-device program and how they move between layouts.
+
+A `Layout` says how one value of the global program is split over the mesh: per dimension the
+mesh axes splitting it (major first), plus the axes over which a sum is still pending. A
+`Sharded` is such a value on one device: its local array, its Layout and, for a stored
+parameter, the batch axes it is a ZeRO-3 shard over. The moves (`resolve`, `scatter_partial`,
+`gather_dim`, `split_dim`, `relayout`) emit their communication through the collectives layer
+(xtrain.lowering.collectives); the report counts it back from the emitted program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from xtrain.lowering import collectives
+from xtrain.sharding.remat import LayerRemat
+
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Per-dimension mesh axes (major first) and axes with a sum still pending.
+
+    A value with `partial=("data",)` holds, on each device, one addend of the true value:
+    the global value is the sum over the `data` axis.
+    """
+
+    dims: tuple[Axes, ...]
+    partial: Axes = ()
+
+    def __post_init__(self):
+        used = self.split_axes() + tuple(self.partial)
+        assert len(set(used)) == len(used), f"mesh axis used twice in layout {self}"
+
+    @staticmethod
+    def replicated(ndim: int) -> "Layout":
+        return Layout(((),) * ndim)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.partial and not any(self.dims)
+
+    def split_axes(self) -> Axes:
+        return tuple(a for d in self.dims for a in d)
+
+    def with_dims(self, dims) -> "Layout":
+        return Layout(tuple(tuple(d) for d in dims), self.partial)
+
+    def with_partial(self, partial) -> "Layout":
+        return Layout(self.dims, tuple(partial))
+
+    def factor(self, dim: int, sizes: Mapping[str, int]) -> int:
+        return math.prod(sizes[a] for a in self.dims[dim])
+
+    def local_shape(self, shape, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(s // self.factor(i, sizes) for i, s in enumerate(shape))
+
+    def divides(self, shape, sizes: Mapping[str, int]) -> bool:
+        return all(s % self.factor(i, sizes) == 0 for i, s in enumerate(shape))
+
+    def __str__(self) -> str:
+        dims = ", ".join("x".join(d) if d else "-" for d in self.dims)
+        return f"[{dims}]" + (f" partial({','.join(self.partial)})" if self.partial else "")
+
+
+@dataclasses.dataclass
+class Sharded:
+    """A value of the global program: its local array and how it is split."""
+
+    value: Any            # local array (a tracer inside shard_map)
+    layout: Layout
+    shape: tuple[int, ...]  # global shape
+    dtype: Any
+    zero: Axes = ()         # a stored parameter split over these batch axes (ZeRO-3): gathered per use
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclasses.dataclass
+class Context:
+    """Per-lowering facts: mesh axis sizes and what fell back to replicated execution."""
+
+    sizes: Mapping[str, int]
+    module_paths: frozenset = frozenset()
+    batch_axes: tuple = ()  # axes the batch is split on (activations are never gathered over them)
+    fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
+    path: str = ""
+    # conversions already emitted in the jaxpr being interpreted (see `memoized`)
+    memo: dict = dataclasses.field(default_factory=dict)
+    remat: LayerRemat | None = None  # activation checkpointing of each layer of a layer scan
+    regather: Callable | None = None  # ZeRO-3's re-gather policy in each layer (zero.RegatherPolicy)
+    unroll: bool = False  # repeated blocks emitted one after another instead of as a layer scan
+    layer: tuple[str, str] | None = None  # (block 0's module path, the unrolled layer's) while emitting it
+
+    def note_fallback(self, primitive: str) -> None:
+        self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
+
+
+def memoized(ctx: Context, key: tuple, source, make):
+    """`make()`, or its earlier result for the same `source` value: a tensor read by several
+    ops (x feeding q, k and v) is gathered or cast once, so forward has one collective and
+    backward one transpose of it (the consumers' cotangents are summed first). Keys hold
+    id(source); the entry keeps `source` alive so the id cannot be reused."""
+    hit = ctx.memo.get(key)
+    if hit is not None and hit[0] is source:
+        return hit[1]
+    out = make()
+    ctx.memo[key] = (source, out)
+    return out
+
+
+def pcast_varying(ctx: Context, v, axes: Axes):
+    """`v` typed as varying over `axes` too (the transpose of this cast is a psum)."""
+    return memoized(ctx, ("pcast", id(v), axes), v, lambda: lax.pcast(v, axes, to="varying"))
+
+
+def axis_offset(ctx: Context, axes: Axes):
+    """This device's index along `axes` flattened major-first (0 for no axes)."""
+    return collectives.axis_offset(ctx.sizes, axes)
+
+
+def resolve(ctx: Context, x: Sharded, axes: Axes | None = None) -> Sharded:
+    """Sums pending partial addends (all of them, or only `axes`) with one all-reduce."""
+    axes = x.layout.partial if axes is None else tuple(a for a in x.layout.partial if a in axes)
+    if not axes:
+        return x
+    return memoized(ctx, ("psum", id(x.value), x.layout, axes), x.value, lambda: dataclasses.replace(
+        x, value=collectives.all_reduce(x.value, axes),
+        layout=x.layout.with_partial(tuple(a for a in x.layout.partial if a not in axes))))
+
+
+def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Sums the pending addends over `axes` and keeps this device's slice of the whole
+    dimension `dim`: one reduce-scatter, where all-reduce + slice would move twice the bytes."""
+    assert not x.layout.dims[dim] and set(axes) <= set(x.layout.partial)
+    dims = list(x.layout.dims)
+    dims[dim] = tuple(axes)
+    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes))
+    return memoized(ctx, ("psum_scatter", id(x.value), x.layout, dim, axes), x.value, lambda: dataclasses.replace(
+        x, value=collectives.reduce_scatter(x.value, axes, dim), layout=layout))
+
+
+def resolve_all(ctx: Context, xs) -> list[Sharded]:
+    return [resolve(ctx, x) for x in xs]
+
+
+def is_zero_shard(x: Sharded, axes: Axes) -> bool:
+    """Whether gathering `x` over `axes` is ZeRO-3's gather of a stored parameter's shards."""
+    return bool(x.zero) and set(axes) <= set(x.zero)
+
+
+def _all_gather(x: Sharded, axes: Axes, dim: int, varying: bool):
+    # ZeRO-3/FSDP gathers are varying (the caller says so), so the gradient comes back
+    # reduce-scattered (the transpose); xtrain.lowering.zero.RegatherPolicy gathers the
+    # weight again in the backward pass. A consumer that varies over `axes` anyway also wants
+    # the reduce-scatter transpose. Otherwise, once gathered, every device along `axes` holds
+    # the same values: say so (invariant), so the rest of the program is not typed as varying
+    # over axes it does not vary over.
+    return collectives.all_gather(x.value, axes, dim, invariant=not varying)
+
+
+def gather_dim(ctx: Context, x: Sharded, dim: int, axes: Axes | None = None, varying: bool = False) -> Sharded:
+    """All-gathers dimension `dim` over `axes` (default: all its axes). Only minor (trailing)
+    axes can be gathered alone; otherwise the whole dimension is gathered. `varying`: the
+    result is typed as varying over `axes` (for a consumer that varies over them: its
+    backward is then a reduce-scatter, not an all-reduce and a slice)."""
+    have = x.layout.dims[dim]
+    axes = have if axes is None else tuple(a for a in have if a in axes)
+    if not axes:
+        return x
+    if have[len(have) - len(axes):] != axes:
+        axes = have
+    dims = list(x.layout.dims)
+    dims[dim] = have[: len(have) - len(axes)]
+    # ZeRO-3 (always varying): a parameter read twice (a tied embedding: the lookup and the
+    # head) is gathered once, as XLA does; the backward pass gathers it once again
+    varying = varying or is_zero_shard(x, axes)
+    gather = lambda: dataclasses.replace(x, value=_all_gather(x, axes, dim, varying),
+                                         layout=x.layout.with_dims(dims))
+    return memoized(ctx, ("all_gather", id(x.value), x.layout, dim, axes, varying), x.value, gather)
+
+
+def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Keeps this device's slice of a whole dimension (no communication)."""
+    assert not x.layout.dims[dim], "split_dim needs a whole dimension"
+    if not axes:
+        return x
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim] // parts
+    value = lax.dynamic_slice_in_dim(x.value, axis_offset(ctx, axes) * local, local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = tuple(axes)
+    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def replicate(ctx: Context, x: Sharded) -> Sharded:
+    x = resolve(ctx, x)
+    for dim in range(x.ndim):
+        x = gather_dim(ctx, x, dim)
+    return x
+
+
+def relayout(ctx: Context, x: Sharded, target: Layout) -> Sharded:
+    """Moves `x` to `target`'s dims (partial sums resolved unless `target` keeps them; by a
+    reduce-scatter where `target` splits a whole dim over the pending axes)."""
+    keep = set(target.partial)
+    for dim, want in enumerate(target.dims):
+        if want and not x.layout.dims[dim] and set(want) <= set(x.layout.partial) - keep:
+            x = scatter_partial(ctx, x, dim, want)
+    x = resolve(ctx, x, tuple(a for a in x.layout.partial if a not in keep))
+    for axis in target.partial:
+        if axis not in x.layout.partial:  # a whole value as addends: all of it on device 0
+            value = jnp.where(lax.axis_index(axis) == 0, x.value, jnp.zeros_like(x.value))
+            x = dataclasses.replace(x, value=value, layout=x.layout.with_partial(x.layout.partial + (axis,)))
+    for dim, (have, want) in enumerate(zip(x.layout.dims, target.dims)):
+        if have == want:
+            continue
+        x = gather_dim(ctx, x, dim)
+    for dim, want in enumerate(target.dims):
+        if want and not x.layout.dims[dim]:
+            if any(a in x.layout.split_axes() for a in want):
+                x = gather_dim(ctx, x, x.layout.dims.index(next(d for d in x.layout.dims if set(d) & set(want))))
+            x = split_dim(ctx, x, dim, want)
+    return x
+
+
+def to_sharded(value, layout: Layout, shape, dtype) -> Sharded:
+    return Sharded(value, layout, tuple(shape), np.dtype(dtype) if not hasattr(dtype, "name") else dtype)
+
+
+def aval_bytes(x) -> int:
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize

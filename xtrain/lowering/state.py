@@ -1,0 +1,94 @@
+"""The training state a step reads and writes, and where each of its arrays lives on the mesh."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xtrain.ir.stacked import Stacking
+from xtrain.ir.tree import named_leaves, rebuild
+from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.plan import Spec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything a training step reads and writes (all jax arrays)."""
+
+    params: dict[str, Any]      # optimized parameters
+    frozen: dict[str, Any]      # parameters the optimizer does not update
+    buffers: dict[str, Any]     # module buffers (BatchNorm statistics, ...)
+    opt_state: Any
+    step: Any                   # int32 scalar: steps run (a step fp16 skipped counts)
+    key: Any                    # base PRNG key; step k uses fold_in(key, k)
+    loss_scale: Any = None      # fp16: {"scale": f32, "good_steps": i32} (xtrain.lowering.precision)
+
+
+def named(mesh, specs: Mapping[str, Spec]) -> dict[str, NamedSharding]:
+    """{name: NamedSharding} of per-tensor specs on `mesh`."""
+    return {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
+
+
+def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
+    """Shardings of a TrainState laid out by `layout`: parameters per their specs, optimizer
+    moments like their parameter's optimizer spec (ZeRO-1/2 split them further), everything
+    else replicated."""
+    params, optimizer = named(mesh, layout.param_specs), named(mesh, layout.optimizer_specs)
+    shapes = {n: x.shape for n, x in {**state.params, **state.frozen}.items()}
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def opt_leaf(path, leaf):
+        for entry in path:
+            name = getattr(entry, "key", None)
+            if name in params and getattr(leaf, "shape", None) == shapes[name]:
+                return optimizer[name]
+        return replicated
+
+    return TrainState(
+        params={n: params[n] for n in state.params},
+        frozen={n: params[n] for n in state.frozen},
+        buffers={n: replicated for n in state.buffers},
+        opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state),
+        step=replicated,
+        key=replicated,
+        loss_scale=jax.tree.map(lambda _: replicated, state.loss_scale),
+    )
+
+
+def abstract(state: TrainState) -> TrainState:
+    """Shapes and dtypes of `state` (jax.ShapeDtypeStruct leaves)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+
+
+def initial(params: Mapping[str, Any], buffers: Mapping[str, Any], optimized, tx: optax.GradientTransformation,
+            seed: int, loss_scale) -> TrainState:
+    """A fresh state: the optimizer's initial state for the `optimized` parameters, the rest frozen."""
+    trained = {n: v for n, v in params.items() if n in optimized}
+    return TrainState(params=trained, frozen={n: v for n, v in params.items() if n not in optimized},
+                      buffers=dict(buffers), opt_state=jax.jit(tx.init)(trained), step=np.int32(0),
+                      key=jax.random.key_data(jax.random.key(seed)), loss_scale=loss_scale)
+
+
+def restacked(state: TrainState, stacking: Stacking, tx: optax.GradientTransformation) -> TrainState:
+    """`state` (per-layer storage) with `stacking`'s families stored stacked, the optimizer
+    state alike (padding rows zeros). Traceable: run it under jit to place the result."""
+    stack = lambda d: stacking.stack_dict(d, stack=jax.numpy.stack, zeros=jax.numpy.zeros_like)
+    params, old = stack(state.params), named_leaves(state.opt_state)
+
+    def leaf(name: str, like):
+        param = name.rsplit("/", 1)[-1]  # e.g. "0/mu/blocks.*.attn.q.weight": the parameter's name
+        prefix = name[:len(name) - len(param)]
+        if param not in stacking.groups:
+            return old[name]
+        members = stacking.groups[param]
+        return jax.numpy.stack([old[prefix + members[r]] if r is not None else jax.numpy.zeros(like.shape[1:], like.dtype)
+                                for r in stacking.rows_of(param)])
+
+    template = jax.eval_shape(tx.init, params)
+    opt_state = rebuild(template, {n: leaf(n, like) for n, like in named_leaves(template).items()})
+    return dataclasses.replace(state, params=params, frozen=stack(state.frozen), opt_state=opt_state)

@@ -1,0 +1,165 @@
+"""The one training-step skeleton. Every lowering's step is
+
+    loss, gradients   the strategy's: the explicit forward and its autodiff (explicit/forward.py),
+                      the pipeline's schedule (pipeline/strategy.py), or XLA's partitioner on the
+                      global view (xla_partitioner.py)
+    gradient sync     what the strategy left to sum (it may have summed some inside the backward
+                      pass, as ZeRO-3's gathers do by their transpose): a bucketed all-reduce
+    update            the optax transformation on each device's shards, ZeRO-sharded as the
+                      layout says (zero.Update); clipping, lr per param group, fp16's unscale
+    outputs           loss and gradient norm; the step counter; fp16 / detect_nan skip a
+                      non-finite step (grad_transforms.finish_step)
+
+jit-compiled with the state donated and its shardings fixed. A strategy says how loss and
+gradients are computed and whether the step runs per device (shard_map) or in the global view.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xtrain.lowering import gradient_sync
+from xtrain.lowering import ordering
+from xtrain.lowering.grad_transforms import GradTransforms, finish_step
+from xtrain.lowering.gradient_sync import GradSync
+from xtrain.lowering.options import StepOptions
+from xtrain.lowering.state import TrainState
+from xtrain.lowering.zero import Update
+from xtrain.sharding.plan import Spec
+from xtrain.sharding.remat import LayerRemat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """What every lowering's step takes besides the model, the layout and the mesh.
+
+    Attributes:
+        tx: the optax transformation (lr 1 for torch optimizers: the lr enters per step).
+        options: accumulation and the other step options.
+        grad_tx: unscale / clip / lr / skip between the gradients and the update.
+        sync: bucketing, wire dtype and hierarchy of the gradient all-reduce.
+        remat: activation checkpointing of each layer of the repeated blocks (None: off).
+        regather: ZeRO-3 gathers each weight again in the backward pass.
+    """
+
+    tx: optax.GradientTransformation
+    options: StepOptions = StepOptions()
+    grad_tx: GradTransforms = GradTransforms()
+    sync: GradSync = GradSync()
+    remat: LayerRemat | None = None
+    regather: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """A strategy's loss and gradients on one device (or in the global view)."""
+
+    loss: Any
+    buffers: Mapping[str, Any]          # buffers the forward updated (BatchNorm statistics)
+    grads: Mapping[str, Any]
+    pending: Mapping[str, tuple[str, ...]]  # per gradient, the mesh axes still to sum it over
+
+
+class Strategy(Protocol):
+    """How one lowering computes the loss and the gradients."""
+
+    runner: "PerDevice | GlobalView"
+    update: Update
+
+    def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
+        """Traces the model at `batch`'s global shapes; returns (state, batch, key, loss scale) -> Gradients."""
+
+    def loss(self, state: TrainState, batch: tuple) -> Callable:
+        """Traces the eval forward; returns (state, batch, key) -> loss."""
+
+    def notes(self) -> list[str]:
+        """What the report says about this lowering's program."""
+
+
+def batch_specs(batch_spec: Spec, batch: tuple) -> tuple:
+    return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDevice:
+    """Runs a step function on every device of `mesh` (shard_map), with the collectives in one
+    order on XLA's CPU runtime (explicit/ordering.py)."""
+
+    mesh: Any
+    state_specs: TrainState
+    batch_spec: Spec
+
+    def train(self, fn: Callable, batch: tuple) -> Callable:
+        return jax.shard_map(ordering.in_order(fn), mesh=self.mesh,
+                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch), PartitionSpec()),
+                             out_specs=(self.state_specs, PartitionSpec()), check_vma=True)
+
+    def eval(self, fn: Callable, batch: tuple) -> Callable:
+        return jax.shard_map(ordering.in_order(fn), mesh=self.mesh,
+                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch)),
+                             out_specs=PartitionSpec(), check_vma=True)
+
+
+class GlobalView:
+    """Runs a step function on global arrays (XLA's partitioner splits it)."""
+
+    def train(self, fn: Callable, batch: tuple) -> Callable:
+        return fn
+
+    def eval(self, fn: Callable, batch: tuple) -> Callable:
+        return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """A compiled step: `train(state, batch, lrs) -> (state, outputs)`, `eval(state, batch) -> loss`."""
+
+    train: Callable
+    eval: Callable
+    strategy: Strategy
+
+    def notes(self) -> list[str]:
+        return self.strategy.notes()
+
+
+def _trainer(strategy: Strategy, config: StepConfig) -> Callable:
+    def train_step(state: TrainState, batch: tuple, lrs):
+        compute = strategy.gradients(state, batch)  # traced at global shapes, outside shard_map
+
+        def step(state: TrainState, batch: tuple, lrs):
+            key = jax.random.fold_in(state.key, state.step)
+            scale = state.loss_scale["scale"] if state.loss_scale is not None else None
+            out = compute(state, batch, key, scale)
+            grads = gradient_sync.sync(out.grads, out.pending, config.sync)
+            params, opt_state, norm = strategy.update(grads, state.opt_state, state.params, lrs, scale)
+            new = dataclasses.replace(state, params=params, buffers={**state.buffers, **out.buffers},
+                                      opt_state=opt_state)
+            return finish_step(state, new, out.loss, norm, config.grad_tx)
+
+        return strategy.runner.train(step, batch)(state, batch, lrs)
+
+    return train_step
+
+
+def _evaluator(strategy: Strategy) -> Callable:
+    def eval_step(state: TrainState, batch: tuple):
+        compute = strategy.loss(state, batch)
+
+        def step(state: TrainState, batch: tuple):
+            return compute(state, batch, jax.random.fold_in(state.key, state.step))
+
+        return strategy.runner.eval(step, batch)(state, batch)
+
+    return eval_step
+
+
+def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig) -> StepProgram:
+    """The jit-compiled step of `strategy`, its state laid out by `shardings` (donated)."""
+    gradient_sync.check_axes(config.sync, dict(mesh.shape))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    train = jax.jit(_trainer(strategy, config), out_shardings=(shardings, replicated), donate_argnums=0)
+    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy)

@@ -1,0 +1,244 @@
+"""ZeRO in the lowering: everything that depends on the stage lives here (the specs and the
+dimension each tensor is split on: xtrain.sharding.zero, shared with the presets).
+
+    stage 0      every device updates its whole parameter copy
+    stage 1      gradients all-reduced; each device updates its slice of every tensor (its
+                 optimizer-state shard), then all-gathers the new parameters (`Update`)
+    stage 2      as 1, but gradients are reduce-scattered straight to the slice
+    stage 3      parameters stored split: each use gathers the shards (`gather_flat`: one flat
+                 all-gather per layer in the repeated blocks, FSDP's flat parameter), and the
+                 backward pass gathers them again (`RegatherPolicy`); the gradients leave as
+                 the gathers' transpose, a reduce-scatter. The update is local.
+
+Stages 1 and 2 bucket their collectives as the gradient all-reduce does (`bucket_bytes`):
+each tensor is cut into one block per device along its split dimension, laid out as rows
+(n, block), the rows of a bucket's tensors side by side, and one reduce-scatter / all-gather
+moves the whole bucket: a collective has a fixed cost on every backend (a launch), so one per
+tensor per layer costs more than the bytes. The price is memory: a ZeRO-2 bucket's gradients
+all exist whole before its reduce-scatter (at most `bucket_bytes` more than scattering tensor
+by tensor; a smaller `GradSync(bucket_bytes=...)` trades collectives back for memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from xtrain.lowering import collectives
+from xtrain.lowering.sharded import Axes
+from xtrain.lowering.collectives import vma
+from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.grad_transforms import GradTransforms
+from xtrain.lowering.gradient_sync import buckets
+from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.plan import Spec, axes_of
+
+
+def _rows(x, dim: int, n: int):
+    """x cut into n blocks along `dim`, as (n, block size): row d is block d, flattened."""
+    x = x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:])
+    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
+
+
+def _unrows(rows, dim: int, block_shape: tuple[int, ...]):
+    """Inverse of `_rows`: (n, block size) -> the whole tensor, the n blocks joined along `dim`."""
+    n = rows.shape[0]
+    x = jnp.moveaxis(rows.reshape((n,) + block_shape), 0, dim)
+    return x.reshape(block_shape[:dim] + (n * block_shape[dim],) + block_shape[dim + 1:])
+
+
+def _split_columns(flat, sizes: list[int]) -> list:
+    out, offset = [], 0
+    for size in sizes:
+        out.append(flat[..., offset:offset + size])
+        offset += size
+    return out
+
+
+def _split_dim(param_spec: Spec, opt_spec: Spec, data_axes) -> int | None:
+    """The dimension the optimizer state is split on beyond the parameter's own split."""
+    for dim, entry in enumerate(opt_spec):
+        extra = set(axes_of(entry)) - set(axes_of(param_spec[dim] if dim < len(param_spec) else None))
+        if extra & set(data_axes):
+            return dim
+    return None
+
+
+# -- ZeRO-1/2: the sharded update -----------------------------------------------------------------
+class Update:
+    """Applies the optax transformation to local shards for a ZeRO stage (every stage: stages
+    0 and 3 update the local parameter, whole or already a shard, in place)."""
+
+    def __init__(self, sizes: Mapping[str, int], data_axes: tuple[str, ...], param_specs: Mapping[str, Spec],
+                 optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation,
+                 grad_tx: GradTransforms = GradTransforms(), bucket_bytes: int | None = 25 * 2**20):
+        self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
+        self.bucket_bytes = bucket_bytes
+        self.n = math.prod(sizes[a] for a in data_axes)
+        self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
+        self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
+                     for n in param_specs}
+
+    @classmethod
+    def of_layout(cls, layout: StateLayout, tx: optax.GradientTransformation, grad_tx: GradTransforms,
+                  bucket_bytes: int | None) -> "Update":
+        """The update of a step laid out by `layout` (per-device program)."""
+        return cls(layout.sizes, layout.batch_axes, layout.param_specs, layout.optimizer_specs, layout.zero, tx,
+                   grad_tx, bucket_bytes)
+
+    @classmethod
+    def global_view(cls, names, tx: optax.GradientTransformation, grad_tx: GradTransforms) -> "Update":
+        """The update of a global-view program (XLA's partitioner): every tensor whole, no axes."""
+        whole = {n: () for n in names}
+        return cls({}, (), whole, whole, 0, tx, grad_tx, None)
+
+    def scatters(self, name: str) -> bool:
+        return self.stage == 2 and self.dims.get(name) is not None
+
+    def _slice(self, x, dim):
+        local = x.shape[dim] // self.n
+        return lax.dynamic_slice_in_dim(x, collectives.axis_offset(self.sizes, self.data_axes) * local, local, axis=dim)
+
+    def _buckets(self, values: Mapping[str, jax.Array], whole_bytes) -> list[list[str]]:
+        """Names in buckets of about `bucket_bytes` (whole-tensor bytes); one bucket holds
+        tensors of one dtype that vary over the same mesh axes."""
+        groups: dict[tuple, dict[str, int]] = {}
+        for name, v in values.items():
+            key = (v.dtype, tuple(sorted(vma(v))))
+            groups.setdefault(key, {})[name] = whole_bytes(v)
+        return [b for sizes in groups.values() for b in buckets(sizes, self.bucket_bytes)]
+
+    def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
+        """Each gradient summed over the data axes, this device keeping its block (ZeRO-2)."""
+        out = {}
+        for index, bucket in enumerate(self._buckets(grads, lambda g: g.size * g.dtype.itemsize)):
+            with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
+                rows = [_rows(grads[n], split[n], self.n) for n in bucket]
+                mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
+                for n, block in zip(bucket, _split_columns(mine, [r.shape[1] for r in rows])):
+                    shape = list(grads[n].shape)
+                    shape[split[n]] //= self.n
+                    out[n] = block.reshape(shape)
+        return out
+
+    def _all_gather(self, shards: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
+        """Every device's block of each updated parameter, joined: the whole parameter."""
+        out = {}
+        for index, bucket in enumerate(self._buckets(shards, lambda v: v.size * v.dtype.itemsize * self.n)):
+            with jax.named_scope(f"xtrain.zero.all_gather.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
+                flat = jnp.concatenate([shards[n].ravel() for n in bucket])
+                rows = collectives.all_gather(flat, self.data_axes, 0, tiled=False, invariant=True)  # (n, bucket)
+                for n, block in zip(bucket, _split_columns(rows, [shards[n].size for n in bucket])):
+                    out[n] = _unrows(block, split[n], shards[n].shape)
+        return out
+
+    def _split_axes(self, split: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+        """Mesh axes each (local) gradient is split over: its parameter's own, plus the data
+        axes where the optimizer works on a slice (ZeRO-1/2)."""
+        return {n: axes + (self.data_axes if n in split else ()) for n, axes in self.param_axes.items()}
+
+    def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
+        """(new parameters, new optimizer state, global gradient norm or None) from
+        synchronised (or, ZeRO-2, raw) gradients; `lrs` per param group, `scale` fp16's."""
+        split = {n: d for n, d in self.dims.items() if d is not None and n in params}
+        shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
+        if self.stage == 2:  # last layers' gradients first, as the backward pass makes them
+            scattered = self._reduce_scatter({n: grads[n] for n in reversed(list(grads)) if n in split}, split)
+        else:
+            scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
+        shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
+        shard_g, norm = self.grad_tx.before_update(shard_g, self._split_axes(split), scale)
+        updates, opt_state = self.tx.update(shard_g, opt_state, shard_p)
+        new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
+        gathered = self._all_gather({n: v for n, v in new.items() if n in split}, split)
+        return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm
+
+
+# -- ZeRO-3: gathering parameter shards ---------------------------------------------------------
+class RegatherPolicy:
+    """jax.checkpoint policy of ZeRO-3's re-gather: keep every value but the all-gathers over
+    the batch axes (ZeRO-3's gathered parameters: activations are never gathered over them),
+    which the backward pass then gathers again; nothing else is recomputed.
+
+    A layer scan gathers each layer's shards as one flat buffer (`gather_flat`) and cuts it
+    back into tensors; the ops of that unpacking must not be saved either (their outputs are
+    the gathered weights). A policy sees an operation and its operands' types, not where the
+    operands come from, so `gather_flat` records the (shape, dtype) of every operand it
+    unpacks in `unpacking`, and reshapes, transposes, splits and concatenations of such
+    operands are recomputed. An activation of the same type is then recomputed from its own
+    saved input: the same bytes kept, never a wrong value."""
+
+    _UNPACK_OPS = frozenset({"reshape", "transpose", "split", "concatenate"})
+
+    def __init__(self, batch_axes: Axes):
+        self.batch_axes = tuple(batch_axes)
+        self.unpacking: set[tuple] = set()
+
+    def record(self, *values) -> None:
+        self.unpacking.update((tuple(v.shape), str(v.dtype)) for v in values)
+
+    def __call__(self, prim, *avals, **params) -> bool:
+        name = str(prim)
+        if name == "all_gather":
+            axes = params["axis_name"]
+            return not set(axes if isinstance(axes, tuple) else (axes,)) <= set(self.batch_axes)
+        if name in self._UNPACK_OPS and avals:
+            return (tuple(avals[0].shape), str(avals[0].dtype)) not in self.unpacking
+        return True
+
+
+def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
+    """(dim, batch axes) of a ZeRO-3 parameter shard whose batch axes can be gathered alone
+    (the minor axes of its dim), else None."""
+    if not x.zero:
+        return None
+    for dim, have in enumerate(x.layout.dims):
+        axes = tuple(a for a in have if a in x.zero)
+        if axes:
+            return (dim, axes) if have[len(have) - len(axes):] == axes else None
+    return None
+
+
+def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False) -> list[Sharded]:
+    """ZeRO-3 in repeated blocks: gathers one layer's parameter shards over the batch axes with
+    one all-gather (FSDP's flat parameter) per group of shards that share dtype, batch axes and
+    varying axes, then cuts the result back into tensors. Its transpose is one reduce-scatter
+    of the layer's gradients. Parameters that are not ZeRO-3 shards pass through.
+    `vectors_apart`: 1-D parameters (norm weights, biases) form groups of their own."""
+    out, groups = list(params), {}
+    for index, x in enumerate(params):
+        found = _zero3_dim(ctx, x)
+        if found is not None:
+            key = (found[1], str(x.dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)
+            groups.setdefault(key, []).append((index, found[0]))
+    for (axes, _, _, _), members in groups.items():
+        values = _gather_flat(ctx, [params[i].value for i, _ in members], [d for _, d in members], axes)
+        for (index, dim), value in zip(members, values):
+            x = params[index]
+            dims = list(x.layout.dims)
+            dims[dim] = dims[dim][: len(dims[dim]) - len(axes)]
+            out[index] = dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+    return out
+
+
+def _gather_flat(ctx: Context, shards: list, dims: list[int], axes: Axes) -> list:
+    if len(shards) == 1:
+        return [collectives.all_gather(shards[0], axes, dims[0])]
+    n = math.prod(ctx.sizes[a] for a in axes)
+    record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
+    flat = [s.reshape(-1) for s in shards]
+    record(*shards, *flat)
+    whole = collectives.all_gather(jnp.concatenate(flat), axes, 0, tiled=False)  # (n, sum of sizes): device-major
+    record(whole)
+    out = []
+    for shard, dim, piece in zip(shards, dims, lax.split(whole, [s.size for s in shards], axis=1)):
+        blocks = piece.reshape((n,) + shard.shape)
+        moved = jnp.moveaxis(blocks, 0, dim)  # device index next to the local rows of `dim`
+        record(piece, blocks, moved)
+        out.append(moved.reshape(shard.shape[:dim] + (n * shard.shape[dim],) + shard.shape[dim + 1:]))
+    return out

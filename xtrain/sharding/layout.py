@@ -1,0 +1,191 @@
+"""Layout resolution: from a plan, the mesh's axis sizes and the parameters' shapes to where every
+tensor of the training state lives. The training step, the cost model (on an abstract mesh),
+checkpoints and the report all read this one result; nothing re-derives it.
+
+    batch       the batch spec: the plan's, else the mesh's data axis
+    parameters  each parameter's spec: the plan's rules, then ZeRO-3's split over the data axes
+    optimizer   ZeRO-1/2's split of the optimizer state over the data axes
+    gradients   what the update consumes: ZeRO-2's shards, else the parameters' layout
+    storage     block parameters stored stacked, (L, ...) per block position, for the layer
+                scan (`resolve`); for a pipeline, each stage's layers on that stage, once the
+                stage partition is known from the traced graph (`place_stages`)
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Hashable, Iterable, Mapping
+
+from xtrain.ir.stacked import Stacking, family
+from xtrain.sharding import zero
+from xtrain.sharding.mesh import DATA
+from xtrain.sharding.plan import Plan, Spec, axes_of
+
+UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (why: scan_layers_for)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StateLayout:
+    """Where the training state lives for one plan on one mesh.
+
+    Attributes:
+        sizes: mesh axis sizes, in mesh order.
+        batch_spec: spec of the leading dimensions of every batch argument.
+        zero: the plan's ZeRO stage.
+        layer_specs, layer_optimizer_specs: per parameter under its own (per-layer) name: the
+            spec of the parameter (ZeRO-3 included) and of its optimizer state (ZeRO-1/2).
+        stacking: which per-layer parameters are stored as one stacked array.
+        param_specs, optimizer_specs: the same specs under the stored names.
+        optimized: stored names of the parameters the optimizer updates (the rest are frozen).
+        zero_whole: parameters ZeRO leaves whole (no dimension the data size divides).
+        scan_layers: the repeated blocks run as one layer scan (else one after another).
+        stage_starts: a placed pipeline's first layer of each virtual stage; None before.
+        agreement: per-layer name -> the decisions that must agree for layers to share one
+            stored array (shape, dtype, trainability, param group, specs).
+    """
+
+    sizes: Mapping[str, int]
+    batch_spec: Spec
+    zero: int
+    layer_specs: Mapping[str, Spec]
+    layer_optimizer_specs: Mapping[str, Spec]
+    stacking: Stacking
+    param_specs: Mapping[str, Spec]
+    optimizer_specs: Mapping[str, Spec]
+    optimized: frozenset[str]
+    zero_whole: tuple[str, ...] = ()
+    scan_layers: bool = True
+    stage_starts: tuple[int, ...] | None = None
+    agreement: Mapping[str, Hashable] = dataclasses.field(default_factory=dict)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (data parallel), major first."""
+        return tuple(a for e in self.batch_spec for a in axes_of(e))
+
+    @property
+    def grad_specs(self) -> dict[str, Spec]:
+        """Layout of the gradients the update consumes: ZeRO-2 reduces them straight to the
+        optimizer-state shards."""
+        return dict(self.optimizer_specs if self.zero == 2 else self.param_specs)
+
+    def split_axes(self, name: str) -> tuple[str, ...]:
+        """The mesh axes stored parameter `name` is split over."""
+        return tuple(a for e in self.param_specs[name] for a in axes_of(e))
+
+    def grad_axes(self, name: str) -> tuple[str, ...]:
+        """The batch axes the gradient of `name` is summed over (those it is not split over)."""
+        return tuple(a for a in self.batch_axes if a not in self.split_axes(name))
+
+    def zero_axes(self, name: str) -> tuple[str, ...]:
+        """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use."""
+        return tuple(a for a in self.split_axes(name) if a in self.batch_axes)
+
+    def replicated(self) -> list[str]:
+        """Stored parameters whole on every device."""
+        return [n for n, s in self.param_specs.items() if not any(s)]
+
+
+def batch_spec(plan: Plan, sizes: Mapping[str, int]) -> Spec:
+    """The plan's batch spec, validated against the mesh; by default the mesh's `data` axis
+    (none on a mesh without one: every device then computes the whole batch)."""
+    if plan.batch is not None:
+        plan.check_batch(sizes)
+        return tuple(plan.batch)
+    return (DATA,) if DATA in sizes else ()
+
+
+def depth(names: Iterable[str]) -> int:
+    """Layers of the deepest numbered family in `names` (blocks.0.*, blocks.1.*, ...); 0 if none."""
+    layers: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        if (fam := family(name)) is not None:
+            layers[fam[0]].add(fam[1])
+    return max((len(v) for v in layers.values()), default=0)
+
+
+def scan_layers_for(setting: bool | str, names: Iterable[str], platform: str, local_devices: int) -> bool:
+    """compile(scan_layers=...) resolved: True/False as given; "auto" unrolls a model of at most
+    UNROLL_MAX_LAYERS layers and scans deeper ones, except on a host emulating several CPU
+    devices in one process, which scans. Unrolled blocks have no stacked residuals to write and
+    read back and let each gradient bucket leave early; the scan keeps compile time flat in depth.
+    The measurements behind the rule: benchmarks/results/scan_layers.md."""
+    if setting != "auto":
+        return bool(setting)
+    if platform == "cpu" and local_devices > 1:
+        return True
+    return depth(names) > UNROLL_MAX_LAYERS
+
+
+def _agreement(shapes: Mapping, layer_specs, optimizer_specs, optimized, lr_groups) -> dict[str, Hashable]:
+    return {n: (tuple(s.shape), str(s.dtype), n in optimized, (lr_groups or {}).get(n), tuple(layer_specs[n]),
+                tuple(optimizer_specs[n])) for n, s in shapes.items()}
+
+
+def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized: Iterable[str],
+            lr_groups: Mapping[str, int] | None, scan_layers: bool) -> StateLayout:
+    """The state layout of `plan` on a mesh of axis `sizes`.
+
+    Args:
+        shapes: every parameter's global shape and dtype (jax.ShapeDtypeStruct), per layer.
+        optimized: the parameters the optimizer updates.
+        lr_groups: the torch param group of each optimized parameter; None for an optax
+            transformation given by the user, whose parameters are never stored stacked (it may
+            depend on the parameter tree's structure; JAX code scans its own stacked parameters).
+        scan_layers: the repeated blocks run as one layer scan, which reads block parameters
+            stored stacked. A pipeline stores them per layer until `place_stages`.
+    """
+    sizes, optimized = dict(sizes), frozenset(optimized)
+    spec = batch_spec(plan, sizes)
+    data_axes = tuple(a for e in spec for a in axes_of(e))
+    dims = {n: tuple(s.shape) for n, s in shapes.items()}
+    params, optimizer, whole = zero.specs_for_stage(dims, plan.param_specs(dims, sizes), sizes, data_axes, plan.zero)
+    agreement = _agreement(shapes, params, optimizer, optimized, lr_groups)
+    stack = scan_layers and plan.pipeline is None and lr_groups is not None
+    stacking = Stacking.find(shapes, agreement.get) if stack else Stacking({})
+    return StateLayout(sizes=sizes, batch_spec=spec, zero=plan.zero, layer_specs=params,
+                       layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
+                       optimizer_specs=stacking.stack_specs(optimizer),
+                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
+                       scan_layers=scan_layers, agreement=agreement)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePlacement:
+    """Which layers each pipeline stage runs, as the lowering found them in the traced graph.
+
+    Attributes:
+        layer_params: per layer, its parameters in block order (position k is the same tensor
+            of every layer).
+        read_outside: block parameters the graph also reads outside the blocks (tied weights).
+        rows: the layer each stored row holds, stage 0's layers first (None: a padding row).
+        starts: the first layer of each virtual stage.
+        axis: the pipeline's mesh axis, which the rows are split over.
+    """
+
+    layer_params: tuple[tuple[str, ...], ...]
+    read_outside: frozenset[str]
+    rows: tuple[int | None, ...]
+    starts: tuple[int, ...]
+    axis: str
+
+
+def place_stages(layout: StateLayout, placement: StagePlacement) -> StateLayout:
+    """`layout` with each block parameter position stored as one array whose rows are the
+    layers of stage 0, then stage 1, ..., rows split over the pipeline axis: a stage stores,
+    updates and checkpoints only its own layers. Positions whose layers disagree (spec,
+    optimizer group, trainability) or that the graph also reads outside the blocks stay per
+    layer, whole on every stage."""
+    groups = {}
+    for members in zip(*placement.layer_params):
+        fams = [family(m) for m in members]
+        if any(f is None or f != (fams[0][0], k) for k, f in enumerate(fams)):
+            continue
+        if set(members) & placement.read_outside or len({layout.agreement[m] for m in members}) > 1:
+            continue
+        groups[fams[0][0]] = tuple(members)
+    stacking = Stacking(groups, {n: placement.rows for n in groups}, placement.axis)
+    per_layer = layout.stacking.member_names(layout.optimized)
+    return dataclasses.replace(layout, stacking=stacking, param_specs=stacking.stack_specs(layout.layer_specs),
+                               optimizer_specs=stacking.stack_specs(layout.layer_optimizer_specs),
+                               optimized=frozenset(stacking.stored_names(per_layer)), stage_starts=placement.starts)
