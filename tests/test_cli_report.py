@@ -19,3 +19,14 @@ def test_report_prints_the_step_report_without_training():
     assert "wire bytes per axis: data:" in out.stdout
     assert "training state per device (bytes): parameters=" in out.stdout
     assert "done:" not in out.stdout  # no training ran
+
+
+def test_report_of_a_script_that_never_steps_is_an_error(tmp_path):
+    script = tmp_path / "no_step.py"
+    script.write_text("print('no training step here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               XTRAIN_CACHE_DIR="off")
+    out = subprocess.run([sys.executable, "-m", "xtrain.cli", "report", str(script)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "no_step.py finished without calling a compiled training step, so there is no report" in out.stderr

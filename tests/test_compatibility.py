@@ -51,7 +51,9 @@ def test_a_checkpoint_of_the_earlier_format_loads_and_resumes(saved, layout):
 
 PUBLIC = {
     "xtrain": ["compile", "init", "Mesh", "Plan", "GradSync", "Precision", "LossScale", "shard", "plans",
-               "checkpoint", "observe", "Loader", "ShardedLoader", "Buckets", "Monitor"],
+               "checkpoint", "observe", "Loader", "ShardedLoader", "Buckets", "Monitor", "optim", "Remat",
+               "TrainStep"],
+    "xtrain.hooks": ["intercept_first_step"],
     "xtrain.plans": ["ddp", "fsdp", "zero", "hybrid", "megatron", "assert_sharded", "largest_replicated"],
     "xtrain.checkpoint": ["CheckpointError", "CheckpointManager", "CheckpointOptions", "SaveHandle",
                           "check_complete", "export", "load_sharded", "meta_params", "read_manifest", "restore",

@@ -1,5 +1,6 @@
 """Cost model: FLOPs (exact on known programs, the dense-transformer formula, XLA's cost
 analysis), plan search (fit marking, picks), plan="auto" and Plan(remat=True) parity, `xtrain plan`."""
+import copy
 import functools
 import os
 import subprocess
@@ -20,7 +21,7 @@ from xtrain.ir import flops
 from xtrain.cost.program import abstract_step
 from xtrain.testing import assert_parity, run_parity
 
-from models import GPT
+from models import GPT, MLP, mlp_batches
 from test_zero import adamw, gpt_case  # one GPT case and torch reference, shared
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,6 +223,33 @@ def test_plan_auto_trains_with_parity():
     model, batches, reference = gpt_case()
     result = run_parity(model, adamw, batches, xtrain.Mesh(data=-1), plan="auto", reference=reference)
     assert_parity(result)
+
+
+def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
+    """Resume is the normal restart path: before plan='auto' has picked its plan (at the first
+    step), load() checks the checkpoint and returns its extra, step_count is the checkpoint's,
+    state_dict() is refused (the restored state does not exist yet) and the mesh is unknown; the
+    first step restores the checkpoint onto the picked plan and trains on from it."""
+    batches = mlp_batches(n=4)
+    torch.manual_seed(0)
+    model = MLP()
+    first = copy.deepcopy(model)
+    saver = xtrain.compile(first, xtrain.Mesh(data=8), optimizer=adamw(first.parameters()))
+    [saver(*b) for b in batches[:2]]
+    saver.save(tmp_path / "ckpt", extra={"next": 2})
+    continued = [saver(*b)["loss"] for b in batches[2:]]
+    fresh = copy.deepcopy(model)
+    step = xtrain.compile(fresh, optimizer=adamw(fresh.parameters()), plan="auto")
+    initial = step.state_dict()  # nothing loaded yet: the model's initial state
+    assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    assert step.load(tmp_path / "ckpt") == {"next": 2} and step.step_count == 2
+    with pytest.raises(RuntimeError, match=r"plan='auto' chooses the plan .* before state_dict\(\) of the checkpoint"):
+        step.state_dict()
+    with pytest.raises(RuntimeError, match=r"plan='auto' chooses the plan .* before \.mesh"):
+        step.mesh
+    resumed = [step(*b)["loss"] for b in batches[2:]]
+    assert resumed == pytest.approx(continued, rel=1e-5) and step.step_count == 4
+    assert step.search.best is not None and step.mesh.size == 8
 
 
 def test_plan_auto_needs_a_first_step_and_rejects_other_strings():

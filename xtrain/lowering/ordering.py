@@ -32,12 +32,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import api_util, core, source_info_util
+from jax._src import api_util, core
 from jax._src import linear_util as lu
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
+
+from xtrain.ir import walk
 
 # Primitives that communicate (jax 0.10 names, async start/done halves included).
 COLLECTIVES = frozenset({
@@ -95,20 +97,6 @@ def _communicates(jaxpr) -> bool:
                for e in jaxpr.eqns)
 
 
-def _inner(eqn):
-    """(jaxpr, consts) of an inlinable call equation."""
-    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return (body.jaxpr, body.consts) if isinstance(body, core.ClosedJaxpr) else (body, ())
-
-
-def _bind(eqn, invals, params=None):
-    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _tie(invals: list, last) -> list:
     """`invals` with the first orderable one computed after `last`."""
     for i, v in enumerate(invals):
@@ -120,26 +108,24 @@ def _tie(invals: list, last) -> list:
 def _sequenced(jaxpr, consts, args, last):
     """Evaluates `jaxpr`, each communicating equation tied to the previous one's result.
     Returns (outputs, the last communicating equation's result or the incoming `last`)."""
-    env: dict = {}
-    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    state = [last]
+
+    def bind(eqn, invals, path):
         name = str(eqn.primitive)
-        subs = list(core.jaxprs_in_params(eqn.params))
-        if name in _INLINE and _communicates(_inner(eqn)[0]):
+        if name in _INLINE and _communicates(walk.call_body(eqn)[0]):
             if name in ("remat2", "checkpoint") and eqn.params.get("differentiated"):
                 invals = _barrier(invals, eqn.params.get("prevent_cse", True))
-            body, body_consts = _inner(eqn)
-            outs, last = _sequenced(body, body_consts, invals, last)
-        elif name in COLLECTIVES or any(_communicates(s) for s in subs):
-            outs = _bind(eqn, invals if last is None else _tie(invals, last), _sequenced_bodies(eqn.params))
-            last = next((o for o in outs if _orderable(o)), last)
-        else:
-            outs = _bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars], last
+            body, body_consts = walk.call_body(eqn)
+            outs, state[0] = _sequenced(body, body_consts, invals, state[0])
+            return outs
+        if name in COLLECTIVES or any(map(_communicates, core.jaxprs_in_params(eqn.params))):
+            outs = walk.bind_eqn(eqn, invals if state[0] is None else _tie(invals, state[0]),
+                                 _sequenced_bodies(eqn.params))
+            state[0] = next((o for o in outs if _orderable(o)), state[0])
+            return outs
+        return walk.bind_eqn(eqn, invals)
+
+    return walk.evaluate(jaxpr, consts, args, bind), state[0]
 
 
 _LOOPS = frozenset({"scan", "while", "cond"})  # started asynchronously by XLA:CPU

@@ -22,6 +22,9 @@ from xtrain.sharding.mesh import DATA
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
 UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (why: scan_layers_for)
+# Mesh axes with data meaning: by default the batch is split over those the mesh has, in mesh
+# order (model axes, such as `tensor` and `pipe`, never split it).
+BATCH_AXES = (DATA,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,12 +90,14 @@ class StateLayout:
 
 
 def batch_spec(plan: Plan, sizes: Mapping[str, int]) -> Spec:
-    """The plan's batch spec, validated against the mesh; by default the mesh's `data` axis
-    (none on a mesh without one: every device then computes the whole batch)."""
+    """The plan's batch spec, validated against the mesh; by default the mesh's axes with data
+    meaning (BATCH_AXES), major first; none on a mesh without one (every device then computes
+    the whole batch)."""
     if plan.batch is not None:
         plan.check_batch(sizes)
         return tuple(plan.batch)
-    return (DATA,) if DATA in sizes else ()
+    axes = tuple(a for a in sizes if a in BATCH_AXES)
+    return (axes[0] if len(axes) == 1 else axes,) if axes else ()
 
 
 def depth(names: Iterable[str]) -> int:
