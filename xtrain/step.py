@@ -25,7 +25,7 @@ from xtrain.frontend import tensors
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
 from xtrain.ir.tree import rebuild
-from xtrain.lowering import accumulation, nan_check, precision
+from xtrain.lowering import accumulation, nan_check, platforms, precision
 from xtrain.lowering import state as state_mod
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.gradient_sync import GradSync
@@ -372,6 +372,19 @@ class TrainStep:
         shapes = self._shapes(batch)
         program = self._program if remat == "plan" else self._lower(self.layout, remat)
         return program.train.lower(self.state, shapes, self._lrs()).compile()
+
+    def lower(self, *batch: Any, platform: str | None = None):
+        """The training step lowered for `platform` (jax `Lowered`), for `batch`'s shapes or the
+        last batch, without that platform's devices: the program XLA would receive there,
+        before its own passes (`.as_text()` StableHLO, `.as_text(dialect="hlo")` HLO).
+
+        Args:
+            platform: "cuda", "neuron" (needs the Neuron JAX plugin installed), "cpu", or None
+                for the devices the step runs on.
+        """
+        shapes = self._shapes(batch)
+        traced = self._program.train.trace(self.state, shapes, self._lrs())
+        return traced.lower(lowering_platforms=platforms.lowering_platforms(platform))
 
     def report(self, *batch: Any):
         """Collectives and per-device memory of the compiled training step, for `batch`'s
