@@ -57,9 +57,7 @@ class CompileOptions:
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
 
 
 def host_batch(batch: tuple) -> tuple:
@@ -363,8 +361,7 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        shapes = self._shapes(batch)
-        return jax.make_jaxpr(self._program.train)(self.state, shapes, self._lrs())
+        return jax.make_jaxpr(self._program.train)(self.state, self._shapes(batch), self._lrs())
 
     def compiled(self, *batch: Any, remat="plan"):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
@@ -374,16 +371,10 @@ class TrainStep:
         return program.train.lower(self.state, shapes, self._lrs()).compile()
 
     def lower(self, *batch: Any, platform: str | None = None):
-        """The training step lowered for `platform` (jax `Lowered`), for `batch`'s shapes or the
-        last batch, without that platform's devices: the program XLA would receive there,
-        before its own passes (`.as_text()` StableHLO, `.as_text(dialect="hlo")` HLO).
-
-        Args:
-            platform: "cuda", "neuron" (needs the Neuron JAX plugin installed), "cpu", or None
-                for the devices the step runs on.
-        """
-        shapes = self._shapes(batch)
-        traced = self._program.train.trace(self.state, shapes, self._lrs())
+        """The training step (jax `Lowered`) for `platform` ("cuda", "neuron", "cpu"; None: these
+        devices) without its devices, for `batch`'s shapes or the last batch: what XLA receives
+        there before its own passes (xtrain.lowering.platforms). `.as_text(dialect="hlo")`: HLO."""
+        traced = self._program.train.trace(self.state, self._shapes(batch), self._lrs())
         return traced.lower(lowering_platforms=platforms.lowering_platforms(platform))
 
     def report(self, *batch: Any):
