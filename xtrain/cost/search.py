@@ -31,16 +31,13 @@ saves memory (remat, 1F1B) is lowered only when its plain form does not fit.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import re
 from typing import Sequence
 
-import numpy as np
-
-from neuron_support import conformance, topology
+from neuron_support import topology
 from xtrain.ir import flops as flops_mod
 from xtrain.cost import model as cost_model
+from xtrain.cost import placement
 from xtrain.cost import program as program_mod
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
@@ -293,48 +290,6 @@ def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
     return ""
 
 
-def neuron_target(profile: HardwareProfile) -> conformance.Target | None:
-    """The Neuron conformance target of a Trainium profile (None for GPUs and CPUs)."""
-    kind = topology.INSTANCES.get(profile.name.split("[")[0])
-    return conformance.Target.for_instance(kind.name) if kind and kind.backend is topology.Backend.NEURON else None
-
-
-def _errors(hlo: str, target: conformance.Target, device_ids: list[int] | None = None) -> list[conformance.Finding]:
-    found = conformance.check(hlo, target, device_ids=device_ids)
-    return [f for f in found if f.severity is conformance.Severity.ERROR]
-
-
-def _device_ids(lowered: dict[str, int], placed: dict[str, int]) -> list[int]:
-    """Where each device of a program lowered over mesh `lowered` sits when the same axes are
-    laid out in the order of `placed` (ids row-major over the axes in order)."""
-    coords = dict(zip(lowered, np.unravel_index(np.arange(math.prod(lowered.values())), tuple(lowered.values()))))
-    return np.ravel_multi_index([coords[a] for a in placed], tuple(placed.values())).tolist()
-
-
-def conforming_orders(candidate: Candidate, hlo: str, target: conformance.Target) -> tuple[list[Candidate], list]:
-    """The candidate in every mesh-axis order whose program `target` accepts (the program
-    lowered for `candidate.mesh`, its devices renumbered: the per-device program is the same
-    in every order), given order first; and the findings of the given order."""
-    errors = _errors(hlo, target)
-    passing = [] if errors else [candidate]
-    for order in itertools.permutations(candidate.mesh):
-        moved = dataclasses.replace(candidate, order=order)
-        if list(moved.mesh) != list(candidate.mesh) and not _errors(hlo, target, _device_ids(candidate.mesh, moved.mesh)):
-            passing.append(moved)
-    return passing, errors
-
-
-def _shorter(text: str) -> str:
-    """`text` with long device lists cut to their first ids."""
-    return re.sub(r"\[((?:\d+, ){5}\d+)(?:, \d+)+\]", r"[\1, ...]", text)
-
-
-def _rejection(target: conformance.Target, errors: list) -> str:
-    first = errors[0]
-    problem = first.message.split(";")[0].split(" (pairs")[0]
-    return f"{target.name} rejects it in every mesh-axis order: {first.rule}: {_shorter(problem)}"
-
-
 def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch: tuple, profile: HardwareProfile,
              *, regather: bool = True, layers: int | None = None, model_flops: float | None = None) -> Row:
     """Lowers `candidate` for an abstract mesh and predicts it on `profile`. On Trainium the
@@ -348,7 +303,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     reason = _refusal(candidate, batch[0].shape[0], layers)
     if reason:
         return Row(candidate=candidate, reason=reason)
-    target = neuron_target(profile)
+    target = placement.neuron_target(profile)
     try:
         plan = candidate.plan(structure)
         traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
@@ -358,13 +313,13 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     idle = traced.bubble if candidate.pipe > 1 else None
     cost = step_cost(traced, candidate.mesh, _tokens(batch), model.module_paths(),
                      cost_model.Pipeline(stages=candidate.pipe, microbatches=candidate.microbatches, idle=idle))
-    placed, errors = conforming_orders(candidate, traced.hlo, target) if target else ([candidate], [])
+    placed, errors = placement.conforming_orders(candidate, traced.hlo, target) if target else ([candidate], [])
     # the order only moves collectives between links: the fastest order that the target accepts
     options = [(c, dataclasses.replace(cost, mesh=c.mesh)) for c in placed or [candidate]]
     predicted = [(cost_model.predict(k, profile, model_flops=model_flops), c, k) for c, k in options]
     prediction, candidate, cost = min(predicted, key=lambda p: p[0].step_s)
     reason = "" if prediction.fits else f"needs {_bytes(prediction.memory_bytes)} > {_bytes(profile.hbm_bytes)}"
-    reason = _rejection(target, errors) if not placed else reason
+    reason = placement.rejection(target, errors) if not placed else reason
     return Row(candidate=candidate, prediction=prediction, cost=cost, reason=reason,
                findings=tuple(str(f) for f in errors) if not placed else ())
 
