@@ -34,6 +34,7 @@ from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline.program import placement
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import StepConfig, StepProgram
+from xtrain.runtime import devices as runtime_devices
 from xtrain.sharding import layout as layout_mod
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.mesh import Mesh
@@ -83,6 +84,7 @@ class TrainStep:
 
     # -- building --------------------------------------------------------------------------
     def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
+        runtime_devices.check_plan_precision(plan.precision.compute.value)  # Neuron reads its flags at start
         self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
