@@ -69,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--tensor", type=int, default=None, help="tensor-parallel degree of the tp row (default: "
                    "min(devices, 8))")
+    p.add_argument("--runs", default="", help="comma-separated rows to run, e.g. 'xtrain fsdp,jax.jit' (default: all)")
     p.add_argument("--out", default=str(RESULTS), help="directory for the table and JSON ('' = none)")
     return p.parse_args(argv)
 
@@ -217,7 +218,10 @@ def main(argv=None) -> list[dict]:
     peak = peak_flops(kind, "bf16")
     data = batches(shape, args.steps + 2)
     rows = []
+    wanted = {r.strip() for r in args.runs.split(",") if r.strip()}
     for name, run in runs(shape, devices, args.tensor or min(devices, 8)):
+        if wanted and name not in wanted:
+            continue
         rows.append(row(name, run(data), shape, devices, peak))
         print(json.dumps(rows[-1]), flush=True)
     title = describe(shape, devices, kind, sum(p.numel() for p in llama(shape).parameters()))

@@ -192,13 +192,9 @@ class TrainStep:
             return Mesh(data=1).build(jax.local_devices()[:1])
         self._require_built(".mesh")
 
-    @property
-    def batch_spec(self):
-        return self.layout.batch_spec if self._built else ("data",)
+    batch_spec = property(lambda self: self.layout.batch_spec if self._built else ("data",))
 
-    @property
-    def lowering(self) -> str:
-        return self.options.lowering
+    lowering = property(lambda self: self.options.lowering)
 
     @property
     def param_specs(self) -> dict:
@@ -363,7 +359,8 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        return jax.make_jaxpr(self._program.train)(self.state, self._shapes(batch), self._lrs())
+        shapes = self._shapes(batch)  # first: a pipeline places its stages (new state and program)
+        return jax.make_jaxpr(self._program.train)(self.state, shapes, self._lrs())
 
     def compiled(self, *batch: Any, remat="plan"):
         """The XLA-compiled training step (jax `Compiled`) for `batch`'s shapes, or for the
@@ -376,7 +373,8 @@ class TrainStep:
         """The training step (jax `Lowered`) for `platform` ("cuda", "neuron", "cpu"; None: these
         devices) without its devices, for `batch`'s shapes or the last batch: what XLA receives
         there before its own passes (xtrain.lowering.platforms). `.as_text(dialect="hlo")`: HLO."""
-        traced = self._program.train.trace(self.state, self._shapes(batch), self._lrs())
+        shapes = self._shapes(batch)  # first: a pipeline places its stages (new state and program)
+        traced = self._program.train.trace(self.state, shapes, self._lrs())
         return traced.lower(lowering_platforms=platforms.lowering_platforms(platform))
 
     def report(self, *batch: Any):

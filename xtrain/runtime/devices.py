@@ -127,11 +127,11 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
     Returns:
         The ProcessEnv this process runs in.
     """
-    if _state["initialized"]:
-        return _state["process_env"]
     if precision not in PRECISIONS:
         raise ValueError(f"xtrain.init(precision={precision!r}): use one of {', '.join(PRECISIONS)} "
                          "(the compute precision of the plans this job runs)")
+    if _state["initialized"]:
+        return _state["process_env"]
     env = process_env() if env is None else env
     platform = backends.detect_backend()
     applied = _apply_backend_env(platform, env, precision)
