@@ -23,6 +23,7 @@ import torch
 import program_text
 import xtrain
 from models import GPT, SequenceParallelGPT, token_batches
+from neuron_support import conformance
 from xtrain import explain, plans
 from xtrain.lowering import zero
 
@@ -195,9 +196,17 @@ def test_zero2_without_its_reduce_scatter_fails_the_checks(monkeypatch):
         assert_program_matches(broken.program_collectives(), as_counter(explain.collectives(healthy.step, *BATCH), healthy.mesh))
 
 
-def test_neuron_lowering_runs_without_the_plugin_and_platform_errors():
-    low = lowered("dp")
+@pytest.mark.parametrize("family", ["dp", "megatron", "gpipe"])
+def test_the_neuron_program_has_the_same_collectives_and_fits_a_trn1_node(family):
+    low = lowered(family)
     text = low.step.lower(*BATCH, platform="neuron").as_text(dialect="hlo")
     assert program_text.collectives(text, low.mesh) == low.program_collectives()
+    # 8 devices as 8 cores of one trn1.32xlarge: replica groups, permutes between neighbours
+    target = conformance.Target.for_instance("trn1.32xlarge", devices_per_node=8)
+    assert [f for f in conformance.check(text, target) if f.severity is conformance.Severity.ERROR] == []
+
+
+def test_platform_errors():
+    low = lowered("dp")
     with pytest.raises(ValueError, match=r"platform='tpu' is not one xtrain lowers for; use one of cpu, cuda, neuron"):
         low.step.lower(*BATCH, platform="tpu")
