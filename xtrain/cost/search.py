@@ -359,12 +359,13 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
     for c in candidate_list:
         if c.saves_memory_only:
             plain = done.get(c.plain)
+            placed = dataclasses.replace(c, order=plain.candidate.order) if plain is not None else c
             # recomputation never makes a step faster: only worth lowering when memory is short;
             # and it changes no collective, so it cannot mend a plan the target's checker rejects
             if prune_remat and plain is not None and plain.findings:
-                done[c] = Row(candidate=c, reason=SKIPPED_REJECTED)
+                done[c] = Row(candidate=placed, reason=SKIPPED_REJECTED)
             elif prune_remat and plain is not None and plain.usable:
-                done[c] = Row(candidate=c, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B)
+                done[c] = Row(candidate=placed, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B)
             else:
                 done[c] = lower(c)
     rows = [done[c] for c in candidate_list]
