@@ -11,8 +11,10 @@ Collective Communication"), the cap on distinct replica groups per program (the 
 runtime's NEC_MAX_COMM_N; 16 in older releases), and the ops and dtypes Neuron does not support
 ("JAX NeuronX" known issues: lax.cond, dynamic while loops, host callbacks, complex and fp64,
 int64 narrowed to int32). The program read is
-XLA's optimized HLO for the backend it was compiled for (CPU in emulation): CPU passes may
-merge collectives, but they neither add nor remove the ops these rules look at.
+XLA's optimized HLO for the backend it was compiled for (CPU in emulation: CPU passes may
+merge collectives, but they neither add nor remove the ops these rules look at), or the
+program lowered for Neuron without its devices (`step.lower(*batch, platform="neuron")`,
+`.as_text(dialect="hlo")`: what the Neuron compiler receives, before any pass).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import enum
 from typing import Callable, Iterable
 
 from neuron_support import topology
-from neuron_support.hlo import Instruction, Module, parse
+from neuron_support.hlo import Instruction, Module, parse, static_trip_count
 from xtrain.ir.hlo import replica_groups as replica_groups_of  # the one parser of HLO groups
 
 # Distinct replica groups one compiled program may use, by Neuron runtime. Which releases moved
@@ -107,7 +109,7 @@ def _conditional(ins, module, target):
 
 
 def _dynamic_while(ins, module, target):
-    if "known_trip_count" not in ins.args:
+    if static_trip_count(module, ins) is None:
         yield _finding("dynamic-while", ins, "while loop whose trip count is not static (lax.while_loop on "
                        "data); Neuron needs static loops: use lax.fori_loop or lax.scan with fixed bounds")
 

@@ -46,8 +46,11 @@ class Layout(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
+    """The compute precision of the training plan (xtrain's Plan(precision=...))."""
+
     FP32 = "fp32"
     BF16 = "bf16"
+    FP16 = "fp16"
 
 
 def _choice(enum_type: type[enum.Enum], name: str, value) -> enum.Enum:
@@ -103,15 +106,21 @@ def efa_env(topology: str | InstanceTopology, num_nodes: int) -> dict[str, str]:
 
 def compiler_flags(topology: str | InstanceTopology, *, optimization: int = 1,
                    precision: Precision | str = Precision.FP32, model_type: str = "transformer") -> list[str]:
-    """neuronx-cc flags. fp32 adds `--auto-cast none`: by default neuronx-cc casts fp32 matrix
-    multiplications to bf16 (Neuron docs, "Mixed Precision and Performance-accuracy Tuning
-    (neuronx-cc)"), which would break parity with fp32 training on every other backend."""
+    """neuronx-cc flags for the plan's precision (Neuron docs, "Mixed Precision and
+    Performance-accuracy Tuning (neuronx-cc)" and the neuronx-cc reference).
+
+    `--auto-cast none` under every precision: by default neuronx-cc casts fp32 matrix
+    multiplications to bf16, which would break fp32 parity with every other backend, and under
+    bf16 / fp16 the program xtrain emits is already cast by the plan's precision policy
+    (matmuls in bf16, the modules the policy keeps in fp32 left in fp32), which the compiler
+    must not override. bf16 and fp16 add `--enable-mixed-precision-accumulation`: their matmuls
+    accumulate in fp32, as they do on GPUs and in torch.autocast."""
     t = instance(topology)
     if optimization not in (1, 2, 3):
         raise ValueError(f"optimization={optimization} is not a neuronx-cc level; use 1, 2 or 3 (-O1/-O2/-O3)")
-    flags = ["--model-type", model_type, f"-O{optimization}", "--target", t.compiler_target or ""]
-    if _choice(Precision, "precision", precision) is Precision.FP32:
-        flags += ["--auto-cast", "none"]
+    flags = ["--model-type", model_type, f"-O{optimization}", "--target", t.compiler_target or "", "--auto-cast", "none"]
+    if _choice(Precision, "precision", precision) is not Precision.FP32:
+        flags.append("--enable-mixed-precision-accumulation")
     return flags
 
 
@@ -131,7 +140,8 @@ def neuron_env(process: ProcessEnv, topology: str | InstanceTopology,
         process: the launcher's view of this process (`xtrain.runtime.process_env()`).
         topology: the instance type, e.g. "trn1.32xlarge".
         layout: "process-per-node" (JAX recipe) or "process-per-core" (torchrun per core).
-        precision: "fp32" or "bf16" (bf16 enables stochastic rounding).
+        precision: the plan's compute precision, "fp32", "bf16" or "fp16" (compiler flags;
+            bf16 also enables stochastic rounding).
         optimization: neuronx-cc optimisation level (-O1, -O2, -O3).
         compile_cache: NEURON_COMPILE_CACHE_URL (a directory or s3://...); Neuron's default
             /var/tmp/neuron-compile-cache when None.

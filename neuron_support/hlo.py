@@ -1,8 +1,11 @@
 """A small reader of XLA's HLO text: computations, instructions, and where each op came from.
 
 Enough for conformance rules: opcode, result dtypes, operands, attributes as text, the
-op_name metadata (the jaxpr path, with the torch op for torchax-traced models) and the
-user's file:line from the module's stack-frame table.
+op_name metadata (the jaxpr path, with the torch op for torchax-traced models), the user's
+file:line from the module's stack-frame table, and how often a loop runs. It reads both the
+optimized HLO of a compiled program (`Compiled.as_text()`) and the HLO of a program lowered
+for another platform before XLA's passes (`Lowered.as_text(dialect="hlo")`), whose headers
+carry no signatures and whose loops carry no trip-count annotation.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import dataclasses
 import re
 
 _DTYPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+|token)\[")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)(?:\s+\(.*\)\s*->\s*.*)?\s*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,7 @@ class Instruction:
     computation: str          # the computation it belongs to
     op_name: str              # metadata op_name ("jit(train_step)/.../aten::mm/dot_general")
     location: str             # user's "file:line (function)", when the module records it
+    root: bool = False        # the computation's ROOT (its result)
 
     @property
     def dtypes(self) -> set[str]:
@@ -31,8 +35,10 @@ class Instruction:
 
     @property
     def operands(self) -> list[str]:
+        """Operand names, written `%name` (compiled HLO, maybe after a shape) or `name` (lowered)."""
         head = self.args.split(")", 1)[0]
-        return re.findall(r"%([\w.\-]+)", head)
+        names = [part.split()[-1].lstrip("%") for part in head.split(",") if part.strip()]
+        return [n for n in names if re.fullmatch(r"[A-Za-z_][\w.\-]*", n)]
 
     def attribute(self, key: str) -> str | None:
         match = re.search(rf'\b{re.escape(key)}=(?:"([^"]*)"|%?([\w.\-]+))', self.args)
@@ -56,10 +62,18 @@ class Module:
             yield from body
 
     def shape_of(self, computation: str, name: str) -> str:
+        found = self.find(computation, name)
+        return found.shape if found else ""
+
+    def find(self, computation: str, name: str) -> Instruction | None:
         for ins in self.computations.get(computation, ()):
             if ins.name == name:
-                return ins.shape
-        return ""
+                return ins
+        return None
+
+    def root(self, computation: str) -> Instruction | None:
+        body = self.computations.get(computation, [])
+        return next((ins for ins in body if ins.root), body[-1] if body else None)
 
     def called(self, computation: str) -> set[str]:
         """`computation` and every computation it calls (fusions, reducers, branches)."""
@@ -111,18 +125,18 @@ def _stack_frames(text: str) -> dict[int, str]:
 
 
 def _instruction(line: str, computation: str, frames: dict[int, str]) -> Instruction | None:
-    match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+    match = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
     if not match:
         return None
-    shape, tail = _split_shape(match.group(2))
+    shape, tail = _split_shape(match.group(3))
     op = re.match(r"([a-z][\w\-]*)\((.*)$", tail)
     if not op:
         return None
     op_name = re.search(r'op_name="([^"]*)"', line)
     frame = re.search(r"stack_frame_id=(\d+)", line)
-    return Instruction(match.group(1), shape, op.group(1), op.group(2), computation,
+    return Instruction(match.group(2), shape, op.group(1), op.group(2), computation,
                        op_name.group(1) if op_name else "",
-                       frames.get(int(frame.group(1)), "") if frame else "")
+                       frames.get(int(frame.group(1)), "") if frame else "", root=bool(match.group(1)))
 
 
 def parse(text: str) -> Module:
@@ -146,3 +160,56 @@ def parse(text: str) -> Module:
     replicas = re.search(r"replica_count=(\d+)", text)
     devices = int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
     return Module(computations, devices, entry)
+
+
+# -- loops ----------------------------------------------------------------------------------------
+def constant_value(ins: Instruction | None) -> int | None:
+    """The value of an integer scalar `constant` instruction, else None."""
+    if ins is None or ins.opcode != "constant":
+        return None
+    match = re.match(r"\s*(-?\d+)\)", ins.args)
+    return int(match.group(1)) if match else None
+
+
+def _counter(module: Module, loop: Instruction) -> tuple[int, int] | None:
+    """(tuple index, bound) of a condition `get-tuple-element(param, index=k) < constant`."""
+    root = module.root(loop.attribute("condition") or "")
+    if root is None or root.opcode != "compare" or root.attribute("direction") != "LT":
+        return None
+    counter, bound = (module.find(root.computation, n) for n in root.operands[:2])
+    if counter is None or counter.opcode != "get-tuple-element":
+        return None
+    limit = constant_value(bound)
+    return None if limit is None else (int(counter.attribute("index")), limit)
+
+
+def _steps_by_one(module: Module, loop: Instruction, index: int) -> bool:
+    """Whether the loop body's result k is its parameter's element k plus the constant 1."""
+    body = loop.attribute("body") or ""
+    root = module.root(body)
+    if root is None or root.opcode != "tuple" or len(root.operands) <= index:
+        return False
+    step = module.find(body, root.operands[index])
+    if step is None or step.opcode != "add":
+        return False
+    parts = [module.find(body, n) for n in step.operands[:2]]
+    ones = [p for p in parts if constant_value(p) == 1]
+    counters = [p for p in parts if p is not None and p.opcode == "get-tuple-element" and p.attribute("index") == str(index)]
+    return len(ones) == 1 and len(counters) == 1
+
+
+def static_trip_count(module: Module, loop: Instruction) -> int | None:
+    """Iterations of a `while` instruction when they are fixed, else None: XLA's known_trip_count
+    annotation (optimized HLO), or a counter that starts at a constant, steps by one and is
+    compared `<` with a constant (what JAX's scan and fori_loop emit, as lowered)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.args)
+    if known:
+        return int(known.group(1))
+    counter = _counter(module, loop)
+    init = module.find(loop.computation, loop.operands[0]) if loop.operands else None
+    if counter is None or init is None or init.opcode != "tuple" or len(init.operands) <= counter[0]:
+        return None
+    start = constant_value(module.find(loop.computation, init.operands[counter[0]]))
+    if start is None or not _steps_by_one(module, loop, counter[0]):
+        return None
+    return max(0, counter[1] - start)

@@ -1,7 +1,8 @@
 """What one instance holds: chips, cores, memory and links, and the mesh that follows them.
 
 Each number names its public source: the AWS EC2 instance pages (aws.amazon.com/ec2/instance-types/
-trn1/, /trn2/, /p4/, /p5/) and the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com:
+trn1/, /trn2/, /p4/, /p5/; the P5 page covers p5e and p5en, the H200 instances), the NVIDIA A100
+and H200 datasheets, and the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com:
 "Trainium Architecture", "Neuron Collective Communication"). The GPU rows exist so
 p4d/p5-shaped meshes can be emulated the same way.
 """
@@ -116,12 +117,36 @@ INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
         efa_gbit_s=400,                       # AWS P4d page: 400 Gbps EFA
     ),
     InstanceTopology(
+        name="p4de.24xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # AWS P4 page: p4de, 8 x A100 80GB
+        hbm_gib_per_chip=80,                  # AWS P4 page: 80 GB HBM2e per A100 (640 GB total)
+        hbm_gib_s_per_chip=1899,              # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s = 1899 GiB/s
+        interconnect="NVLink 3 through NVSwitch, 600 GB/s per GPU",  # AWS P4 page: as p4d
+        efa_gbit_s=400,                       # AWS P4 page: 400 Gbps EFA
+    ),
+    InstanceTopology(
         name="p5.48xlarge", backend=Backend.CUDA,
         chips=8, cores_per_chip=1,            # AWS P5 page: 8 x H100
         hbm_gib_per_chip=80,                  # AWS P5 page: 80 GB HBM3 per H100 (640 GB total)
         hbm_gib_s_per_chip=3120,              # NVIDIA H100 SXM datasheet: 3.35 TB/s = 3120 GiB/s
         interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page
         efa_gbit_s=3200,                      # AWS P5 page: 3200 Gbps EFA
+    ),
+    InstanceTopology(
+        name="p5e.48xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # AWS P5 page: p5e, 8 x H200
+        hbm_gib_per_chip=141,                 # AWS P5 page / NVIDIA H200 datasheet: 141 GB HBM3e per GPU
+        hbm_gib_s_per_chip=4470,              # NVIDIA H200 datasheet: 4.8 TB/s = 4470 GiB/s
+        interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page
+        efa_gbit_s=3200,                      # AWS P5 page: 3200 Gbps EFA
+    ),
+    InstanceTopology(
+        name="p5en.48xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # AWS P5 page: p5en, 8 x H200 (with Intel Sapphire Rapids, PCIe Gen5)
+        hbm_gib_per_chip=141,                 # AWS P5 page / NVIDIA H200 datasheet: 141 GB HBM3e per GPU
+        hbm_gib_s_per_chip=4470,              # NVIDIA H200 datasheet: 4.8 TB/s = 4470 GiB/s
+        interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page
+        efa_gbit_s=3200,                      # AWS P5 page: 3200 Gbps EFAv3
     ),
 )}
 

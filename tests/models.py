@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import xtrain
+
 
 class MLP(nn.Module):
     def __init__(self, d_in=12, hidden=32, classes=5):
@@ -86,6 +88,31 @@ class GPT(nn.Module):
         x = self.drop(self.tok(idx) + self.pos(torch.arange(t)))
         for block in self.blocks:
             x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class SequenceParallelGPT(GPT):
+    """GPT whose residual stream is annotated sequence-parallel between blocks (batch over
+    "data", sequence over "tensor": Megatron sequence parallelism under a Megatron plan).
+
+    Row-parallel projections (attn.out, mlp.2) have no bias, as Megatron-LM adds theirs
+    after the reduce-scatter: a bias added to a pending partial sum forces it to be resolved."""
+
+    def __init__(self, sequence_parallel=True, **kwargs):
+        super().__init__(**kwargs)
+        self.sequence_parallel = sequence_parallel
+        for block in self.blocks:
+            block.attn.out.register_parameter("bias", None)
+            block.mlp[2].register_parameter("bias", None)
+
+    def annotate(self, x):
+        return xtrain.shard(x, ("data", "tensor", None)) if self.sequence_parallel else x
+
+    def forward(self, idx, targets):
+        x = self.annotate(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        for block in self.blocks:
+            x = self.annotate(block(x))
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -85,12 +85,13 @@ def test_cuda_flags_are_latency_hiding_and_combining_up_to_one_gradient_bucket()
         "--xla_gpu_enable_latency_hiding_scheduler=true",
         "--xla_gpu_all_reduce_combine_threshold_bytes=26214400",
         "--xla_gpu_all_gather_combine_threshold_bytes=26214400",
-        "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400")
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400",
+        "--xla_gpu_enable_pipelined_all_gather=true")
     assert backends.default_xla_flags("neuron") == ()
     user = "--xla_gpu_all_reduce_combine_threshold_bytes=1 --xla_dump_to=/tmp/d"
     merged = backends.merge_xla_flags(user, backends.cuda_xla_flags()).split()
     assert merged[:2] == user.split() and "--xla_gpu_all_reduce_combine_threshold_bytes=26214400" not in merged
-    assert len(merged) == 5
+    assert len(merged) == 6
 
 
 def test_supported_flags_probe_once_per_jaxlib_version(tmp_path):
@@ -121,5 +122,49 @@ def test_init_on_cuda_adds_the_flags_xla_accepts_and_keeps_the_users(tmp_path):
     assert out.stdout.split() == ["--xla_gpu_all_gather_combine_threshold_bytes=7",
                                   "--xla_gpu_enable_latency_hiding_scheduler=true",
                                   "--xla_gpu_all_reduce_combine_threshold_bytes=26214400",
-                                  "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400"]
+                                  "--xla_gpu_reduce_scatter_combine_threshold_bytes=26214400",
+                                  "--xla_gpu_enable_pipelined_all_gather=true"]
     assert "jaxlib " in (tmp_path / "xla_flags.json").read_text()  # probes recorded in xtrain's cache
+
+
+TWO_NODES = ProcessEnv(num_processes=2, num_nodes=2, master_addr="10.0.0.1", coordinator="10.0.0.1:29517")
+
+
+def test_cuda_sets_libfabric_over_efa_between_instances_only():
+    efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+    assert backends.backend_env("cuda", TWO_NODES, instance="p4d.24xlarge", efa=True) == efa
+    assert backends.backend_env("cuda", TWO_NODES, instance=None, efa=False) == {}   # no EFA: sockets
+    assert backends.backend_env("cuda", ProcessEnv(), instance="p5.48xlarge", efa=True) == {}  # NVLink only
+    sysfs = {"/sys/class/infiniband/rdmap16s27": "/sys/bus/pci/drivers/efa", "/sys/class/infiniband/mlx5_0": "mlx5_core"}
+    found = lambda drivers: backends.efa_present(devices=lambda pattern: list(drivers),  # noqa: E731
+                                                 driver=lambda path: drivers[path.rsplit("/device/", 1)[0]])
+    assert found(sysfs) and not found({k: v for k, v in sysfs.items() if "mlx" in k}) and not found({})
+
+
+def test_neuron_compiler_flags_and_rounding_follow_the_plans_precision():
+    env = lambda precision: backends.backend_env("neuron", TWO_NODES, instance="trn1.32xlarge",  # noqa: E731
+                                                 precision=precision)
+    assert env("fp32")["NEURON_CC_FLAGS"].endswith("--target trn1 --auto-cast none")
+    assert "NEURON_RT_STOCHASTIC_ROUNDING_EN" not in env("fp32")
+    bf16 = env("bf16")
+    assert bf16["NEURON_CC_FLAGS"].endswith("--auto-cast none --enable-mixed-precision-accumulation")
+    assert bf16["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    assert "NEURON_RT_STOCHASTIC_ROUNDING_EN" not in env("fp16")  # fp16 scales its loss instead
+    with pytest.raises(ValueError, match="precision='int8' is not one of 'fp32', 'bf16', 'fp16'"):
+        env("int8")
+
+
+def test_a_plan_of_another_precision_than_init_is_an_error_naming_the_fix():
+    applied = backends.backend_env("neuron", TWO_NODES, instance="trn1.32xlarge")
+    backends.check_precision("fp32", "fp32", applied)
+    backends.check_precision("bf16", "fp32", {})           # the user set the variables: theirs
+    with pytest.raises(ValueError, match=r"the plan's precision is 'bf16' but xtrain.init\(\) started the Neuron runtime "
+                       r"for 'fp32' \(NEURON_CC_FLAGS=.*--auto-cast none\).*xtrain.init\(precision='bf16'\)"):
+        backends.check_precision("bf16", "fp32", applied)
+
+
+def test_init_refuses_an_unknown_precision():
+    from xtrain.runtime import devices
+
+    with pytest.raises(ValueError, match=r"xtrain.init\(precision='tf32'\): use one of fp32, bf16, fp16"):
+        devices.init(precision="tf32")

@@ -129,3 +129,18 @@ def test_env_shows_the_xla_flags_for_cuda_without_a_gpu():
     assert "  --xla_gpu_enable_latency_hiding_scheduler=true\n" in proc.stdout
     assert ("--xla_gpu_all_reduce_combine_threshold_bytes=26214400  (not added: XLA_FLAGS has "
             "--xla_gpu_all_reduce_combine_threshold_bytes=1)") in proc.stdout
+
+
+def test_env_shows_what_a_bf16_plan_sets_on_emulated_p4d_and_trn1_clusters():
+    p4d = cli("env", "--no-start", "--emulate", "p4d.24xlarge:2", "--precision", "bf16")
+    assert p4d.returncode == 0, p4d.stderr
+    assert "XLA flags xtrain adds on cuda" in p4d.stdout and "--xla_gpu_enable_pipelined_all_gather=true" in p4d.stdout
+    assert "(on a real p4d.24xlarge:2, node 0) (precision bf16" in p4d.stdout
+    assert "  FI_PROVIDER=efa\n  FI_EFA_USE_DEVICE_RDMA=1\n" in p4d.stdout
+    trn1 = cli("env", "--no-start", "--emulate", "trn1.32xlarge:2", "--precision", "bf16")
+    assert trn1.returncode == 0, trn1.stderr
+    assert "NEURON_RT_STOCHASTIC_ROUNDING_EN=1" in trn1.stdout
+    assert "NEURON_CC_FLAGS=--model-type transformer -O1 --target trn1 --auto-cast none " \
+           "--enable-mixed-precision-accumulation" in trn1.stdout
+    fp32 = cli("env", "--no-start", "--emulate", "trn1.32xlarge:2")
+    assert "--auto-cast none\n" in fp32.stdout and "STOCHASTIC" not in fp32.stdout

@@ -54,7 +54,9 @@ def test_process_per_core_torchrun():
     assert out["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == ",".join(["1"] * 64)
     assert (out["NEURON_PJRT_PROCESS_INDEX"], out["NEURON_RT_VISIBLE_CORES"]) == ("37", "5")
     assert out["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
-    assert out["NEURON_CC_FLAGS"] == "--model-type transformer -O2 --target trn1n"
+    # the program is already cast by the plan's policy: the compiler adds no casts of its own
+    assert out["NEURON_CC_FLAGS"] == ("--model-type transformer -O2 --target trn1n --auto-cast none "
+                                      "--enable-mixed-precision-accumulation")
     assert out["NEURON_COMPILE_CACHE_URL"] == "s3://bucket/cache"
 
 

@@ -23,6 +23,12 @@ def project_dependencies() -> list[str]:
     return re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)
 
 
+def extra_requirements(extra: str) -> list[Requirement]:
+    block = re.search(rf"^{extra}\s*=\s*\[(.*?)\]\s*$", PYPROJECT.read_text(), re.S | re.M)
+    assert block, f"no [project.optional-dependencies] {extra} list in {PYPROJECT}"
+    return [Requirement(r) for r in re.findall(r'"([^"]+)"', block.group(1))]
+
+
 def requirement(name: str) -> Requirement:
     deps = project_dependencies()
     found = [Requirement(d) for d in deps if Requirement(d).name == name]
@@ -67,3 +73,18 @@ def test_torch_function_through_torchax_matches_torch():
     np.testing.assert_allclose(float(value), expected.item(), rtol=1e-6)
     for name, param in model.named_parameters():
         np.testing.assert_allclose(np.asarray(grads[name]), param.grad.numpy(), atol=1e-6, err_msg=name)
+
+
+def test_cuda_extra_pins_the_plugin_and_pjrt_to_the_pinned_jaxlib_exactly():
+    pins = {r.name: r for r in extra_requirements("cuda")}
+    assert set(pins) == {"jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt"}, pins
+    versions = {}
+    for name, req in pins.items():
+        exact = re.fullmatch(r"==(\d+\.\d+\.\d+)", str(req.specifier))
+        assert exact, f"[cuda] must pin {name} to one release (==x.y.z), got {req}"
+        versions[name] = exact.group(1)
+    assert len(set(versions.values())) == 1, f"the CUDA plugin, PJRT, jax and jaxlib must be one release: {versions}"
+    assert pins["jax-cuda12-plugin"].extras == {"with-cuda"}, "the plugin brings NVIDIA's CUDA 12 wheels"
+    release = versions["jaxlib"]
+    for name in ("jax", "jaxlib"):
+        assert requirement(name).specifier.contains(release), f"[cuda] pins {release}, outside {requirement(name)}"

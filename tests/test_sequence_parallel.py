@@ -16,37 +16,13 @@ import torch
 import torch.nn.functional as F
 
 import xtrain
-from models import GPT, token_batches
+from models import GPT, SequenceParallelGPT, token_batches
 from xtrain import plans
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
 MESH = dict(data=4, tensor=2)
 SP = ("data", "tensor", None)  # (B, T, D)
 BATCH, SEQ, WIDTH = 16, 16, 32
-
-
-class SequenceParallelGPT(GPT):
-    """tests/models.GPT whose residual stream is annotated sequence-parallel between blocks.
-
-    Row-parallel projections (attn.out, mlp.2) have no bias, as Megatron-LM adds theirs
-    after the reduce-scatter: a bias added to a pending partial sum forces it to be resolved."""
-
-    def __init__(self, sequence_parallel=True):
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-        for block in self.blocks:
-            block.attn.out.register_parameter("bias", None)
-            block.mlp[2].register_parameter("bias", None)
-
-    def annotate(self, x):
-        return xtrain.shard(x, SP) if self.sequence_parallel else x
-
-    def forward(self, idx, targets):
-        x = self.annotate(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
-        for block in self.blocks:
-            x = self.annotate(block(x))
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def sgd(params):

@@ -1,6 +1,6 @@
 """The `xtrain` command.
 
-    xtrain env [--emulate trn1.32xlarge:2] [--instance-type T]   what xtrain detects and would do
+    xtrain env [--emulate trn1.32xlarge:2] [--instance-type T] [--precision bf16]   what xtrain detects and sets
     xtrain run [--nproc-per-node N] [--nnodes N] ... train.py [args]   torchrun with backend defaults
     xtrain report train.py [args]                                  the step's report, no training
     xtrain plan --target trn1.32xlarge:4 train.py [args]           candidate plans for a cluster, no training
@@ -169,12 +169,12 @@ def _process_lines(process: ProcessEnv) -> list[str]:
     return lines
 
 
-def _device_lines(emulate: str | None) -> tuple[list[str], int]:
+def _device_lines(emulate: str | None, precision: str) -> tuple[list[str], int]:
     import jax
 
     from xtrain.runtime import devices
 
-    devices.init(env=ProcessEnv(), emulate=emulate)  # local devices only; no jax.distributed here
+    devices.init(env=ProcessEnv(), emulate=emulate, precision=precision)  # local devices only; no jax.distributed
     kinds = sorted({d.device_kind for d in jax.devices()})
     count = jax.device_count()
     lines = [f"devices: {count} x {jax.devices()[0].platform} ({', '.join(kinds)})", f"jax: {jax.__version__}"]
@@ -195,22 +195,33 @@ def _mesh_lines(instance: str | None, emulate: str | None, count: int) -> list[s
     return lines
 
 
-def _env_lines(backend: str, process: ProcessEnv, instance: str | None, emulate: str | None) -> list[str]:
+def _target_lines(kind: str, backend: str, process: ProcessEnv, target, precision: str, note: str) -> list[str]:
+    """The variables xtrain sets on a `kind` ("neuron" or "cuda") host of `target` (an instance
+    topology, or None: this host) for a plan of `precision`."""
+    efa = target.efa_gbit_s > 0 if target is not None and (note or backend != kind) else backends.efa_present()
+    wanted = backends.backend_env(kind, process, instance=target.name if target else None,
+                                  compile_cache=cache.neuron_cache_url(), precision=precision, efa=efa)
+    lines = _xla_flag_lines("cuda") if kind == "cuda" and backend != "cuda" else []
+    lines.append(f"environment xtrain sets{note} (precision {precision}; variables you set win):")
+    lines += [f"  {k}={v}" for k, v in wanted.items()] or ["  (none: one node, or no EFA)"]
+    return lines
+
+
+def _env_lines(backend: str, process: ProcessEnv, instance: str | None, emulate: str | None,
+               precision: str = "fp32") -> list[str]:
     from neuron_support.topology import instance as topology_instance, parse_cluster
 
-    target = parse_cluster(emulate)[0].name if emulate else instance
+    target = parse_cluster(emulate)[0] if emulate else topology_instance(instance) if instance else None
     if emulate:  # what node 0 of the real cluster would get, one process per node
         nodes = parse_cluster(emulate)[1]
         process = ProcessEnv(num_processes=nodes, num_nodes=nodes, master_addr="<node-0>",
                              coordinator=f"<node-0>:{DEFAULT_MASTER_PORT + COORDINATOR_PORT_OFFSET}")
     root = cache.jax_cache_dir()
     lines = [f"JAX compilation cache: {root if root else 'off (XTRAIN_CACHE_DIR=off)'}"] + _xla_flag_lines(backend)
-    on_neuron = backend == "neuron" or (target and topology_instance(target).compiler_target)
-    if on_neuron:
-        note = "" if backend == "neuron" else f" (on a real {emulate or target}, node 0)"
-        wanted = backends.backend_env("neuron", process, instance=target, compile_cache=cache.neuron_cache_url())
-        lines.append(f"environment xtrain sets{note}:")
-        lines += [f"  {k}={v}" for k, v in wanted.items()]
+    kind = target.backend.value if target is not None else backend
+    if kind in ("neuron", "cuda") and (backend == kind or target is not None):
+        note = "" if backend == kind and not emulate else f" (on a real {emulate or target.name}, node 0)"
+        lines += _target_lines(kind, backend, process, target, precision, note)
     return lines
 
 
@@ -231,18 +242,20 @@ def _xla_flag_lines(backend: str) -> list[str]:
     return lines
 
 
-def env_report(*, emulate: str | None = None, instance: str | None = None, start: bool = True) -> str:
-    """The text `xtrain env` prints."""
+def env_report(*, emulate: str | None = None, instance: str | None = None, start: bool = True,
+               precision: str = "fp32") -> str:
+    """The text `xtrain env` prints: for `precision`, the plan's compute precision, which a
+    script passes to `xtrain.init(precision=...)` (Neuron reads the flags it implies at start)."""
     backend = backends.detect_backend()
     process = process_env()
     instance = instance or backends.instance_type() or process.instance_type
     lines = [f"backend: {backend}"]
     count = backends.local_device_count(backend) or 1
     if start:
-        device_lines, count = _device_lines(emulate)
+        device_lines, count = _device_lines(emulate, precision)
         lines += device_lines
     lines += _process_lines(process) + _mesh_lines(instance, emulate, count)
-    return "\n".join(lines + _env_lines(backend, process, instance, emulate))
+    return "\n".join(lines + _env_lines(backend, process, instance, emulate, precision))
 
 
 # -- argument parsing ----------------------------------------------------------------------------
@@ -254,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--emulate", help="fly a cluster on CPU devices, e.g. trn1.32xlarge:2")
     env.add_argument("--instance-type", help="instance type when it cannot be detected, e.g. trn1.32xlarge")
     env.add_argument("--no-start", action="store_true", help="do not start JAX (no device list)")
+    env.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                     help="the plan's compute precision, as the script passes it to xtrain.init(precision=...)")
     r = sub.add_parser("run", help="launch a script with torchrun and this backend's defaults")
     r.add_argument("--nproc-per-node", type=int, help="processes per node (default: per backend)")
     r.add_argument("--nnodes", type=int, help="nodes (default: from SageMaker/srun, else 1)")
@@ -360,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
         if ns.command == "env":
-            print(env_report(emulate=ns.emulate, instance=ns.instance_type, start=not ns.no_start))
+            print(env_report(emulate=ns.emulate, instance=ns.instance_type, start=not ns.no_start,
+                             precision=ns.precision))
             return 0
         if ns.command == "report":
             return report(ns.script, ns.args)

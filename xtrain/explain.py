@@ -40,6 +40,17 @@ def _state_notes(step) -> list[str]:
     return notes
 
 
+def collectives(step, *batch, compiled=None) -> list[report_mod.Collective]:
+    """The collectives `report` lists: for the explicit lowering those of the program xtrain
+    emits (`step.program`), for XLA's partitioner those of XLA's optimized HLO (`compiled`, or
+    compiled now)."""
+    sizes = dict(step.mesh.shape)
+    if step.options.lowering == "explicit":
+        return accounting.collectives(step.program(*batch), sizes, step.model.module_paths())
+    compiled = compiled or step.compiled(*batch)
+    return report_mod.collectives_from_hlo(compiled.as_text(), sizes)
+
+
 def report(step, *batch) -> report_mod.Report:
     """Collectives and per-device memory of `step`'s compiled training step, for `batch`'s
     shapes or the last batch trained on."""
@@ -48,12 +59,10 @@ def report(step, *batch) -> report_mod.Report:
     notes = _state_notes(step)
     if step.plan.remat is not Remat.OFF:
         notes.append(_remat_note(step, batch, report_mod.memory_of(compiled)))
+    found = collectives(step, *batch, compiled=compiled)
     if step.options.lowering == "explicit":
-        found = accounting.collectives(step.program(*batch), sizes, step.model.module_paths())
         notes += [_layers_note(step)] if step.plan.pipeline is None else []
         notes += step.lowered.notes()
-    else:
-        found = report_mod.collectives_from_hlo(compiled.as_text(), sizes)
     shapes = {n: tuple(v.shape) for n, v in {**step.state.params, **step.state.frozen}.items()}
     return report_mod.Report(step.options.lowering, sizes, found, report_mod.memory_of(compiled), notes,
                              report_mod.state_memory(step.state, named(step.mesh, layout.grad_specs)),

@@ -7,13 +7,14 @@
     monitor.close()
     xtrain.observe.plot(monitor.history, "runs/train.png")
 
-MFU = model FLOPs per step / (step time x devices x dense peak FLOP/s of one device). Model
-FLOPs are counted in the traced graph of the model's forward and backward pass on the global
-batch (`model_flops`): 2·M·N·K per matmul (dot_general) and the equivalent per convolution,
-scan bodies times their length. That is the usual "model FLOPs" (no optimizer, no recompute,
-nothing counted twice for replicated work). XLA's compiled cost analysis is not used: it
-counts a `scan` body once, not once per layer. Where the peak is unknown (CPU), the achieved
-TFLOP/s is shown instead.
+MFU = model FLOPs per step / (step time x devices x dense peak FLOP/s of one device), with
+model FLOPs as xtrain.ir.flops defines them for `xtrain plan` and the benchmarks too: counted
+in the traced graph of the model's forward and backward pass on the global batch
+(`model_flops`): 2·M·N·K per matmul (dot_general) and the equivalent per convolution, scan
+bodies times their length, i.e. 6N + attention per token for a transformer (no optimizer, no
+recompute, nothing counted twice for replicated work). XLA's compiled cost analysis is not
+used: it counts a `scan` body once, not once per layer. Where the peak is unknown (CPU), the
+achieved TFLOP/s is shown instead.
 """
 from __future__ import annotations
 
@@ -40,27 +41,19 @@ def matmul_flops(jaxpr) -> float:
 
 def model_flops(step, *batch: Any) -> float:
     """Global model FLOPs of one training step (forward + backward over the whole global
-    batch) of a compiled xtrain step, for `batch`'s shapes or the last batch trained on."""
+    batch) of a compiled xtrain step, for `batch`'s shapes or the last batch trained on: the
+    one definition of xtrain.ir.flops, shared with `xtrain plan` and the benchmarks."""
     shapes = step._shapes(batch)  # builds a plan="auto" step first
     state = step.state
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-    def loss(params, frozen, buffers, key, batch):
-        return step.model.apply({**params, **frozen}, buffers, key, batch, training=True)[0]
-
-    traced = jax.make_jaxpr(jax.value_and_grad(loss))(
-        abstract(state.params), abstract(state.frozen), abstract(state.buffers), abstract(state.key),
-        abstract(shapes))
-    return matmul_flops(traced)
+    return flops.model_flops(step.model, state.params, state.buffers, state.key, shapes, frozen=state.frozen)
 
 
 # -- utilisation --------------------------------------------------------------------------
 
 def utilisation(flops_per_step: float, seconds: float, devices: int, peak_per_device: float | None) -> dict:
     """{"tflops_s": achieved TFLOP/s over all devices, "mfu": fraction of peak, or None}."""
-    achieved = flops_per_step / seconds
-    mfu = achieved / (devices * peak_per_device) if peak_per_device else None
-    return {"tflops_s": achieved / 1e12, "mfu": mfu}
+    mfu = flops.mfu(flops_per_step, seconds, devices, peak_per_device) if peak_per_device else None
+    return {"tflops_s": flops_per_step / seconds / 1e12, "mfu": mfu}
 
 
 def detect_peak(dtype: str = "float32") -> float | None:

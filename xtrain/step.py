@@ -25,7 +25,7 @@ from xtrain.frontend import tensors
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
 from xtrain.ir.tree import rebuild
-from xtrain.lowering import accumulation, nan_check, precision
+from xtrain.lowering import accumulation, nan_check, platforms, precision
 from xtrain.lowering import state as state_mod
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.gradient_sync import GradSync
@@ -34,6 +34,7 @@ from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline.program import placement
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import StepConfig, StepProgram
+from xtrain.runtime import devices as runtime_devices
 from xtrain.sharding import layout as layout_mod
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.mesh import Mesh
@@ -57,9 +58,7 @@ class CompileOptions:
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
 
 
 def host_batch(batch: tuple) -> tuple:
@@ -85,6 +84,7 @@ class TrainStep:
 
     # -- building --------------------------------------------------------------------------
     def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
+        runtime_devices.check_plan_precision(plan.precision.compute.value)  # Neuron reads its flags at start
         self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
@@ -192,13 +192,9 @@ class TrainStep:
             return Mesh(data=1).build(jax.local_devices()[:1])
         self._require_built(".mesh")
 
-    @property
-    def batch_spec(self):
-        return self.layout.batch_spec if self._built else ("data",)
+    batch_spec = property(lambda self: self.layout.batch_spec if self._built else ("data",))
 
-    @property
-    def lowering(self) -> str:
-        return self.options.lowering
+    lowering = property(lambda self: self.options.lowering)
 
     @property
     def param_specs(self) -> dict:
@@ -363,7 +359,7 @@ class TrainStep:
 
     def program(self, *batch: Any):
         """The program xtrain emits for XLA (a ClosedJaxpr) for `batch`'s shapes or the last batch."""
-        shapes = self._shapes(batch)
+        shapes = self._shapes(batch)  # first: a pipeline places its stages (new state and program)
         return jax.make_jaxpr(self._program.train)(self.state, shapes, self._lrs())
 
     def compiled(self, *batch: Any, remat="plan"):
@@ -372,6 +368,14 @@ class TrainStep:
         shapes = self._shapes(batch)
         program = self._program if remat == "plan" else self._lower(self.layout, remat)
         return program.train.lower(self.state, shapes, self._lrs()).compile()
+
+    def lower(self, *batch: Any, platform: str | None = None):
+        """The training step (jax `Lowered`) for `platform` ("cuda", "neuron", "cpu"; None: these
+        devices) without its devices, for `batch`'s shapes or the last batch: what XLA receives
+        there before its own passes (xtrain.lowering.platforms). `.as_text(dialect="hlo")`: HLO."""
+        shapes = self._shapes(batch)  # first: a pipeline places its stages (new state and program)
+        traced = self._program.train.trace(self.state, shapes, self._lrs())
+        return traced.lower(lowering_platforms=platforms.lowering_platforms(platform))
 
     def report(self, *batch: Any):
         """Collectives and per-device memory of the compiled training step, for `batch`'s

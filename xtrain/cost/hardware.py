@@ -125,8 +125,13 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # AWS P4d page: NVLink 3 through NVSwitch, 600 GB/s per GPU (both directions) -> 300 GB/s
     # each way; EFA 400 Gbps per instance shared by 8 GPUs (topology.py).
     _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
+    # AWS P4 page: p4de is p4d with A100 80GB (more and faster HBM, same links).
+    _from_topology("p4de.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
     # AWS P5 page: NVLink 4, 900 GB/s per GPU (both directions) -> 450 GB/s; EFA 3200 Gbps.
     _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    # AWS P5 page: p5e / p5en, 8 x H200 on the same NVLink 4 fabric, EFA 3200 Gbps.
+    _from_topology("p5e.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    _from_topology("p5en.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
     # Assumption (not in the cited Neuron pages, which give no per-link rate): NeuronLink-v2 at
     # ~192 GB/s per Trainium chip (4 links), shared by its 2 cores -> 96 GB/s per core.
     # neuronx-cc auto-casts fp32 matmuls to bf16 by default (--auto-cast matmult).
@@ -227,8 +232,10 @@ def emulated(devices: int | None = None) -> HardwareProfile:
 
 
 # -- which profile --------------------------------------------------------------------------------
-# GPU kinds JAX reports -> the instance whose profile describes them
-_GPU_INSTANCES = (("A100", "p4d.24xlarge"), ("H100", "p5.48xlarge"))
+# GPU kinds JAX reports ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3",
+# "NVIDIA H200") -> the instance whose profile describes them, most specific first
+_GPU_INSTANCES = (("A100-SXM4-80GB", "p4de.24xlarge"), ("A100 80GB", "p4de.24xlarge"), ("A100", "p4d.24xlarge"),
+                  ("H200", "p5e.48xlarge"), ("H100", "p5.48xlarge"))
 _NEURON_INSTANCES = (("trn2", "trn2.48xlarge"), ("nc_v3", "trn2.48xlarge"), ("trn1", "trn1.32xlarge"),
                      ("nc_v2", "trn1.32xlarge"))
 
@@ -246,6 +253,17 @@ def target(spec: str) -> tuple[HardwareProfile, int]:
     return profile(instance.name), nodes * instance.devices
 
 
+def profile_for_device(platform: str, device_kind: str) -> HardwareProfile:
+    """The profile of an accelerator as JAX names it (`Device.platform`, `Device.device_kind`)."""
+    table = _GPU_INSTANCES if platform in ("gpu", "cuda") else _NEURON_INSTANCES
+    kind = device_kind.lower()
+    name = next((inst for needle, inst in table if needle.lower() in kind), None)
+    if name is None:
+        raise ValueError(f"plan='auto' has no hardware profile for device kind {device_kind!r}; known "
+                         f"profiles: {', '.join(PROFILES)}. Pass an explicit plan instead")
+    return profile(name)
+
+
 def current_profile() -> HardwareProfile:
     """The profile of the devices this process runs on."""
     import jax
@@ -253,10 +271,4 @@ def current_profile() -> HardwareProfile:
     device = jax.devices()[0]
     if device.platform == "cpu":
         return emulated(jax.device_count())
-    table = _GPU_INSTANCES if device.platform in ("gpu", "cuda") else _NEURON_INSTANCES
-    kind = device.device_kind.lower()
-    name = next((inst for needle, inst in table if needle.lower() in kind), None)
-    if name is None:
-        raise ValueError(f"plan='auto' has no hardware profile for device kind {device.device_kind!r}; known "
-                         f"profiles: {', '.join(PROFILES)}. Pass an explicit plan instead")
-    return profile(name)
+    return profile_for_device(device.platform, device.device_kind)

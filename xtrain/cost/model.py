@@ -31,6 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from xtrain.ir import flops as ir_flops
 from xtrain.ir.flops import Flops
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.lowering.report import Collective
@@ -153,8 +154,9 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
     """Step time, throughput and fit of `cost` on `profile`.
 
     Args:
-        model_flops: matmul FLOPs per device without recomputation (for MFU of checkpointed
-            plans); default: the program's own.
+        model_flops: the model's FLOPs per step, all devices together (xtrain.ir.flops: the
+            same for every plan of a model, so MFU compares plans); default: the program's own
+            matmul FLOPs on every device, replicated work and recomputation included.
     """
     compute = compute_seconds(cost.flops, profile)
     per_link, data_parallel, other = communication(cost, profile)
@@ -163,12 +165,13 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
     exposed = other + max(0.0, data_parallel - hidden)
     step = compute + exposed  # a pipeline's bubble ticks are in its program's compute (module docstring)
     bubble = compute * cost.pipeline.bubble_fraction if pipelined else 0.0
-    flops = cost.flops.matmul if model_flops is None else model_flops
+    devices = math.prod(cost.mesh.values())
+    useful = cost.flops.matmul * devices if model_flops is None else model_flops
     peak = profile.matmul_flops_per_s(cost.flops.matmul_dtype)
     return Prediction(compute_s=compute, comm_s=per_link, exposed_comm_s=exposed,
                       bubble_s=bubble, step_s=step, memory_bytes=cost.memory.total,
                       fits=cost.memory.total <= profile.hbm_bytes, tokens_per_s=cost.tokens / step,
-                      mfu=flops / step / peak)
+                      mfu=ir_flops.mfu(useful, step, devices, peak))
 
 
 # -- memory ---------------------------------------------------------------------------------

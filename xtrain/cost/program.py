@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Mapping
 
 import jax
@@ -25,7 +26,7 @@ from jax.sharding import AbstractMesh
 from xtrain.ir import flops, stacked
 from xtrain.ir.model import Model
 from xtrain.lowering import state as state_mod
-from xtrain.lowering import ordering
+from xtrain.lowering import ordering, platforms
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import lower
@@ -47,6 +48,7 @@ class AbstractStep:
     batch_axes: tuple[str, ...]
     state_bytes: dict[str, int]     # parameters / gradients / optimizer bytes per device
     bubble: float = 0.0             # a pipeline schedule table's idle share of (tick, stage) slots
+    hlo: str | None = None          # the program lowered for `platform` (HLO text), when one was asked for
 
 
 def _local_bytes(shape, dtype, spec: Spec, sizes: Mapping[str, int]) -> int:
@@ -71,7 +73,7 @@ def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int
 
 def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping[str, int], plan: Plan,
                   batch: tuple, *, grad_sync: GradSync | None = None, scan_layers: bool = True,
-                  regather: bool = True, stack_blocks: bool = True) -> AbstractStep:
+                  regather: bool = True, stack_blocks: bool = True, platform: str | None = None) -> AbstractStep:
     """Traces the explicit lowering's training step for a mesh of axis `sizes`: the same layout
     resolution, stage placement and step skeleton as `xtrain.compile`'s step, on shapes.
 
@@ -83,6 +85,8 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
         batch: the global batch as arrays or jax.ShapeDtypeStruct.
         stack_blocks: block parameters stored stacked, as xtrain.compile stores a torch
             model's (xtrain.ir.stacked).
+        platform: also lower the step for this platform ("neuron", "cuda"; lowering.platforms)
+            and keep its HLO text (`hlo`), e.g. for the Neuron conformance checker.
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
@@ -104,10 +108,15 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
                         remat=plan.layer_remat(), regather=regather)
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
-    program = jax.make_jaxpr(lowered.train)(state, _shaped(batch), no_lr_groups)
+    traced = lowered.train.trace(state, _shaped(batch), no_lr_groups)
+    hlo = None
+    if platform is not None:
+        with warnings.catch_warnings():  # shape-only inputs carry no sharding to alias outputs to
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            hlo = traced.lower(lowering_platforms=platforms.lowering_platforms(platform)).as_text(dialect="hlo")
     bubble = lowered.strategy.program.table.bubble() if plan.pipeline is not None else 0.0
-    return AbstractStep(program, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
-                        _state_bytes(params, opt_state, layout, sizes), bubble)
+    return AbstractStep(traced.jaxpr, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
+                        _state_bytes(params, opt_state, layout, sizes), bubble, hlo)
 
 
 def _shaped(batch: tuple) -> tuple:
@@ -119,7 +128,7 @@ class ModelFacts:
     """What the plan search reads of the model, independent of any plan."""
 
     layers: int           # length of the longest run of identical blocks (0: none; no pipeline then)
-    matmul_flops: float   # dot + conv FLOPs of one training step (forward and backward) on the global batch
+    matmul_flops: float   # model FLOPs of one training step on the global batch (xtrain.ir.flops.model_flops)
 
 
 def model_facts(model: Model, batch: tuple) -> ModelFacts:
@@ -127,14 +136,12 @@ def model_facts(model: Model, batch: tuple) -> ModelFacts:
     params = {n: jax.ShapeDtypeStruct(p.shape, p.dtype) for n, p in model.initial_params().items()}
     buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
     key = jax.ShapeDtypeStruct((2,), np.uint32)
-    shaped = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
+    shaped = _shaped(batch)
     apply = lambda p, b, k, x: model.apply(p, b, k, x, training=True)
     forward = jax.make_jaxpr(apply)(params, buffers, key, shaped)
     param_vars = forward.jaxpr.invars[:len(params)]  # a dict's leaves come in sorted key order
     runs = find_repeated_blocks(forward.jaxpr, model.module_paths(), param_vars)
-    loss = lambda p, b, k, x: apply(p, b, k, x)[0]
-    both = jax.make_jaxpr(jax.value_and_grad(loss))(params, buffers, key, shaped)
-    return ModelFacts(max((r.length for r in runs), default=0), flops.count(both).matmul)
+    return ModelFacts(max((r.length for r in runs), default=0), flops.model_flops(model, params, buffers, key, shaped))
 
 
 def per_device_body(program):

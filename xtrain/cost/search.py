@@ -15,7 +15,14 @@ without repeated blocks; m in (p, 2p, 4p).
 
 Each candidate is lowered for an abstract mesh (cost.program), never run; a pipeline candidate
 by the pipeline step itself, so its FLOPs, permutes between stages, gradient sync over "pipe"
-and the data axes, and memory (each stage stores its own layers) are the program's. A
+and the data axes, and memory (each stage stores its own layers) are the program's. On
+Trainium (trn1, trn1n, trn2) each candidate's program is lowered for Neuron and run through
+the conformance checker (neuron_support.conformance: replica groups, permutes between adjacent
+cores, the cap on distinct groups) in every order of its mesh axes ("data", "pipe", "tensor",
+tensor innermost, first): the candidate takes the fastest order that passes (e.g. pipe
+innermost, so that stages are neighbouring cores), and one that fails in every order is listed
+with the first finding and never picked. MFU divides the model's FLOPs (xtrain.ir.flops.model_flops:
+6N + attention per token, the same for every plan) by each plan's predicted step time. A
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
 whose memory exceeds the device is marked as not fitting and never picked. A variant that only
@@ -27,9 +34,10 @@ import dataclasses
 import math
 from typing import Sequence
 
-from xtrain.ir import flops as flops_mod
 from neuron_support import topology
+from xtrain.ir import flops as flops_mod
 from xtrain.cost import model as cost_model
+from xtrain.cost import placement
 from xtrain.cost import program as program_mod
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
@@ -44,7 +52,10 @@ TIE = 0.10
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
+SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
 SCHEDULES = ("gpipe", "1f1b")
+# mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices
+DEFAULT_ORDER = ("data", "pipe", "tensor")
 NAME = 34  # width of the plan column
 
 
@@ -60,6 +71,8 @@ class Candidate:
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
         pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
         schedule: the pipeline schedule, "gpipe" or "1f1b".
+        order: the mesh axes from outermost to innermost (device ids are numbered row-major
+            over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
     """
 
     data: int
@@ -69,8 +82,12 @@ class Candidate:
     pipe: int = 1
     microbatches: int = 1
     schedule: str = "gpipe"
+    order: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
+            raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
+                             f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Candidate(schedule={self.schedule!r}) is not one of {SCHEDULES}")
         if self.pipe == 1 and (self.microbatches, self.schedule) != (1, "gpipe"):
@@ -80,18 +97,20 @@ class Candidate:
             raise ValueError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
                              "input; use remat=False")
 
+    def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
+        sizes = {"data": self.data, "pipe": self.pipe, "tensor": self.tensor}
+        return {a: sizes[a] for a in order if a == "data" or sizes[a] > 1}
+
     @property
     def mesh(self) -> dict[str, int]:
-        """Mesh axis sizes, "data" outermost, "tensor" innermost (neighbouring devices)."""
-        sizes = {"data": self.data}
-        sizes.update({"pipe": self.pipe} if self.pipe > 1 else {})
-        sizes.update({"tensor": self.tensor} if self.tensor > 1 else {})
-        return sizes
+        """Mesh axis sizes in device order: `order`, by default "data" outermost and "tensor"
+        innermost (neighbouring devices)."""
+        return self._sizes(self.order or DEFAULT_ORDER)
 
     @property
     def name(self) -> str:
-        parts = [f"dp{self.data}"] + ([f"tp{self.tensor}"] if self.tensor > 1 else [])
-        parts += [f"pp{self.pipe}"] if self.pipe > 1 else []
+        short = {"data": "dp", "tensor": "tp", "pipe": "pp"}
+        parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         return name + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
 
@@ -131,10 +150,11 @@ class Row:
     prediction: cost_model.Prediction | None = None
     cost: cost_model.StepCost | None = None
     reason: str = ""
+    findings: tuple[str, ...] = ()  # why the target's compiler would reject its program (Neuron)
 
     @property
     def usable(self) -> bool:
-        return self.prediction is not None and self.prediction.fits
+        return self.prediction is not None and self.prediction.fits and not self.findings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +181,8 @@ class SearchResult:
                 lines.append(f"{mark}{name:<{NAME}}{'-':>14}{'-':>6}{'':>60}  {row.reason}")
                 continue
             lines.append(mark + _predicted(row))
-        pick = f"pick: {self.best.candidate.name}" if self.best else "pick: none fits this device's memory"
+        pick = f"pick: {self.best.candidate.name}" if self.best else \
+        "pick: none fits this device's memory" + (" and passes the target's checker" if any(r.findings for r in self.rows) else "")
         lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
         if any(r.candidate.pipe > 1 for r in self.rows):
             lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
@@ -270,43 +291,37 @@ def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
 
 
 def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch: tuple, profile: HardwareProfile,
-             *, regather: bool = True, layers: int | None = None) -> Row:
-    """Lowers `candidate` for an abstract mesh and predicts it on `profile`.
+             *, regather: bool = True, layers: int | None = None, model_flops: float | None = None) -> Row:
+    """Lowers `candidate` for an abstract mesh and predicts it on `profile`. On Trainium the
+    program is lowered for Neuron and checked (neuron_support.conformance): the candidate
+    takes the fastest mesh-axis order that passes, or is marked with what fails and never picked.
 
     Args:
         layers: the model's repeated blocks (program.model_facts), to refuse a pipeline of more
-            stages without lowering it; None: the lowering finds out."""
-    sizes = candidate.mesh
+            stages without lowering it; None: the lowering finds out.
+        model_flops: the model's FLOPs per step (xtrain.ir.flops.model_flops), for MFU."""
     reason = _refusal(candidate, batch[0].shape[0], layers)
     if reason:
         return Row(candidate=candidate, reason=reason)
+    target = placement.neuron_target(profile)
     try:
         plan = candidate.plan(structure)
-        traced = program_mod.abstract_step(model, tx, sizes, plan, batch, regather=regather)
+        traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
+                                           platform="neuron" if target else None)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
     idle = traced.bubble if candidate.pipe > 1 else None
-    cost = step_cost(traced, sizes, _tokens(batch), model.module_paths(),
+    cost = step_cost(traced, candidate.mesh, _tokens(batch), model.module_paths(),
                      cost_model.Pipeline(stages=candidate.pipe, microbatches=candidate.microbatches, idle=idle))
-    prediction = cost_model.predict(cost, profile)
+    placed, errors = placement.conforming_orders(candidate, traced.hlo, target) if target else ([candidate], [])
+    # the order only moves collectives between links: the fastest order that the target accepts
+    options = [(c, dataclasses.replace(cost, mesh=c.mesh)) for c in placed or [candidate]]
+    predicted = [(cost_model.predict(k, profile, model_flops=model_flops), c, k) for c, k in options]
+    prediction, candidate, cost = min(predicted, key=lambda p: p[0].step_s)
     reason = "" if prediction.fits else f"needs {_bytes(prediction.memory_bytes)} > {_bytes(profile.hbm_bytes)}"
-    return Row(candidate=candidate, prediction=prediction, cost=cost, reason=reason)
-
-
-def _with_model_mfu(rows: list[Row], profile: HardwareProfile, per_device: float) -> list[Row]:
-    """MFU counts the model's FLOPs, not recomputation (checkpointed plans: those of the same
-    plan without it) nor a pipeline's bubble ticks and masked work (`per_device`: the model's
-    FLOPs per step / devices)."""
-    plain = {(r.candidate.data, r.candidate.tensor, r.candidate.zero): r.cost.flops.matmul
-             for r in rows if r.cost is not None and not r.candidate.remat and r.candidate.pipe == 1}
-    out = []
-    for r in rows:
-        key = (r.candidate.data, r.candidate.tensor, r.candidate.zero)
-        model_flops = per_device if r.candidate.pipe > 1 else plain.get(key) if r.candidate.remat else None
-        if r.cost is not None and model_flops is not None:
-            r = dataclasses.replace(r, prediction=cost_model.predict(r.cost, profile, model_flops=model_flops))
-        out.append(r)
-    return out
+    reason = placement.rejection(target, errors) if not placed else reason
+    return Row(candidate=candidate, prediction=prediction, cost=cost, reason=reason,
+               findings=tuple(str(f) for f in errors) if not placed else ())
 
 
 def pick(rows: Sequence[Row]) -> Row | None:
@@ -338,15 +353,22 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
     if candidate_list is None:
         pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
         candidate_list = candidates(devices, profile, pipe_degrees=pipes)
-    lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers)
+    lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
+                               model_flops=facts.matmul_flops)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
     for c in candidate_list:
         if c.saves_memory_only:
             plain = done.get(c.plain)
-            # recomputation never makes a step faster: only worth lowering when memory is short
-            skip = prune_remat and plain is not None and plain.usable
-            done[c] = Row(candidate=c, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B) if skip else lower(c)
-    rows = _with_model_mfu([done[c] for c in candidate_list], profile, facts.matmul_flops / devices)
+            placed = dataclasses.replace(c, order=plain.candidate.order) if plain is not None else c
+            # recomputation never makes a step faster: only worth lowering when memory is short;
+            # and it changes no collective, so it cannot mend a plan the target's checker rejects
+            if prune_remat and plain is not None and plain.findings:
+                done[c] = Row(candidate=placed, reason=SKIPPED_REJECTED)
+            elif prune_remat and plain is not None and plain.usable:
+                done[c] = Row(candidate=placed, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B)
+            else:
+                done[c] = lower(c)
+    rows = [done[c] for c in candidate_list]
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
 
 

@@ -13,12 +13,24 @@ are zero-filled first, and its stacked inputs read): memory traffic with no arit
 Loops multiply their body by the trip count (scan's `length`); a `while` whose trip count is
 not static counts its body once and is listed in `unknown_loops`. Inside `shard_map` shapes
 are already per device, so xtrain's explicit program gives per-device FLOPs directly.
+
+Model FLOPs and MFU have one definition here, used by `xtrain plan` (cost.search), the
+training monitor (observe) and the benchmarks: model FLOPs of a step are the matmul and
+convolution FLOPs of the model's forward and backward pass on the global batch, counted in
+the model's own traced graph (`model_flops`), whatever the plan. For a transformer that is
+6 x (parameters that enter matmuls) x tokens plus the attention matmuls (QK^T and AV: 12 x
+layers x sequence x width per token, the causal mask not discounted), the usual "6N +
+attention" of PaLM's MFU; no optimizer, no recomputation, no work a plan replicates or a
+pipeline's bubble adds. MFU = model FLOPs per step / (step seconds x devices x the dense peak
+FLOP/s of one device).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable, Mapping
 
+import jax
 from jax.extend import core as jcore
 
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
@@ -158,3 +170,33 @@ def of_eqns(eqns) -> Flops:
 def count(jaxpr) -> Flops:
     """FLOPs of a jaxpr or ClosedJaxpr, sub-jaxprs included."""
     return of_eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+
+# -- model FLOPs and MFU (the one definition: module docstring) ---------------------------------
+def training_flops(loss: Callable[..., Any], params: Any, *rest: Any) -> float:
+    """Model FLOPs of one training step of `loss(params, *rest)` (a scalar): the matmul and
+    convolution FLOPs of its value and its gradient with respect to `params`, traced at the
+    shapes of the arguments (arrays or jax.ShapeDtypeStruct)."""
+    return count(jax.make_jaxpr(jax.value_and_grad(loss))(params, *rest)).matmul
+
+
+def _shaped(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree)
+
+
+def model_flops(model, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple, *,
+                frozen: Mapping[str, Any] | None = None) -> float:
+    """Model FLOPs of one training step of an xtrain Model (xtrain.ir.model) on the global
+    `batch`: forward and backward, gradients for `params` (not for `frozen` ones)."""
+    frozen = frozen or {}
+
+    def loss(trained, frozen, buffers, key, batch):
+        value = model.apply({**trained, **frozen}, buffers, key, batch, training=True)[0]
+        return value[0] if isinstance(value, tuple) else value  # (sum, count): the sum's FLOPs
+
+    return training_flops(loss, *_shaped((dict(params), dict(frozen), dict(buffers), key, tuple(batch))))
+
+
+def mfu(model_flops_per_step: float, step_s: float, devices: int, peak_per_device: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per step / (step seconds x devices x one device's peak)."""
+    return model_flops_per_step / (step_s * devices * peak_per_device)

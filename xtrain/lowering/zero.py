@@ -34,7 +34,7 @@ from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
-from xtrain.lowering.gradient_sync import buckets
+from xtrain.lowering.gradient_sync import GradSync, buckets
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Spec, axes_of
 
@@ -76,9 +76,9 @@ class Update:
 
     def __init__(self, sizes: Mapping[str, int], data_axes: tuple[str, ...], param_specs: Mapping[str, Spec],
                  optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation,
-                 grad_tx: GradTransforms = GradTransforms(), bucket_bytes: int | None = 25 * 2**20):
+                 grad_tx: GradTransforms = GradTransforms(), sync: GradSync = GradSync()):
         self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.comm_dtype = sync.bucket_bytes, sync.comm_dtype
         self.n = math.prod(sizes[a] for a in data_axes)
         self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
         self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
@@ -86,16 +86,17 @@ class Update:
 
     @classmethod
     def of_layout(cls, layout: StateLayout, tx: optax.GradientTransformation, grad_tx: GradTransforms,
-                  bucket_bytes: int | None) -> "Update":
-        """The update of a step laid out by `layout` (per-device program)."""
+                  sync: GradSync) -> "Update":
+        """The update of a step laid out by `layout` (per-device program); ZeRO-2's reduce-scatter
+        buckets and wire dtype are the gradient sync's (`sync`)."""
         return cls(layout.sizes, layout.batch_axes, layout.param_specs, layout.optimizer_specs, layout.zero, tx,
-                   grad_tx, bucket_bytes)
+                   grad_tx, sync)
 
     @classmethod
     def global_view(cls, names, tx: optax.GradientTransformation, grad_tx: GradTransforms) -> "Update":
         """The update of a global-view program (XLA's partitioner): every tensor whole, no axes."""
         whole = {n: () for n in names}
-        return cls({}, (), whole, whole, 0, tx, grad_tx, None)
+        return cls({}, (), whole, whole, 0, tx, grad_tx, GradSync(bucket_bytes=None))
 
     def scatters(self, name: str) -> bool:
         return self.stage == 2 and self.dims.get(name) is not None
@@ -114,13 +115,15 @@ class Update:
         return [b for sizes in groups.values() for b in buckets(sizes, self.bucket_bytes)]
 
     def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
-        """Each gradient summed over the data axes, this device keeping its block (ZeRO-2)."""
+        """Each gradient summed over the data axes, this device keeping its block (ZeRO-2), on the
+        wire in the gradient sync's dtype (bfloat16 under a bf16 precision policy)."""
         out = {}
         for index, bucket in enumerate(self._buckets(grads, lambda g: g.size * g.dtype.itemsize)):
             with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
-                rows = [_rows(grads[n], split[n], self.n) for n in bucket]
+                dtype = grads[bucket[0]].dtype
+                rows = [_rows(grads[n].astype(self.comm_dtype or dtype), split[n], self.n) for n in bucket]
                 mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
-                for n, block in zip(bucket, _split_columns(mine, [r.shape[1] for r in rows])):
+                for n, block in zip(bucket, _split_columns(mine.astype(dtype), [r.shape[1] for r in rows])):
                     shape = list(grads[n].shape)
                     shape[split[n]] //= self.n
                     out[n] = block.reshape(shape)

@@ -156,10 +156,14 @@ GPU_COMBINE_THRESHOLD_BYTES = 25 * 2**20
 
 def cuda_xla_flags(combine_threshold_bytes: int = GPU_COMBINE_THRESHOLD_BYTES) -> tuple[str, ...]:
     """The XLA flags xtrain wants on CUDA: overlap collectives with compute (XLA's latency-hiding
-    scheduler, off by default) and combine collectives up to one gradient bucket."""
+    scheduler, off by default), combine collectives up to one gradient bucket, and pipeline the
+    all-gathers of a loop (off by default): in ZeRO-3's layer scan the next layer's weights are
+    gathered while this layer computes, at the memory of one more layer's gathered weights (the
+    reduce-scatters of its backward scan are pipelined by default)."""
     return ("--xla_gpu_enable_latency_hiding_scheduler=true",
             *(f"--xla_gpu_{kind}_combine_threshold_bytes={combine_threshold_bytes}"
-              for kind in ("all_reduce", "all_gather", "reduce_scatter")))
+              for kind in ("all_reduce", "all_gather", "reduce_scatter")),
+            "--xla_gpu_enable_pipelined_all_gather=true")
 
 
 def default_xla_flags(backend: str) -> tuple[str, ...]:
@@ -253,12 +257,62 @@ def neuron_layout(process: ProcessEnv) -> str:
     return "process-per-node" if process.local_world_size == 1 else "process-per-core"
 
 
-def backend_env(backend: str, process: ProcessEnv, *, instance: str | None,
-                compile_cache: str | None = None) -> dict[str, str]:
-    """Variables the backend needs before it starts (today: Neuron's; {} elsewhere)."""
+# EFA devices appear as RDMA devices bound to the `efa` kernel driver (AWS EFA user guide).
+EFA_SYSFS = "/sys/class/infiniband"
+
+
+def efa_present(*, devices: Callable[[str], list[str]] = glob.glob,
+                driver: Callable[[str], str] = os.path.realpath) -> bool:
+    """Whether this instance has an Elastic Fabric Adapter (p4d, p4de, p5, p5e, p5en, trn1...)."""
+    return any(os.path.basename(driver(f"{d}/device/driver")) == "efa" for d in devices(f"{EFA_SYSFS}/*"))
+
+
+def cuda_env(process: ProcessEnv, *, efa: bool) -> dict[str, str]:
+    """NCCL's variables between GPU instances: over EFA, libfabric's EFA provider with GPUDirect
+    RDMA (AWS EFA user guide, "Get started with EFA and NCCL"; p4d, p4de and the p5 family
+    support it) and fork safety for data-loader workers. NCCL reaches EFA through the
+    aws-ofi-nccl plugin, which picks its own protocol per platform. {} on one node (NVLink
+    only) or without EFA."""
+    if not efa or process.num_nodes < 2:
+        return {}
+    return {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+def backend_env(backend: str, process: ProcessEnv, *, instance: str | None, compile_cache: str | None = None,
+                precision: str = "fp32", efa: bool = False) -> dict[str, str]:
+    """Variables a backend needs before it starts (XLA_FLAGS apart: `default_xla_flags`).
+
+    Args:
+        backend: "neuron", "cuda" or "cpu".
+        process: the launcher's view of this process.
+        instance: the instance type (needed on Trainium to map processes onto NeuronCores).
+        compile_cache: Neuron's compile cache (NEURON_COMPILE_CACHE_URL).
+        precision: the plan's compute precision, "fp32", "bf16" or "fp16" (Neuron's compiler
+            flags and stochastic rounding).
+        efa: whether the instance has EFA (`efa_present()`); CUDA's NCCL variables need it.
+    """
+    if backend == "cuda":
+        return cuda_env(process, efa=efa)
     if backend != "neuron":
         return {}
     if instance is None:
         raise ValueError("on Trainium xtrain needs the instance type to map processes onto NeuronCores; "
                          "set XTRAIN_INSTANCE_TYPE=trn1.32xlarge (or trn1.2xlarge, trn1n.32xlarge, trn2.48xlarge)")
-    return neuron_env(process, instance, neuron_layout(process), compile_cache=compile_cache)
+    return neuron_env(process, instance, neuron_layout(process), precision=precision, compile_cache=compile_cache)
+
+
+# Variables whose value follows the plan's precision (on Neuron): a plan whose precision differs
+# from the one these were set for compiles with the wrong flags.
+PRECISION_VARIABLES = ("NEURON_CC_FLAGS", "NEURON_RT_STOCHASTIC_ROUNDING_EN")
+
+
+def check_precision(plan_precision: str, started: str, applied: Mapping[str, str]) -> None:
+    """Raises when a plan's compute precision differs from the one the backend's variables were
+    set for (`started`), if xtrain set any of them (`applied`); the user's own values are theirs."""
+    mine = [k for k in PRECISION_VARIABLES if k in applied]
+    if plan_precision != started and mine:
+        raise ValueError(
+            f"the plan's precision is {plan_precision!r} but xtrain.init() started the Neuron runtime for "
+            f"{started!r} ({', '.join(f'{k}={applied[k]}' for k in mine)}), and these are read once, when the "
+            f"plugin starts. Call xtrain.init(precision={plan_precision!r}) first thing in the script (or "
+            f"`xtrain env --precision {plan_precision}` to see the variables), or set them yourself")

@@ -38,7 +38,8 @@ EMULATE_ENV = "XTRAIN_EMULATE"
 # the others (JAX's own default).
 HEARTBEAT_TIMEOUT_S = 100
 
-_state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}}
+_state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}, "precision": "fp32"}
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _backends_started() -> bool:
@@ -73,7 +74,14 @@ def _emulated_cluster(spec: str | None, platform: str, cpu_devices: int | None):
     return emulation.virtual_cluster(spec, devices=cpu_devices)
 
 
-def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
+def _unset(wanted: dict[str, str]) -> dict[str, str]:
+    """Sets the variables of `wanted` that the user has not set; returns those."""
+    applied = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
+def _apply_backend_env(platform: str, env: ProcessEnv, precision: str = "fp32") -> dict[str, str]:
     """Sets the backend's variables that the user has not set; returns what it set."""
     if platform == "cpu" and not _backends_started():
         flags = backends.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
@@ -84,13 +92,11 @@ def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
         wanted = backends.supported_xla_flags(backends.default_xla_flags("cuda"))
         flags = backends.merge_xla_flags(os.environ.get("XLA_FLAGS", ""), wanted)
         os.environ["XLA_FLAGS"] = flags
-        return {"XLA_FLAGS": flags}
+        return {"XLA_FLAGS": flags, **_unset(backends.cuda_env(env, efa=backends.efa_present()))}
     if platform != "neuron":
         return {}
-    wanted = backends.backend_env(platform, env, instance=backends.instance_type() or env.instance_type,
-                                  compile_cache=cache.neuron_cache_url())
-    applied = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(applied)
+    applied = _unset(backends.backend_env(platform, env, instance=backends.instance_type() or env.instance_type,
+                                          compile_cache=cache.neuron_cache_url(), precision=precision))
     import jax
 
     # JAX NeuronX known issues: threefry is only partly supported on Neuron; rbg is. The
@@ -100,7 +106,8 @@ def _apply_backend_env(platform: str, env: ProcessEnv) -> dict[str, str]:
 
 
 def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
-         emulate: str | None = None, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> ProcessEnv:
+         emulate: str | None = None, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+         precision: str = "fp32") -> ProcessEnv:
     """Sets up devices and, under a multi-process launcher, jax.distributed. Idempotent.
 
     Args:
@@ -112,15 +119,22 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
             (see neuron_support.emulate). Ignored off CPU.
         heartbeat_timeout_s: in a multi-process job, how long a process may go silent before
             jax.distributed declares it dead and ends every other process with an error.
+        precision: the compute precision of the plans this process will run ("fp32", "bf16",
+            "fp16"): on Trainium it sets the Neuron compiler's flags and stochastic rounding,
+            which the plugin reads once, when it starts. A plan of another precision is then
+            an error at `xtrain.compile` (`check_plan_precision`).
 
     Returns:
         The ProcessEnv this process runs in.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"xtrain.init(precision={precision!r}): use one of {', '.join(PRECISIONS)} "
+                         "(the compute precision of the plans this job runs)")
     if _state["initialized"]:
         return _state["process_env"]
     env = process_env() if env is None else env
     platform = backends.detect_backend()
-    applied = _apply_backend_env(platform, env)
+    applied = _apply_backend_env(platform, env, precision)
     cluster = _emulated_cluster(emulate or os.environ.get(EMULATE_ENV), platform, cpu_devices)
     if cluster is not None and cpu_devices is None:
         cpu_devices = cluster.num_devices
@@ -134,8 +148,14 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
     if env.is_multi_process:
         _init_distributed(env, platform, heartbeat_timeout_s)
     emulation.use(cluster)
-    _state.update(initialized=True, process_env=env, cluster=cluster, backend_env=applied)
+    _state.update(initialized=True, process_env=env, cluster=cluster, backend_env=applied, precision=precision)
     return env
+
+
+def check_plan_precision(precision: str) -> None:
+    """Raises when a plan's compute precision ("fp32", "bf16", "fp16") is not the one `init`
+    set the backend's variables for (Neuron's compiler flags and rounding; see init)."""
+    backends.check_precision(precision, _state["precision"], _state["backend_env"])
 
 
 def _enable_cache() -> None:
