@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from xtrain.lowering import collectives
+from xtrain.ir.stacked import is_stacked
+from xtrain.ir.trust_ratio import SUM_SQUARES
+from xtrain.lowering import clipping, collectives
 from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
 from xtrain.lowering.sharded import Context, Sharded
@@ -81,6 +83,8 @@ class Update:
         self.bucket_bytes = bucket_bytes
         self.n = math.prod(sizes[a] for a in data_axes)
         self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
+        # a stacked array's rows are layers (split over the pipeline axis, if at all), not parts of one tensor
+        self.row_axes = {n: tuple(axes_of(s[0])) if is_stacked(n) and s else () for n, s in param_specs.items()}
         self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
                      for n in param_specs}
 
@@ -142,6 +146,12 @@ class Update:
         axes where the optimizer works on a slice (ZeRO-1/2)."""
         return {n: axes + (self.data_axes if n in split else ()) for n, axes in self.param_axes.items()}
 
+    def _sum_squares(self, split: Mapping[str, int]):
+        """Per-tensor (per-layer) sums over the shards, for transformations that need whole
+        norms (LARS / LAMB's trust ratios: xtrain.ir.trust_ratio)."""
+        axes = {n: tuple(a for a in ax if a not in self.row_axes[n]) for n, ax in self._split_axes(split).items()}
+        return lambda partial: clipping.sum_over_shards(partial, axes)
+
     def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
         """(new parameters, new optimizer state, global gradient norm or None) from
         synchronised (or, ZeRO-2, raw) gradients; `lrs` per param group, `scale` fp16's."""
@@ -153,7 +163,8 @@ class Update:
             scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
         shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
         shard_g, norm = self.grad_tx.before_update(shard_g, self._split_axes(split), scale)
-        updates, opt_state = self.tx.update(shard_g, opt_state, shard_p)
+        updates, opt_state = optax.with_extra_args_support(self.tx).update(
+            shard_g, opt_state, shard_p, **{SUM_SQUARES: self._sum_squares(split)})
         new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
         gathered = self._all_gather({n: v for n, v in new.items() if n in split}, split)
         return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm
