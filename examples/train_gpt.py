@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "int8"],
+                   help="gradients on the wire (xtrain.GradSync): bfloat16, or int8 with error feedback")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="emulated CPU devices in the whole job (CPU only; ignored on GPU/Trainium)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
@@ -129,7 +131,8 @@ def main(argv=None) -> None:
     model = GPT(cfg)
     mesh = xtrain.Mesh(data=-1)
     step = xtrain.compile(model, mesh,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
+                          grad_sync=xtrain.GradSync(comm_dtype=args.comm_dtype) if args.comm_dtype else None)
     train_tokens, val_tokens = split_corpus(default_corpus())
     if show:
         print(f"GPT {model.num_params() / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "

@@ -40,6 +40,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 AUTO = "auto"
+RESIDUAL = "grad_residual/"  # the TrainState's per-device leaves (int8 error feedback), by checkpoint name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,12 +103,15 @@ class TrainStep:
             path, self._pending_load = self._pending_load, None
             self.load(path)
 
+    @property
+    def _sync(self) -> GradSync:
+        return self.options.grad_sync or GradSync(comm_dtype=self.plan.precision.wire_dtype)
+
     def _config(self, remat="plan") -> StepConfig:
         plan, options = self.plan, self.options
         grad_tx = GradTransforms(options.step.clip_grad_norm, self.trainable.lr_groups, options.step.detect_nan,
                                  plan.precision.loss_scale)
-        return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
-                          sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
+        return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx, sync=self._sync,
                           remat=plan.layer_remat() if remat == "plan" else remat,
                           regather=options.zero3_regather is not False)
 
@@ -123,8 +127,9 @@ class TrainStep:
             params = checkpoint.load_sharded(self.options.init_from, model.param_shapes(),
                                              state_mod.named(self.mesh, layout.param_specs), self._aliases())
             buffers = model.initial_buffers(checkpoint.read_stored(self.options.init_from, model.buffer_names()))
+        residual = state_mod.residual_zeros(layout, model.param_shapes()) if self._sync.int8 else None
         return state_mod.initial(params, buffers, layout.optimized, self.trainable.tx, self.options.seed,
-                                 precision.initial_state(self.plan.precision))
+                                 precision.initial_state(self.plan.precision), residual)
 
     def _aliases(self) -> dict[str, list[str]]:
         """Tied tensors' other names, per canonical name (a file may store either)."""
@@ -338,7 +343,8 @@ class TrainStep:
         if not self._built:
             self._pending_load = path
             return checkpoint.read_manifest(path)["extra"]
-        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table())
+        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table(),
+                                              per_device=(RESIDUAL,))
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 

@@ -219,11 +219,11 @@ def peak_live_bytes(jaxpr) -> int:
 
 def memory_from_graph(per_device_jaxpr, state: Mapping[str, int]) -> Memory:
     """Per-device memory of a lowered (not compiled) step: the state shards (`state`:
-    parameters, gradients, optimizer bytes) held all step, plus the peak of live
+    parameters, gradients, optimizer, int8 residual bytes) held all step, plus the peak of live
     intermediates of the per-device program (activations, gathered weights; gradients are
     intermediates there and counted in that peak, not twice)."""
     temporaries = peak_live_bytes(per_device_jaxpr)
-    held = state.get("parameters", 0) + state.get("optimizer", 0)
+    held = state.get("parameters", 0) + state.get("optimizer", 0) + state.get("grad_residual", 0)
     return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
                   gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),
                   activations=int(max(0, temporaries - state.get("gradients", 0))), source="graph")

@@ -45,7 +45,7 @@ class AbstractStep:
     param_specs: dict[str, Spec]
     optimizer_specs: dict[str, Spec]
     batch_axes: tuple[str, ...]
-    state_bytes: dict[str, int]     # parameters / gradients / optimizer bytes per device
+    state_bytes: dict[str, int]     # parameters / gradients / optimizer (/ grad_residual) bytes per device
     bubble: float = 0.0             # a pipeline schedule table's idle share of (tick, stage) slots
 
 
@@ -98,16 +98,21 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
         model = stacked.stored_model(model, layout.stacking)
     params = model.param_shapes()
     opt_state = jax.eval_shape(tx.init, params)
+    sync = grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype)
+    residual = state_mod.residual_shapes(layout, params) if sync.int8 else None
     state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
-                       step=jax.ShapeDtypeStruct((), np.int32), key=key)
-    config = StepConfig(tx=tx, sync=grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                        remat=plan.layer_remat(), regather=regather)
+                       step=jax.ShapeDtypeStruct((), np.int32), key=key, grad_residual=residual)
+    config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather)
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     program = jax.make_jaxpr(lowered.train)(state, _shaped(batch), no_lr_groups)
     bubble = lowered.strategy.program.table.bubble() if plan.pipeline is not None else 0.0
+    state_bytes = _state_bytes(params, opt_state, layout, sizes)
+    if residual is not None:  # int8 error feedback: one gradient's worth per device
+        specs = state_mod.residual_specs(layout)
+        state_bytes["grad_residual"] = sum(_local_bytes(r.shape, r.dtype, specs[n], sizes) for n, r in residual.items())
     return AbstractStep(program, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
-                        _state_bytes(params, opt_state, layout, sizes), bubble)
+                        state_bytes, bubble)
 
 
 def _shaped(batch: tuple) -> tuple:

@@ -11,6 +11,7 @@ with every collective chosen and counted by xtrain.
     collectives.py     the collectives layer: every collective the program contains
     zero.py            ZeRO: flat gathers of stage 3, re-gather policy, sharded update of 1/2
     gradient_sync.py   bucketed (optionally hierarchical, narrower-dtype) gradient all-reduce
+    int8_sync.py       int8 gradient exchange (all-to-all, fp32 sums, all-gather) with error feedback
     grad_transforms.py, clipping.py, accumulation.py, precision.py, remat.py, options.py
                        what happens between gradients and update; micro-batches; mixed
                        precision; activation checkpointing; step options

@@ -133,11 +133,15 @@ def _shard_bytes(x, sharding=None) -> int:
 
 def state_memory(state, grad_shardings: dict) -> dict[str, int]:
     """Bytes per device of the parameters (trained and frozen), of the gradients the update
-    consumes (sharded like `grad_shardings`: the parameters', or ZeRO-2's optimizer shards)
-    and of the optimizer state, from the shardings of the placed TrainState."""
+    consumes (sharded like `grad_shardings`: the parameters', or ZeRO-2's optimizer shards),
+    of the optimizer state and of int8's error-feedback residuals, from the shardings of the
+    placed TrainState."""
     import jax
 
     params = {**state.params, **state.frozen}
-    return {"parameters": sum(_shard_bytes(v) for v in params.values()),
-            "gradients": sum(_shard_bytes(v, grad_shardings.get(n)) for n, v in state.params.items()),
-            "optimizer": sum(_shard_bytes(v) for v in jax.tree.leaves(state.opt_state) if hasattr(v, "shape"))}
+    out = {"parameters": sum(_shard_bytes(v) for v in params.values()),
+           "gradients": sum(_shard_bytes(v, grad_shardings.get(n)) for n, v in state.params.items()),
+           "optimizer": sum(_shard_bytes(v) for v in jax.tree.leaves(state.opt_state) if hasattr(v, "shape"))}
+    if state.grad_residual is not None:  # GradSync(comm_dtype="int8")'s error feedback
+        out["grad_residual"] = sum(_shard_bytes(v) for v in state.grad_residual.values())
+    return out

@@ -134,15 +134,26 @@ def _trainer(strategy: Strategy, config: StepConfig) -> Callable:
             key = jax.random.fold_in(state.key, state.step)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else None
             out = compute(state, batch, key, scale)
-            grads = gradient_sync.sync(out.grads, out.pending, config.sync)
-            params, opt_state, norm = strategy.update(grads, state.opt_state, state.params, lrs, scale)
+            grads = gradient_sync.with_feedback(out.grads, state.grad_residual)  # int8's error feedback
+            grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
+            params, opt_state, norm, scattered = strategy.update(grads, state.opt_state, state.params, lrs, scale)
             new = dataclasses.replace(state, params=params, buffers={**state.buffers, **out.buffers},
-                                      opt_state=opt_state)
+                                      opt_state=opt_state, grad_residual=_stored(state.grad_residual,
+                                                                                 {**dropped, **scattered}))
             return finish_step(state, new, out.loss, norm, config.grad_tx)
 
         return strategy.runner.train(step, batch)(state, batch, lrs)
 
     return train_step
+
+
+def _stored(residual, dropped: Mapping[str, Any]):
+    """The next int8 residuals in their stored form (a device dimension of 1 beside the
+    gradient's shape); None without int8."""
+    if residual is None:
+        return None
+    assert set(dropped) == set(residual), (sorted(dropped), sorted(residual))
+    return {n: dropped[n].reshape(r.shape).astype(r.dtype) for n, r in residual.items()}
 
 
 def _evaluator(strategy: Strategy) -> Callable:

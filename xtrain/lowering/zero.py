@@ -31,12 +31,12 @@ from jax import lax
 
 from xtrain.ir.stacked import is_stacked
 from xtrain.ir.trust_ratio import SUM_SQUARES
-from xtrain.lowering import clipping, collectives
+from xtrain.lowering import clipping, collectives, int8_sync
 from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
-from xtrain.lowering.gradient_sync import buckets
+from xtrain.lowering.gradient_sync import GradSync, buckets
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Spec, axes_of
 
@@ -78,9 +78,9 @@ class Update:
 
     def __init__(self, sizes: Mapping[str, int], data_axes: tuple[str, ...], param_specs: Mapping[str, Spec],
                  optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation,
-                 grad_tx: GradTransforms = GradTransforms(), bucket_bytes: int | None = 25 * 2**20):
+                 grad_tx: GradTransforms = GradTransforms(), sync: GradSync = GradSync()):
         self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
-        self.bucket_bytes = bucket_bytes
+        self.sync, self.bucket_bytes = sync, sync.bucket_bytes
         self.n = math.prod(sizes[a] for a in data_axes)
         self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
         # a stacked array's rows are layers (split over the pipeline axis, if at all), not parts of one tensor
@@ -90,16 +90,16 @@ class Update:
 
     @classmethod
     def of_layout(cls, layout: StateLayout, tx: optax.GradientTransformation, grad_tx: GradTransforms,
-                  bucket_bytes: int | None) -> "Update":
+                  sync: GradSync) -> "Update":
         """The update of a step laid out by `layout` (per-device program)."""
         return cls(layout.sizes, layout.batch_axes, layout.param_specs, layout.optimizer_specs, layout.zero, tx,
-                   grad_tx, bucket_bytes)
+                   grad_tx, sync)
 
     @classmethod
     def global_view(cls, names, tx: optax.GradientTransformation, grad_tx: GradTransforms) -> "Update":
         """The update of a global-view program (XLA's partitioner): every tensor whole, no axes."""
         whole = {n: () for n in names}
-        return cls({}, (), whole, whole, 0, tx, grad_tx, None)
+        return cls({}, (), whole, whole, 0, tx, grad_tx, GradSync(bucket_bytes=None))
 
     def scatters(self, name: str) -> bool:
         return self.stage == 2 and self.dims.get(name) is not None
@@ -117,18 +117,26 @@ class Update:
             groups.setdefault(key, {})[name] = whole_bytes(v)
         return [b for sizes in groups.values() for b in buckets(sizes, self.bucket_bytes)]
 
-    def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
-        """Each gradient summed over the data axes, this device keeping its block (ZeRO-2)."""
-        out = {}
+    def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> tuple[dict, dict]:
+        """(each gradient summed over the data axes, this device keeping its block (ZeRO-2); the
+        int8 residual of each gradient, empty unless GradSync(comm_dtype="int8"))."""
+        out, dropped = {}, {}
         for index, bucket in enumerate(self._buckets(grads, lambda g: g.size * g.dtype.itemsize)):
             with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 rows = [_rows(grads[n], split[n], self.n) for n in bucket]
-                mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
-                for n, block in zip(bucket, _split_columns(mine, [r.shape[1] for r in rows])):
-                    shape = list(grads[n].shape)
-                    shape[split[n]] //= self.n
-                    out[n] = block.reshape(shape)
-        return out
+                widths, blocks = [r.shape[1] for r in rows], {}
+                for n in bucket:
+                    blocks[n] = list(grads[n].shape)
+                    blocks[n][split[n]] //= self.n
+                if self.sync.int8:  # all-to-all of int8 rows, summed in fp32 (xtrain.lowering.int8_sync)
+                    mine, left = int8_sync.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes,
+                                                          self.sync.int8_chunk)
+                    dropped.update({n: _unrows(r, split[n], tuple(blocks[n]))
+                                    for n, r in zip(bucket, _split_columns(left, widths))})
+                else:
+                    mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
+                out.update({n: b.reshape(blocks[n]) for n, b in zip(bucket, _split_columns(mine, widths))})
+        return out, dropped
 
     def _all_gather(self, shards: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
         """Every device's block of each updated parameter, joined: the whole parameter."""
@@ -153,12 +161,15 @@ class Update:
         return lambda partial: clipping.sum_over_shards(partial, axes)
 
     def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
-        """(new parameters, new optimizer state, global gradient norm or None) from
-        synchronised (or, ZeRO-2, raw) gradients; `lrs` per param group, `scale` fp16's."""
+        """(new parameters, new optimizer state, global gradient norm or None, int8 residuals of
+        ZeRO-2's reduce-scatter) from synchronised (or, ZeRO-2, raw) gradients; `lrs` per param
+        group, `scale` fp16's."""
         split = {n: d for n, d in self.dims.items() if d is not None and n in params}
         shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
+        dropped = {}
         if self.stage == 2:  # last layers' gradients first, as the backward pass makes them
-            scattered = self._reduce_scatter({n: grads[n] for n in reversed(list(grads)) if n in split}, split)
+            order = reversed(list(grads))
+            scattered, dropped = self._reduce_scatter({n: grads[n] for n in order if n in split}, split)
         else:
             scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
         shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
@@ -167,7 +178,7 @@ class Update:
             shard_g, opt_state, shard_p, **{SUM_SQUARES: self._sum_squares(split)})
         new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
         gathered = self._all_gather({n: v for n, v in new.items() if n in split}, split)
-        return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm
+        return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm, dropped
 
 
 # -- ZeRO-3: gathering parameter shards ---------------------------------------------------------

@@ -103,7 +103,7 @@ class ExplicitStrategy:
         self.program = Program(model, mesh, layout, config)
         self.layout, self.config = layout, config
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
-        self.update = zero_mod.Update.of_layout(layout, config.tx, config.grad_tx, config.sync.bucket_bytes)
+        self.update = zero_mod.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
         self.grad_axes = {n: layout.grad_axes(n) for n in layout.param_specs}
         # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
         self.pending = {n: () if self.update.scatters(n) else a for n, a in self.grad_axes.items()}

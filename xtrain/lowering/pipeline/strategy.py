@@ -141,7 +141,7 @@ class PipelineStrategy:
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
-        self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync.bucket_bytes)
+        self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
         # a family stored on its stage already varies over the pipe axis; the rest is replicated
         self.pending = {n: layout.grad_axes(n) + (() if n in self.storage.groups else (pipeline.axis,))
                         for n in layout.param_specs}
