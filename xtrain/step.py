@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import checkpoint, data, explain, hooks, recompile
+from xtrain import checkpoint, data, explain, hooks, recompile, runtime
 from xtrain.cost import hardware, search
 from xtrain.frontend import tensors
 from xtrain.ir import stacked
@@ -86,6 +86,7 @@ class TrainStep:
 
     # -- building --------------------------------------------------------------------------
     def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
+        _check_hardware_precision(mesh, plan)
         self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
@@ -389,6 +390,16 @@ class TrainStep:
         """The lowered step (its strategy's notes feed the report)."""
         self._require_built(".lowered")
         return self._program
+
+
+def _check_hardware_precision(mesh: jax.sharding.Mesh, plan: Plan) -> None:
+    """A plan's compute dtype must exist on the devices (bf16 does not on V100), or on the
+    instance an emulated cluster stands for."""
+    compute = plan.precision.compute.value
+    hardware.check_device_precision(mesh.devices.flat[0].device_kind, compute)
+    cluster = runtime.emulated_cluster()
+    if cluster is not None and cluster.instance.name in hardware.PROFILES:
+        hardware.profile(cluster.instance.name).check_precision(compute)
 
 
 def _agreed(result: search.SearchResult):

@@ -24,7 +24,9 @@ from jax.sharding import AbstractMesh
 
 from xtrain.ir import flops, stacked
 from xtrain.ir.model import Model
+from xtrain.lowering import precision
 from xtrain.lowering import state as state_mod
+from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering import ordering
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.lowering.gradient_sync import GradSync
@@ -86,6 +88,7 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    model = precision.apply_policy(model, plan.precision)  # as TrainStep: matmuls in the compute dtype
     shapes = model.param_shapes()
     layout = layout_mod.resolve(plan, sizes, shapes, optimized=set(shapes),
                                 lr_groups={} if stack_blocks else None, scan_layers=scan_layers)
@@ -100,9 +103,11 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     opt_state = jax.eval_shape(tx.init, params)
     sync = grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype)
     residual = state_mod.residual_shapes(layout, params) if sync.int8 else None
+    scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), precision.initial_state(plan.precision))
     state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
-                       step=jax.ShapeDtypeStruct((), np.int32), key=key, grad_residual=residual)
-    config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather)
+                       step=jax.ShapeDtypeStruct((), np.int32), key=key, loss_scale=scale, grad_residual=residual)
+    config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather,
+                        grad_tx=GradTransforms(loss_scale=plan.precision.loss_scale))
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     program = jax.make_jaxpr(lowered.train)(state, _shaped(batch), no_lr_groups)

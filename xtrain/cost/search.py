@@ -11,7 +11,9 @@ microbatches, data degree n / (t x p) over "data" with ZeRO stage 0-3 (0-1 with 
 all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
 per-stage checkpoint, or the 1F1B schedule, which always recomputes). Pipeline degrees by
 default: the divisors of n up to the model's number of repeated blocks, none for a model
-without repeated blocks; m in (p, 2p, 4p).
+without repeated blocks; m in (p, 2p, 4p). Precision: the script's fp32, except on hardware
+with fp16 but no bf16 arithmetic (V100: p3 instances), where every plan is fp16 with dynamic
+loss scaling (`HardwareProfile.plan_precision`).
 
 Each candidate is lowered for an abstract mesh (cost.program), never run; a pipeline candidate
 by the pipeline step itself, so its FLOPs, permutes between stages, gradient sync over "pipe"
@@ -60,6 +62,8 @@ class Candidate:
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
         pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
         schedule: the pipeline schedule, "gpipe" or "1f1b".
+        precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
+            loss scaling on hardware without bf16, else "fp32").
     """
 
     data: int
@@ -69,6 +73,7 @@ class Candidate:
     pipe: int = 1
     microbatches: int = 1
     schedule: str = "gpipe"
+    precision: str = "fp32"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -93,17 +98,18 @@ class Candidate:
         parts = [f"dp{self.data}"] + ([f"tp{self.tensor}"] if self.tensor > 1 else [])
         parts += [f"pp{self.pipe}"] if self.pipe > 1 else []
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
-        return name + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
     def plan(self, structure: Structure | None = None) -> Plan:
         """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
         stage, remat, the pipeline."""
-        base = Plan()
+        base = Plan(precision=self.precision)
         if self.tensor > 1:
             if structure is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
-            base = presets.megatron(structure, self.mesh)
+            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision)
         if self.pipe == 1:
             return dataclasses.replace(base, zero=self.zero, remat=self.remat)
         return dataclasses.replace(base, zero=self.zero).with_pipeline(
@@ -163,6 +169,8 @@ class SearchResult:
             lines.append(mark + _predicted(row))
         pick = f"pick: {self.best.candidate.name}" if self.best else "pick: none fits this device's memory"
         lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
+        if self.profile.plan_precision == "fp16":
+            lines.append("precision: fp16 with dynamic loss scaling (this GPU has no bf16 arithmetic)")
         if any(r.candidate.pipe > 1 for r in self.rows):
             lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
                          "is inside compute ms, not added")
@@ -220,7 +228,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     out = []
     for p in pipe_degrees:
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
-            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules)
+            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
+                           profile.plan_precision)
     return out
 
 
@@ -231,12 +240,14 @@ def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
     return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
 
 
-def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules) -> list[Candidate]:
+def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules,
+            precision: str) -> list[Candidate]:
     """The candidates of one (data, tensor, pipe) mesh."""
     zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
     if pipe == 1:
-        return [Candidate(data=data, tensor=tensor, zero=z, remat=r) for z in zeros for r in remat]
-    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r)
+        return [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision) for z in zeros for r in remat]
+    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r,
+                      precision=precision)
             for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
 
 
@@ -281,6 +292,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     if reason:
         return Row(candidate=candidate, reason=reason)
     try:
+        profile.check_precision(candidate.precision)
         plan = candidate.plan(structure)
         traced = program_mod.abstract_step(model, tx, sizes, plan, batch, regather=regather)
     except ValueError as err:
