@@ -40,7 +40,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 AUTO = "auto"
-RESIDUAL = "grad_residual/"  # the TrainState's per-device leaves (int8 error feedback), by checkpoint name
+RESIDUAL = "grad_residual/"  # checkpoint names of the TrainState's per-device leaves (int8 error feedback)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +86,8 @@ class TrainStep:
 
     # -- building --------------------------------------------------------------------------
     def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
-        _check_hardware_precision(mesh, plan)
+        emulated = getattr(runtime.emulated_cluster(), "instance", None)  # bf16 on V100s (or emulated p3s): an error
+        hardware.check_device_precision(mesh.devices.flat[0].device_kind, plan.precision.compute.value, emulated)
         self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
@@ -104,15 +105,12 @@ class TrainStep:
             path, self._pending_load = self._pending_load, None
             self.load(path)
 
-    @property
-    def _sync(self) -> GradSync:
-        return self.options.grad_sync or GradSync(comm_dtype=self.plan.precision.wire_dtype)
-
     def _config(self, remat="plan") -> StepConfig:
         plan, options = self.plan, self.options
         grad_tx = GradTransforms(options.step.clip_grad_norm, self.trainable.lr_groups, options.step.detect_nan,
                                  plan.precision.loss_scale)
-        return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx, sync=self._sync,
+        return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
+                          sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                           remat=plan.layer_remat() if remat == "plan" else remat,
                           regather=options.zero3_regather is not False)
 
@@ -128,7 +126,7 @@ class TrainStep:
             params = checkpoint.load_sharded(self.options.init_from, model.param_shapes(),
                                              state_mod.named(self.mesh, layout.param_specs), self._aliases())
             buffers = model.initial_buffers(checkpoint.read_stored(self.options.init_from, model.buffer_names()))
-        residual = state_mod.residual_zeros(layout, model.param_shapes()) if self._sync.int8 else None
+        residual = state_mod.residual_zeros(layout, model.param_shapes()) if self._config().sync.int8 else None
         return state_mod.initial(params, buffers, layout.optimized, self.trainable.tx, self.options.seed,
                                  precision.initial_state(self.plan.precision), residual)
 
@@ -344,17 +342,18 @@ class TrainStep:
         if not self._built:
             self._pending_load = path
             return checkpoint.read_manifest(path)["extra"]
-        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table(),
-                                              per_device=(RESIDUAL,))
+        rows = self.layout.stacking.row_table()
+        values, manifest = checkpoint.restore(path, self.state, rows=rows, per_device=(RESIDUAL,))
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 
-    def export(self, path: str | os.PathLike):
+    def export(self, path: str | os.PathLike | None = None):
         """Writes `state_dict()` (full tensors under the torch module's own names) to `path`:
         `.safetensors`, or `.pt`/`.pth`/`.bin` for torch.save. Every process calls it (the
         tensors are gathered); process 0 writes. Loads with `module.load_state_dict` or, written
-        as `model.safetensors` next to an HF config, with `from_pretrained`."""
-        return checkpoint.export(self.state_dict(), path)
+        as `model.safetensors` next to an HF config, with `from_pretrained`. No path, in a SageMaker
+        job: SM_MODEL_DIR/model.safetensors, uploaded when the job ends. Returns the path."""
+        return checkpoint.export(self.state_dict(), runtime.sagemaker.export_path() if path is None else path)
 
     # -- explanation (xtrain.explain) --------------------------------------------------------
     def _shapes(self, batch: tuple) -> tuple:
@@ -390,16 +389,6 @@ class TrainStep:
         """The lowered step (its strategy's notes feed the report)."""
         self._require_built(".lowered")
         return self._program
-
-
-def _check_hardware_precision(mesh: jax.sharding.Mesh, plan: Plan) -> None:
-    """A plan's compute dtype must exist on the devices (bf16 does not on V100), or on the
-    instance an emulated cluster stands for."""
-    compute = plan.precision.compute.value
-    hardware.check_device_precision(mesh.devices.flat[0].device_kind, compute)
-    cluster = runtime.emulated_cluster()
-    if cluster is not None and cluster.instance.name in hardware.PROFILES:
-        hardware.profile(cluster.instance.name).check_precision(compute)
 
 
 def _agreed(result: search.SearchResult):

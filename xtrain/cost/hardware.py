@@ -50,8 +50,8 @@ _PEAKS: dict[str, dict[str, float]] = {
 # "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"; the Neuron plugin names NeuronCores
 # by generation: NC_v2 = trn1, NC_v3d = a trn2 logical core of two, NC_v3 = one trn2 core).
 _KIND_KEYS = (("H100 PCIe", "H100 PCIe"), ("H100 NVL", "NVL"), ("H200 NVL", "NVL"), ("H200", "H200"),
-              ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("trn2", "trn2"), ("nc_v3d", "trn2"), ("nc_v3", "trn2 core"),
-              ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
+              ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("trn2", "trn2"), ("nc_v3d", "trn2"),
+              ("nc_v3", "trn2 core"), ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "f16": "fp16",
            "float32": "fp32", "fp32": "fp32", "f32": "fp32", "tf32": "tf32", "tfloat32": "tf32"}
 
@@ -60,11 +60,14 @@ def _dtype_key(dtype: str) -> str | None:
     return _DTYPES.get(str(dtype).lower())
 
 
-def check_device_precision(device_kind: str, compute: str) -> None:
-    """Fails for bf16 on a device kind with fp16 but no bf16 arithmetic (V100), naming fp16."""
+def check_device_precision(device_kind: str, compute: str, emulated: topology.InstanceTopology | None = None) -> None:
+    """Fails for bf16 on a device kind with fp16 but no bf16 arithmetic (V100), or on CPU
+    devices emulating such an instance type (`emulated`), naming fp16."""
     if compute == "bf16" and peak_flops(device_kind, "bf16") is None and peak_flops(device_kind, "fp16"):
         raise ValueError(f"{device_kind} has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds "
                          "dynamic loss scaling, or 'fp32'")
+    if emulated is not None and emulated.name in PROFILES:
+        PROFILES[emulated.name].check_precision(compute)
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
