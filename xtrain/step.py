@@ -112,7 +112,7 @@ class TrainStep:
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                           remat=plan.layer_remat() if remat == "plan" else remat,
-                          regather=options.zero3_regather is not False)
+                          regather=options.zero3_regather is not False, offload_optimizer=self.layout.offload_optimizer)
 
     def _lower(self, layout: StateLayout, remat="plan") -> StepProgram:
         return lower(self.model, self.mesh, layout, self.shardings, self._config(remat), lowering=self.options.lowering,

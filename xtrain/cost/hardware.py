@@ -96,6 +96,8 @@ class HardwareProfile:
         intra_node_latency_s, inter_node_latency_s: fixed cost of one ring step.
         overlap: fraction of data-parallel gradient communication that can run under the backward
             pass (asynchronous collectives); 0 where collectives block the compute.
+        host_bytes_per_s: device <-> host memory bandwidth per device, one direction (what an
+            offloaded optimizer state moves over each step); None: offload is not planned here.
         notes: what the profile is, in words.
     """
 
@@ -110,6 +112,7 @@ class HardwareProfile:
     intra_node_latency_s: float
     inter_node_latency_s: float
     overlap: float = 0.0
+    host_bytes_per_s: float | None = None
     notes: str = ""
 
     @property
@@ -141,34 +144,47 @@ class HardwareProfile:
 
 
 def _from_topology(name: str, peaks: str, *, float32_matmul: str, intra: float, inter_latency: float,
-                   overlap: float, hbm_bytes_per_s_chip: float | None = None) -> HardwareProfile:
+                   overlap: float, hbm_bytes_per_s_chip: float | None = None,
+                   host: float | None = None) -> HardwareProfile:
     t = topology.instance(name)
     chip_bw = (t.hbm_gib_s_per_chip * 2**30) if t.hbm_gib_s_per_chip else hbm_bytes_per_s_chip
     return HardwareProfile(
         name=name, devices_per_node=t.devices, peak_flops=_PEAKS[peaks], float32_matmul=float32_matmul,
         hbm_bytes=t.hbm_bytes_per_device, hbm_bytes_per_s=chip_bw / t.devices_per_chip,
         intra_node_bytes_per_s=intra, inter_node_bytes_per_s=t.network_gbit_s / 8 * GB / t.devices,
-        intra_node_latency_s=10e-6, inter_node_latency_s=inter_latency, overlap=overlap,
+        intra_node_latency_s=10e-6, inter_node_latency_s=inter_latency, overlap=overlap, host_bytes_per_s=host,
         notes=topology.describe(t))
 
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # AWS P4d page: NVLink 3 through NVSwitch, 600 GB/s per GPU (both directions) -> 300 GB/s
     # each way; EFA 400 Gbps per instance shared by 8 GPUs (topology.py).
-    _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
+    # Host link: NVIDIA A100 datasheet, PCIe Gen4 64 GB/s (both directions) -> 32 GB/s each way.
+    _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=32 * GB),
     # AWS P5 page: NVLink 4, 900 GB/s per GPU (both directions) -> 450 GB/s; EFA 3200 Gbps.
-    _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    # Host link: NVIDIA H100 / H200 datasheets, PCIe Gen5 128 GB/s (both directions) -> 64 GB/s.
+    _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
     # AWS P4 page: p4de as p4d with A100 80GB; AWS P5 page: p5e / p5en as p5 with H200.
-    _from_topology("p4de.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
-    _from_topology("p5e.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
-    _from_topology("p5en.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
-    # NVIDIA V100 datasheet: NVLink 2, 300 GB/s per GPU (both directions) -> 150 GB/s each way.
+    _from_topology("p4de.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=32 * GB),
+    _from_topology("p5e.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
+    _from_topology("p5en.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
+    # NVIDIA V100 datasheet: NVLink 2, 300 GB/s per GPU (both directions) -> 150 GB/s each way;
+    # host link PCIe Gen3 32 GB/s (both directions) -> 16 GB/s.
     # Network: AWS P3 page (topology.py), ENA through TCP except p3dn's EFA; assumption: 50 us
     # per ring step over TCP. p3.2xlarge has one GPU (its intra-node rate is never used).
-    _from_topology("p3.2xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8),
-    _from_topology("p3.8xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8),
-    _from_topology("p3.16xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8),
-    _from_topology("p3dn.24xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=30e-6, overlap=0.8),
+    _from_topology("p3.2xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3.8xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3.16xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3dn.24xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=16 * GB),
     # Assumption (not in the cited Neuron pages, which give no per-link rate): NeuronLink-v2 at
     # ~192 GB/s per Trainium chip (4 links), shared by its 2 cores -> 96 GB/s per core.
     # neuronx-cc auto-casts fp32 matmuls to bf16 by default (--auto-cast matmult).
@@ -262,6 +278,7 @@ def emulated(devices: int | None = None) -> HardwareProfile:
         hbm_bytes=memory // n, hbm_bytes_per_s=elementwise / n,
         intra_node_bytes_per_s=link, inter_node_bytes_per_s=link,
         intra_node_latency_s=latency, inter_node_latency_s=latency, overlap=0.0,
+        host_bytes_per_s=elementwise / n,  # "host" memory is the same RAM: a copy's rate
         notes=(f"{n} XLA CPU devices, {local} per process time-sharing {len(os.sched_getaffinity(0))} host "
                f"cores; collectives are memory copies ({'measured' if local > 1 else 'NOT measured, assumed'} "
                f"{link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); matmul "

@@ -58,6 +58,8 @@ def _local_bytes(shape, dtype, spec: Spec, sizes: Mapping[str, int]) -> int:
 
 
 def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes per device (the optimizer's as `optimizer_host`
+    when offloaded)."""
     param_specs, optimizer_specs, grad_specs = layout.param_specs, layout.optimizer_specs, layout.grad_specs
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     by_shape = lambda leaf, name: optimizer_specs[name] if tuple(leaf.shape) == shapes[name] else ()
@@ -66,9 +68,10 @@ def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int
         name = next((getattr(e, "key", None) for e in path if getattr(e, "key", None) in shapes), None)
         spec = by_shape(leaf, name) if name else ()
         optimizer += _local_bytes(leaf.shape, leaf.dtype, spec, sizes)
+    where = "optimizer_host" if layout.offload_optimizer else "optimizer"
     return {"parameters": sum(_local_bytes(p.shape, p.dtype, param_specs[n], sizes) for n, p in params.items()),
             "gradients": sum(_local_bytes(p.shape, p.dtype, grad_specs[n], sizes) for n, p in params.items()),
-            "optimizer": optimizer}
+            "optimizer": 0, where: optimizer}
 
 
 def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping[str, int], plan: Plan,
@@ -107,7 +110,8 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
                        step=jax.ShapeDtypeStruct((), np.int32), key=key, loss_scale=scale, grad_residual=residual)
     config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather,
-                        grad_tx=GradTransforms(loss_scale=plan.precision.loss_scale))
+                        grad_tx=GradTransforms(loss_scale=plan.precision.loss_scale),
+                        offload_optimizer=layout.offload_optimizer)
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     program = jax.make_jaxpr(lowered.train)(state, _shaped(batch), no_lr_groups)

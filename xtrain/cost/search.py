@@ -21,7 +21,9 @@ and the data axes, and memory (each stage stores its own layers) are the program
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
 whose memory exceeds the device is marked as not fitting and never picked. A variant that only
-saves memory (remat, 1F1B) is lowered only when its plain form does not fit.
+saves memory (remat, 1F1B, the optimizer state offloaded to host memory where the profile knows
+the host link) is lowered only when its plain form does not fit; an offloaded plan is charged
+its host transfers (twice the state per step) and needs no device memory for the state.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ TIE = 0.10
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
+SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"
 SCHEDULES = ("gpipe", "1f1b")
 NAME = 34  # width of the plan column
 
@@ -64,6 +67,7 @@ class Candidate:
         schedule: the pipeline schedule, "gpipe" or "1f1b".
         precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
             loss scaling on hardware without bf16, else "fp32").
+        offload: the optimizer state in host memory (Plan(offload="optimizer")).
     """
 
     data: int
@@ -74,6 +78,7 @@ class Candidate:
     microbatches: int = 1
     schedule: str = "gpipe"
     precision: str = "fp32"
+    offload: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -99,17 +104,19 @@ class Candidate:
         parts += [f"pp{self.pipe}"] if self.pipe > 1 else []
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        name += " offload" if self.offload else ""
         return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
     def plan(self, structure: Structure | None = None) -> Plan:
         """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
         stage, remat, the pipeline."""
-        base = Plan(precision=self.precision)
+        base = Plan(precision=self.precision, offload="optimizer" if self.offload else "none")
         if self.tensor > 1:
             if structure is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
-            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision)
+            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision,
+                                       offload=base.offload)
         if self.pipe == 1:
             return dataclasses.replace(base, zero=self.zero, remat=self.remat)
         return dataclasses.replace(base, zero=self.zero).with_pipeline(
@@ -117,16 +124,23 @@ class Candidate:
 
     @property
     def saves_memory_only(self) -> bool:
-        """Remat and 1F1B never make a step faster (more recomputation, lockstep ticks)."""
-        return self.remat or self.schedule != "gpipe"
+        """Remat, 1F1B and offload never make a step faster (recomputation, lockstep ticks,
+        host transfers)."""
+        return self.remat or self.schedule != "gpipe" or self.offload
 
     @property
     def plain(self) -> "Candidate":
         """This candidate without its memory-only variants."""
-        return dataclasses.replace(self, remat=False, schedule="gpipe")
+        return dataclasses.replace(self, remat=False, schedule="gpipe", offload=False)
+
+    @property
+    def skipped(self) -> str:
+        """Why this memory-only variant is not lowered when its plain form fits."""
+        return SKIPPED_REMAT if self.remat else SKIPPED_OFFLOAD if self.offload else SKIPPED_1F1B
 
     def simplicity(self) -> tuple:
-        return (self.pipe, self.tensor, self.zero, self.remat, self.schedule != "gpipe", self.microbatches)
+        return (self.pipe, self.tensor, self.zero, self.offload, self.remat, self.schedule != "gpipe",
+                self.microbatches)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,7 +243,7 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     for p in pipe_degrees:
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
             out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
-                           profile.plan_precision)
+                           profile)
     return out
 
 
@@ -241,11 +255,16 @@ def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
 
 
 def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules,
-            precision: str) -> list[Candidate]:
-    """The candidates of one (data, tensor, pipe) mesh."""
+            profile: HardwareProfile) -> list[Candidate]:
+    """The candidates of one (data, tensor, pipe) mesh; without a pipeline also the optimizer
+    state offloaded to host memory, where the profile knows the host link."""
     zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
+    precision = profile.plan_precision
     if pipe == 1:
-        return [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision) for z in zeros for r in remat]
+        plain = [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision)
+                 for z in zeros for r in remat]
+        offload = [Candidate(data=data, tensor=tensor, zero=z, precision=precision, offload=True) for z in zeros]
+        return plain + (offload if profile.host_bytes_per_s else [])
     return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r,
                       precision=precision)
             for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
@@ -357,7 +376,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             plain = done.get(c.plain)
             # recomputation never makes a step faster: only worth lowering when memory is short
             skip = prune_remat and plain is not None and plain.usable
-            done[c] = Row(candidate=c, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B) if skip else lower(c)
+            done[c] = Row(candidate=c, reason=c.skipped) if skip else lower(c)
     rows = _with_model_mfu([done[c] for c in candidate_list], profile, facts.matmul_flops / devices)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
 

@@ -16,6 +16,7 @@ with every collective chosen and counted by xtrain.
                        what happens between gradients and update; micro-batches; mixed
                        precision; activation checkpointing; step options
     state.py           the TrainState and its shardings
+    offload.py         an offloaded optimizer state moved to the device for the update and back
     ordering.py        one order of collectives on XLA's CPU runtime
     accounting.py, report.py, nan_check.py   what the program communicates; the report; NaN locator
 """

@@ -13,6 +13,7 @@ from xtrain.ir import stacked
 from xtrain.ir.stacked import Stacking
 from xtrain.ir.tree import named_leaves, rebuild
 from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.offload import HOST_MEMORY
 from xtrain.sharding.plan import Spec
 
 
@@ -32,9 +33,9 @@ class TrainState:
                                 # of each gradient, added to the next step's (residual_specs)
 
 
-def named(mesh, specs: Mapping[str, Spec]) -> dict[str, NamedSharding]:
-    """{name: NamedSharding} of per-tensor specs on `mesh`."""
-    return {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
+def named(mesh, specs: Mapping[str, Spec], memory_kind: str | None = None) -> dict[str, NamedSharding]:
+    """{name: NamedSharding} of per-tensor specs on `mesh` (in `memory_kind`: default the device's)."""
+    return {n: NamedSharding(mesh, PartitionSpec(*s), memory_kind=memory_kind) for n, s in specs.items()}
 
 
 def residual_specs(layout: StateLayout) -> dict[str, Spec]:
@@ -69,9 +70,10 @@ def residual_zeros(layout: StateLayout, shapes: Mapping[str, Any]) -> dict[str, 
 
 def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
     """Shardings of a TrainState laid out by `layout`: parameters per their specs, optimizer
-    moments like their parameter's optimizer spec (ZeRO-1/2 split them further), everything
-    else replicated."""
-    params, optimizer = named(mesh, layout.param_specs), named(mesh, layout.optimizer_specs)
+    moments like their parameter's optimizer spec (ZeRO-1/2 split them further; in host memory
+    under Plan(offload="optimizer")), everything else replicated."""
+    host = HOST_MEMORY if layout.offload_optimizer else None
+    params, optimizer = named(mesh, layout.param_specs), named(mesh, layout.optimizer_specs, host)
     shapes = {n: x.shape for n, x in {**state.params, **state.frozen}.items()}
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -80,7 +82,7 @@ def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
             name = getattr(entry, "key", None)
             if name in params and getattr(leaf, "shape", None) == shapes[name]:
                 return optimizer[name]
-        return replicated
+        return NamedSharding(mesh, PartitionSpec(), memory_kind=host)
 
     return TrainState(
         params={n: params[n] for n in state.params},
