@@ -138,6 +138,19 @@ def default_corpus() -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
+def corpus_from_dir(directory) -> np.ndarray:
+    """A byte-level corpus from a directory (e.g. a SageMaker input channel): every regular file
+    under it, in sorted path order, read as raw bytes (UTF-8 text is the intended content; any
+    file works, each byte is a token of the vocabulary of 256) and joined by blank lines."""
+    from pathlib import Path
+
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file())
+    if not files:
+        raise ValueError(f"{directory} holds no files to train on; put UTF-8 text files in it")
+    data = b"\n\n".join(p.read_bytes() for p in files)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
 def split_corpus(tokens: np.ndarray, held_out: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the last `held_out` fraction is never trained on."""
     cut = int(len(tokens) * (1.0 - held_out))

@@ -6,6 +6,12 @@
     torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir ckpt --save-every 50
                                                           # resumes from ckpt/ after a restart or SIGTERM
 
+In a SageMaker training job it trains on the "training" input channel (`estimator.fit({"training":
+"s3://..."})`; its files read as bytes: UTF-8 text, see gpt_model.corpus_from_dir) instead of the
+embedded corpus, checkpoints to the job's checkpoint directory when the estimator set
+`checkpoint_s3_uri` (and resumes from it after a spot interruption), and exports the final
+weights to SM_MODEL_DIR/model.safetensors, which SageMaker uploads.
+
 The model (gpt_model.py) is plain PyTorch; xtrain traces it to JAX and compiles one training
 step for the whole mesh. Every process builds the same model (same seed) and passes the same
 global batch; xtrain feeds each process's devices their slices. A background thread places
@@ -21,7 +27,7 @@ import numpy as np
 import torch
 
 import xtrain
-from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus
+from gpt_model import GPT, GPTConfig, corpus_from_dir, default_corpus, sample_batch, split_corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--comm-dtype", default=None, choices=["bfloat16", "int8"],
+                   help="gradients on the wire (xtrain.GradSync): bfloat16, or int8 with error feedback")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="emulated CPU devices in the whole job (CPU only; ignored on GPU/Trainium)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
@@ -72,14 +80,22 @@ def batches(tokens: np.ndarray, args):
         yield sample_batch(tokens, rng, args.batch, args.seq)
 
 
-def checkpoints(step, loader, args):
-    """With --ckpt-dir: a checkpoint manager, the step and the data position resumed from its
-    latest complete checkpoint."""
-    if args.ckpt_dir is None:
+def corpus(sagemaker) -> tuple[np.ndarray, str]:
+    """(byte tokens, where from): a SageMaker job's "training" channel, else the embedded corpus."""
+    if sagemaker is not None and "training" in sagemaker.channels:
+        return corpus_from_dir(sagemaker.channels["training"]), f"SageMaker channel 'training' ({sagemaker.channels['training']})"
+    return default_corpus(), "CPython's pydoc topics"
+
+
+def checkpoints(step, loader, args, sagemaker):
+    """With --ckpt-dir (or in a SageMaker job that configured checkpoints: its directory): a
+    checkpoint manager, the step and the data position resumed from its latest complete checkpoint."""
+    directory = args.ckpt_dir or (sagemaker.checkpoint_dir if sagemaker is not None else None)
+    if directory is None:
         return None
     from xtrain.checkpoint import CheckpointManager, CheckpointOptions
 
-    manager = CheckpointManager(args.ckpt_dir, CheckpointOptions(keep=args.keep, save_every=args.save_every))
+    manager = CheckpointManager(directory, CheckpointOptions(keep=args.keep, save_every=args.save_every))
     extra = manager.restore(step)
     if extra:
         loader.load_state_dict(extra["data"])
@@ -87,11 +103,11 @@ def checkpoints(step, loader, args):
     return manager
 
 
-def train(step, tokens: np.ndarray, args, show: bool) -> list[dict]:
+def train(step, tokens: np.ndarray, args, show: bool, sagemaker=None) -> list[dict]:
     """Runs the steps from `step.step_count` to `args.steps`; returns one record per step
     (loss, step_time_s, tokens_per_s, ...)."""
     loader = xtrain.Loader(lambda epoch: batches(tokens, args), step=step, prefetch=2)
-    manager = checkpoints(step, loader, args)
+    manager = checkpoints(step, loader, args, sagemaker)
     monitor = xtrain.Monitor(step, total_steps=args.steps - step.step_count, metrics=args.metrics or None,
                              tensorboard=args.tensorboard, progress=show,
                              profile_steps=args.profile_steps, profile_dir=args.profile_dir)
@@ -129,16 +145,24 @@ def main(argv=None) -> None:
     model = GPT(cfg)
     mesh = xtrain.Mesh(data=-1)
     step = xtrain.compile(model, mesh,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
-    train_tokens, val_tokens = split_corpus(default_corpus())
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
+                          grad_sync=xtrain.GradSync(comm_dtype=args.comm_dtype) if args.comm_dtype else None)
+    sagemaker = xtrain.sagemaker.paths()  # None outside a SageMaker training job
+    tokens, source = corpus(sagemaker)
+    train_tokens, val_tokens = split_corpus(tokens)
     if show:
         print(f"GPT {model.num_params() / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "
               f"devices in {jax.process_count()} process(es), mesh data={jax.device_count()}, "
-              f"global batch {args.batch} x {args.seq} tokens, {len(train_tokens):,} training bytes", flush=True)
+              f"global batch {args.batch} x {args.seq} tokens, {len(train_tokens):,} training bytes from {source}",
+              flush=True)
 
     if args.emulate:
         report_conformance(step, train_tokens, args, show)
-    history = train(step, train_tokens, args, show)
+    history = train(step, train_tokens, args, show, sagemaker)
+    if sagemaker is not None and sagemaker.model_dir is not None:
+        path = step.export()  # SM_MODEL_DIR/model.safetensors (process 0), uploaded by SageMaker
+        if show:
+            print(f"exported: {path}", flush=True)
     if not history:
         if show:
             print(f"nothing to train: resumed at step {step.step_count} >= --steps {args.steps}", flush=True)

@@ -1,10 +1,11 @@
 """What one instance holds: chips, cores, memory and links, and the mesh that follows them.
 
 Each number names its public source: the AWS EC2 instance pages (aws.amazon.com/ec2/instance-types/
-trn1/, /trn2/, /p4/, /p5/; the P5 page covers p5e and p5en, the H200 instances), the NVIDIA A100
-and H200 datasheets, and the AWS Neuron documentation (awsdocs-neuron.readthedocs-hosted.com:
-"Trainium Architecture", "Neuron Collective Communication"). The GPU rows exist so
-p4d/p5-shaped meshes can be emulated the same way.
+trn1/, /trn2/, /p3/, /p4/, /p5/; the P5 page covers p5e and p5en, the H200 instances), NVIDIA's
+datasheets (V100, A100, H100, H200) and the AWS Neuron documentation
+(awsdocs-neuron.readthedocs-hosted.com: "Trainium Architecture", "Neuron Collective
+Communication"). The GPU rows exist so p3/p4/p5-shaped meshes can be planned and emulated the
+same way.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class InstanceTopology:
         hbm_gib_s_per_chip: HBM bandwidth per chip, GiB/s (None: not known here).
         interconnect: links between the chips of one instance.
         efa_gbit_s: EFA bandwidth of the instance, Gbit/s (0: no EFA).
+        ena_gbit_s: the instance's network without EFA (ENA), Gbit/s, where it has no EFA.
         compiler_target: neuronx-cc --target (None for GPUs).
         node_group_sizes: replica-group sizes a collective may use inside one instance (None:
             no known restriction).
@@ -53,6 +55,7 @@ class InstanceTopology:
     hbm_gib_s_per_chip: float | None
     interconnect: str
     efa_gbit_s: int
+    ena_gbit_s: float = 0.0
     compiler_target: str | None = None
     node_group_sizes: tuple[int, ...] | None = None
 
@@ -67,6 +70,11 @@ class InstanceTopology:
         return self.chips * self.devices_per_chip
 
     @property
+    def network_gbit_s(self) -> float:
+        """What the instance sends to other instances, Gbit/s: its EFA, else its ENA network."""
+        return self.efa_gbit_s or self.ena_gbit_s
+
+    @property
     def hbm_bytes_per_device(self) -> int:
         return int(self.hbm_gib_per_chip * GIB) // self.devices_per_chip
 
@@ -78,7 +86,7 @@ INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
         hbm_gib_per_chip=32,                  # AWS Trn1 page: 32 GiB accelerator memory
         hbm_gib_s_per_chip=820,               # Neuron docs (Trainium Architecture): 820 GB/s per chip
         interconnect="none (one chip)",
-        efa_gbit_s=0,                         # AWS Trn1 page: no EFA, up to 12.5 Gbps ENA
+        efa_gbit_s=0, ena_gbit_s=12.5,        # AWS Trn1 page: no EFA, up to 12.5 Gbps ENA
         node_group_sizes=(1, 2),              # TRN1_GROUP_SIZES that fit 2 cores
     ),
     InstanceTopology(
@@ -147,6 +155,36 @@ INSTANCES: dict[str, InstanceTopology] = {t.name: t for t in (
         hbm_gib_s_per_chip=4470,              # NVIDIA H200 datasheet: 4.8 TB/s = 4470 GiB/s
         interconnect="NVLink 4 through NVSwitch, 900 GB/s per GPU",  # AWS P5 page
         efa_gbit_s=3200,                      # AWS P5 page: 3200 Gbps EFAv3
+    ),
+    # V100 (AWS P3 page; NVIDIA V100 datasheet, SXM2: 16 or 32 GB HBM2 at 900 GB/s = 838 GiB/s,
+    # NVLink 2 at 300 GB/s per GPU). No EFA except on p3dn; the others' network is ENA.
+    InstanceTopology(
+        name="p3.2xlarge", backend=Backend.CUDA,
+        chips=1, cores_per_chip=1,            # AWS P3 page: 1 x V100, 16 GB
+        hbm_gib_per_chip=16, hbm_gib_s_per_chip=838,
+        interconnect="none (one GPU)",
+        efa_gbit_s=0, ena_gbit_s=10,          # AWS P3 page: up to 10 Gbps
+    ),
+    InstanceTopology(
+        name="p3.8xlarge", backend=Backend.CUDA,
+        chips=4, cores_per_chip=1,            # AWS P3 page: 4 x V100, 64 GB in all
+        hbm_gib_per_chip=16, hbm_gib_s_per_chip=838,
+        interconnect="NVLink 2, 300 GB/s per GPU",  # AWS P3 page: NVLink peer to peer
+        efa_gbit_s=0, ena_gbit_s=10,          # AWS P3 page: 10 Gbps
+    ),
+    InstanceTopology(
+        name="p3.16xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # AWS P3 page: 8 x V100, 128 GB in all
+        hbm_gib_per_chip=16, hbm_gib_s_per_chip=838,
+        interconnect="NVLink 2 hybrid cube-mesh, 300 GB/s per GPU",  # AWS P3 page; NVIDIA DGX-1 layout
+        efa_gbit_s=0, ena_gbit_s=25,          # AWS P3 page: 25 Gbps
+    ),
+    InstanceTopology(
+        name="p3dn.24xlarge", backend=Backend.CUDA,
+        chips=8, cores_per_chip=1,            # AWS P3 page: 8 x V100 32 GB, 256 GB in all
+        hbm_gib_per_chip=32, hbm_gib_s_per_chip=838,
+        interconnect="NVLink 2 hybrid cube-mesh, 300 GB/s per GPU",  # AWS P3 page
+        efa_gbit_s=100,                       # AWS P3 page: 100 Gbps, EFA
     ),
 )}
 
@@ -220,7 +258,8 @@ def describe(topology: str | InstanceTopology) -> str:
     bandwidth = f"{t.hbm_gib_s_per_chip:g} GiB/s" if t.hbm_gib_s_per_chip else "bandwidth n/a"
     return (f"{t.name}: {t.chips} chips x {t.cores_per_chip} cores "
             f"({t.devices} devices), {t.hbm_gib_per_chip:g} GiB HBM per chip ({bandwidth}), "
-            f"{t.interconnect}, EFA {t.efa_gbit_s} Gbit/s")
+            f"{t.interconnect}, " + (f"EFA {t.efa_gbit_s} Gbit/s" if t.efa_gbit_s else
+                                     f"network {t.ena_gbit_s:g} Gbit/s (no EFA)"))
 
 
 def total_devices(topology: str | InstanceTopology, nodes: int = 1) -> int:

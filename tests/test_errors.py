@@ -130,7 +130,7 @@ def test_unsupported_optimizer_lists_supported_ones():
     model = MLP()
     with pytest.raises(ValueError, match=re.escape(
             "optimizer torch.optim.RMSprop is not supported by xtrain; supported: "
-            "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW")):
+            "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, xtrain.optim.LARS, xtrain.optim.LAMB")):
         compile_mlp(optimizer=torch.optim.RMSprop(model.parameters()))
 
 

@@ -31,6 +31,7 @@ _LAZY = {
     "ShardedLoader": ("xtrain.loader", "ShardedLoader"),
     "Buckets": ("xtrain.buckets", "Buckets"),
     "Monitor": ("xtrain.observe", "Monitor"),
+    "sagemaker": ("xtrain.runtime.sagemaker", None),
 }
 __all__ = ["Mesh", "Plan", *_LAZY]
 

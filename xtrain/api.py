@@ -39,7 +39,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         seed: seed of the per-step random streams (dropout).
         lowering: "explicit" (xtrain's partitioner: every collective chosen and counted by
             xtrain) or "xla" (XLA's SPMD partitioner on the same plan, for comparison).
-        grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering.
+        grad_sync: `xtrain.GradSync(bucket_bytes=..., comm_dtype=...)` for the explicit lowering;
+            comm_dtype="int8" quantizes gradients with error feedback (xtrain.lowering.int8_sync).
         zero3_regather: ZeRO-3 gathers each weight again in the backward pass instead of keeping
             it from the forward pass (default: on, on every backend; False keeps the weights
             gathered in the forward pass alive until the backward pass uses them).
@@ -75,6 +76,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         raise ValueError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
     if plan == AUTO and lowering != "explicit":
         raise ValueError("plan='auto' searches plans of the explicit lowering; use lowering='explicit'")
+    if plan == AUTO and grad_sync is not None and grad_sync.int8:
+        raise ValueError("plan='auto' searches plans with the default gradient sync, not GradSync(comm_dtype='int8') "
+                         "(which excludes ZeRO-3 and pipelines); pass a plan, e.g. xtrain.plans.ddp()")
     options = CompileOptions(seed=seed, lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
                              zero3_regather=zero3_regather, init_from=init_from,
                              step=StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate,

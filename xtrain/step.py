@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import checkpoint, data, explain, hooks, recompile
+from xtrain import checkpoint, data, explain, hooks, recompile, runtime
 from xtrain.cost import hardware, search
 from xtrain.frontend import tensors
 from xtrain.ir import stacked
@@ -41,6 +41,7 @@ from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 
 AUTO = "auto"
+RESIDUAL = "grad_residual/"  # checkpoint names of the TrainState's per-device leaves (int8 error feedback)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +86,8 @@ class TrainStep:
     # -- building --------------------------------------------------------------------------
     def _build(self, mesh: jax.sharding.Mesh, plan: Plan) -> None:
         runtime_devices.check_plan_precision(plan.precision.compute.value)  # Neuron reads its flags at start
+        emulated = getattr(runtime.emulated_cluster(), "instance", None)  # bf16 on V100s (or emulated p3s): an error
+        hardware.check_device_precision(mesh.devices.flat[0].device_kind, plan.precision.compute.value, emulated)
         self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
@@ -109,7 +112,7 @@ class TrainStep:
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                           remat=plan.layer_remat() if remat == "plan" else remat,
-                          regather=options.zero3_regather is not False)
+                          regather=options.zero3_regather is not False, offload_optimizer=self.layout.offload_optimizer)
 
     def _lower(self, layout: StateLayout, remat="plan") -> StepProgram:
         return lower(self.model, self.mesh, layout, self.shardings, self._config(remat), lowering=self.options.lowering,
@@ -123,8 +126,9 @@ class TrainStep:
             params = checkpoint.load_sharded(self.options.init_from, model.param_shapes(),
                                              state_mod.named(self.mesh, layout.param_specs), self._aliases())
             buffers = model.initial_buffers(checkpoint.read_stored(self.options.init_from, model.buffer_names()))
+        residual = state_mod.residual_zeros(layout, model.param_shapes()) if self._config().sync.int8 else None
         return state_mod.initial(params, buffers, layout.optimized, self.trainable.tx, self.options.seed,
-                                 precision.initial_state(self.plan.precision))
+                                 precision.initial_state(self.plan.precision), residual)
 
     def _aliases(self) -> dict[str, list[str]]:
         """Tied tensors' other names, per canonical name (a file may store either)."""
@@ -334,16 +338,18 @@ class TrainStep:
         if not self._built:
             self._pending_load = path
             return checkpoint.read_manifest(path)["extra"]
-        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table())
+        rows = self.layout.stacking.row_table()
+        values, manifest = checkpoint.restore(path, self.state, rows=rows, per_device=(RESIDUAL,))
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 
-    def export(self, path: str | os.PathLike):
+    def export(self, path: str | os.PathLike | None = None):
         """Writes `state_dict()` (full tensors under the torch module's own names) to `path`:
         `.safetensors`, or `.pt`/`.pth`/`.bin` for torch.save. Every process calls it (the
         tensors are gathered); process 0 writes. Loads with `module.load_state_dict` or, written
-        as `model.safetensors` next to an HF config, with `from_pretrained`."""
-        return checkpoint.export(self.state_dict(), path)
+        as `model.safetensors` next to an HF config, with `from_pretrained`. No path, in a SageMaker
+        job: SM_MODEL_DIR/model.safetensors, uploaded when the job ends. Returns the path."""
+        return checkpoint.export(self.state_dict(), runtime.sagemaker.export_path() if path is None else path)
 
     # -- explanation (xtrain.explain) --------------------------------------------------------
     def _shapes(self, batch: tuple) -> tuple:

@@ -89,7 +89,9 @@ def make_array(name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax
     for device, region in regions.items():
         if region not in held:
             held[region] = np.asarray(read_region(region), dtype=dtype)
-        shards.append(jax.device_put(held[region], device))
+        # into the memory the sharding names (host memory for an offloaded optimizer state)
+        place = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+        shards.append(jax.device_put(held[region], place))
         left[region] -= 1
         if not left[region]:
             del held[region]

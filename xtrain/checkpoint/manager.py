@@ -16,6 +16,7 @@ import numpy as np
 
 from xtrain.checkpoint.layout import CheckpointError
 from xtrain.checkpoint.store import PARTIAL, SaveHandle, check_complete
+from xtrain.runtime import sagemaker
 
 _NAME = re.compile(r"^step_(\d+)$")
 
@@ -55,8 +56,11 @@ class CheckpointManager:
             manager.maybe_save(step, extra={"next": ...})   # saves, and exits cleanly after SIGTERM
     """
 
-    def __init__(self, directory: str | os.PathLike, options: CheckpointOptions | None = None):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: str | os.PathLike | None = None, options: CheckpointOptions | None = None):
+        """`directory`: where the checkpoints go; None: the SageMaker job's checkpoint directory
+        (xtrain.runtime.sagemaker: configured by the estimator's `checkpoint_s3_uri`, synced
+        to S3), an error outside a job that configured one."""
+        self.directory = Path(directory if directory is not None else sagemaker.checkpoint_directory()).absolute()
         self.options = options or CheckpointOptions()
         self._pending: SaveHandle | None = None
         self._sigterm = self._watching = False

@@ -253,28 +253,61 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _sources(path: Path, manifest: dict, target: dict[str, Any], rows) -> dict[str, tuple[list, str, Any]]:
+def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype) -> tuple[list, str, Any]:
+    """(shape, dtype, reader) of a per-device tensor (one row per data-parallel device on its
+    first dimension: GradSync(comm_dtype="int8")'s error-feedback residuals) for a step holding
+    `want`: as stored when the device counts agree; else the stored rows summed into row 0
+    and the other rows zero (only their sum over the devices enters the next step's
+    gradient, so it is kept exactly); zero when the checkpoint holds none (saved without int8)."""
+    zeros = lambda region: np.zeros([hi - lo for lo, hi in region], dtype)
+    name_dtype = jnp.dtype(dtype).name
+    if info is None:
+        return list(want), name_dtype, zeros
+    read = _reader(path, name, info)
+    _check_leaf(path, f"{name} (per device)", info["shape"][1:], info["dtype"], want[1:], dtype)
+    if info["shape"][0] == want[0]:
+        return list(want), name_dtype, read
+
+    def summed(region):
+        out = zeros(region)
+        if region[0][0] == 0:  # row 0 holds the sum of the stored devices' rows
+            out[0] = read(((0, info["shape"][0]),) + tuple(region[1:])).sum(0)
+        return out
+    return list(want), name_dtype, summed
+
+
+def _sources(path: Path, manifest: dict, target: dict[str, Any], rows,
+             per_device: tuple[str, ...] = ()) -> dict[str, tuple[list, str, Any]]:
     """For each target leaf: (global shape, dtype, region reader) from the checkpoint. A leaf the
     step stores stacked (`model.layers.*.w`) reads its rows from the per-layer tensors
-    checkpoints hold (padding rows: zeros)."""
+    checkpoints hold (padding rows: zeros). Leaves under a `per_device` prefix: `_per_device`
+    (stored ones the step does not hold are dropped)."""
     saved = manifest["tensors"]
+    device_row = lambda name: name.startswith(per_device) if per_device else False
     stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name]))
-    out, used = {}, set()
+    out, used = {}, {n for n in saved if device_row(n)}
     for name, leaf in target.items():
+        if device_row(name) and not stacked.is_stacked(name):
+            out[name] = _per_device(path, name, saved.get(name), tuple(leaf.shape), leaf.dtype)
+            continue
         if name in saved:
             out[name], _ = stored(name), used.add(name)
             continue
         layer_of = _rows(name, leaf.shape[0], rows) if stacked.is_stacked(name) and leaf.ndim else ()
         members = [stacked.member(name, k) for k in layer_of if k is not None]
-        if not members or not all(m in saved for m in members):
+        if not members or not (device_row(name) or all(m in saved for m in members)):
             continue
         readers = []
         for k in layer_of:
             if k is None:
                 readers.append(lambda want, dtype=leaf.dtype: np.zeros([hi - lo for lo, hi in want], dtype))
                 continue
-            shape, dtype, read = stored(stacked.member(name, k))
-            _check_leaf(path, stacked.member(name, k), shape, dtype, leaf.shape[1:], leaf.dtype)
+            member = stacked.member(name, k)
+            if device_row(name):
+                readers.append(_per_device(path, member, saved.get(member), tuple(leaf.shape[1:]), leaf.dtype)[2])
+                continue
+            shape, dtype, read = stored(member)
+            _check_leaf(path, member, shape, dtype, leaf.shape[1:], leaf.dtype)
             readers.append(read)
         used.update(members)
         out[name] = (list(leaf.shape), jnp.dtype(leaf.dtype).name, stacked_reader(readers, jnp.dtype(leaf.dtype)))
@@ -294,15 +327,17 @@ def _check_leaf(path: Path, name: str, shape: list, dtype: str, want_shape, want
                               f"holds {jnp.dtype(want_dtype).name}{list(want_shape)}")
 
 
-def restore(path: str | os.PathLike, target: Any, rows: Mapping[str, tuple] | None = None
-            ) -> tuple[dict[str, jax.Array], dict]:
+def restore(path: str | os.PathLike, target: Any, rows: Mapping[str, tuple] | None = None,
+            per_device: tuple[str, ...] = ()) -> tuple[dict[str, jax.Array], dict]:
     """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
     mesh and plan, block parameters stacked or per layer; `rows` as for `save`). Each process
-    reads only the regions its devices hold. Returns ({logical name: array}, manifest)."""
+    reads only the regions its devices hold. `per_device`: name prefixes of leaves with one
+    row per data-parallel device (`_per_device` says what they become on another device
+    count). Returns ({logical name: array}, manifest)."""
     path = Path(path)
     manifest = read_manifest(path)
     leaves = named_leaves(target)
-    sources = _sources(path, manifest, leaves, rows)
+    sources = _sources(path, manifest, leaves, rows, per_device)
     return {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
             for name, leaf in leaves.items()}, manifest
 

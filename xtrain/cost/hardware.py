@@ -31,6 +31,9 @@ _PEAKS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS, "fp32": 51 * TFLOPS},
     # NVIDIA H100 NVL / H200 NVL datasheets: 835 BF16/FP16, 418 TF32, 60 FP32 TFLOP/s (dense).
     "NVL": {"bf16": 835 * TFLOPS, "fp16": 835 * TFLOPS, "tf32": 418 * TFLOPS, "fp32": 60 * TFLOPS},
+    # NVIDIA V100 datasheet, SXM2 column (the P3 instances' GPU): 125 FP16 tensor, 15.7 FP32
+    # TFLOP/s. Volta has neither bfloat16 nor TF32 arithmetic: no bf16 key (plans use fp16).
+    "V100": {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS},
     # NVIDIA H200 datasheet: the H100 SXM's compute (989 BF16, 494 TF32, 67 FP32 dense).
     "H200": {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS, "fp32": 67 * TFLOPS},
     # Neuron docs, Trainium architecture: one chip (2 NeuronCore-v2) = 190 FP16/BF16/TF32 and
@@ -43,18 +46,28 @@ _PEAKS: dict[str, dict[str, float]] = {
     "trn2 core": {"bf16": 83.375 * TFLOPS, "fp16": 83.375 * TFLOPS, "tf32": 83.375 * TFLOPS,
                   "fp32": 22.625 * TFLOPS},
 }
-# JAX device_kind strings -> the rows above, most specific first (GPUs: "NVIDIA A100-SXM4-40GB",
+# JAX device_kind strings -> the rows above, most specific first (GPUs: "Tesla V100-SXM2-16GB", "NVIDIA A100-SXM4-40GB",
 # "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"; the Neuron plugin names NeuronCores
 # by generation: NC_v2 = trn1, NC_v3d = a trn2 logical core of two, NC_v3 = one trn2 core).
 _KIND_KEYS = (("H100 PCIe", "H100 PCIe"), ("H100 NVL", "NVL"), ("H200 NVL", "NVL"), ("H200", "H200"),
-              ("H100", "H100"), ("A100", "A100"), ("trn2", "trn2"), ("nc_v3d", "trn2"), ("nc_v3", "trn2 core"),
-              ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
+              ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("trn2", "trn2"), ("nc_v3d", "trn2"),
+              ("nc_v3", "trn2 core"), ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "f16": "fp16",
            "float32": "fp32", "fp32": "fp32", "f32": "fp32", "tf32": "tf32", "tfloat32": "tf32"}
 
 
 def _dtype_key(dtype: str) -> str | None:
     return _DTYPES.get(str(dtype).lower())
+
+
+def check_device_precision(device_kind: str, compute: str, emulated: topology.InstanceTopology | None = None) -> None:
+    """Fails for bf16 on a device kind with fp16 but no bf16 arithmetic (V100), or on CPU
+    devices emulating such an instance type (`emulated`), naming fp16."""
+    if compute == "bf16" and peak_flops(device_kind, "bf16") is None and peak_flops(device_kind, "fp16"):
+        raise ValueError(f"{device_kind} has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds "
+                         "dynamic loss scaling, or 'fp32'")
+    if emulated is not None and emulated.name in PROFILES:
+        PROFILES[emulated.name].check_precision(compute)
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
@@ -83,6 +96,8 @@ class HardwareProfile:
         intra_node_latency_s, inter_node_latency_s: fixed cost of one ring step.
         overlap: fraction of data-parallel gradient communication that can run under the backward
             pass (asynchronous collectives); 0 where collectives block the compute.
+        host_bytes_per_s: device <-> host memory bandwidth per device, one direction (what an
+            offloaded optimizer state moves over each step); None: offload is not planned here.
         notes: what the profile is, in words.
     """
 
@@ -97,7 +112,26 @@ class HardwareProfile:
     intra_node_latency_s: float
     inter_node_latency_s: float
     overlap: float = 0.0
+    host_bytes_per_s: float | None = None
     notes: str = ""
+
+    @property
+    def has_bf16(self) -> bool:
+        return "bf16" in self.peak_flops
+
+    @property
+    def plan_precision(self) -> str:
+        """The compute precision of the plans searched for this hardware: "fp16" (with loss
+        scaling) where the device has fp16 but no bf16 arithmetic (V100: its fp32 matmuls run at
+        1/8 of its fp16 tensor cores, and it has no TF32), else "fp32" (the script's own; TF32
+        or the compiler's auto-cast speeds up its matmuls where the hardware has them)."""
+        return "fp16" if not self.has_bf16 and "fp16" in self.peak_flops else "fp32"
+
+    def check_precision(self, compute: str) -> None:
+        """Fails for a compute dtype the device has no arithmetic for (bf16 on V100)."""
+        if compute == "bf16" and not self.has_bf16:
+            raise ValueError(f"{self.name} has no bfloat16 arithmetic (NVIDIA V100); use Plan(precision='fp16'), "
+                             "which adds dynamic loss scaling, or 'fp32'")
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         key = _dtype_key(dtype) or "fp32"
@@ -110,28 +144,48 @@ class HardwareProfile:
 
 
 def _from_topology(name: str, peaks: str, *, float32_matmul: str, intra: float, inter_latency: float,
-                   overlap: float, hbm_bytes_per_s_chip: float | None = None) -> HardwareProfile:
+                   overlap: float, hbm_bytes_per_s_chip: float | None = None,
+                   host: float | None = None) -> HardwareProfile:
     t = topology.instance(name)
     chip_bw = (t.hbm_gib_s_per_chip * 2**30) if t.hbm_gib_s_per_chip else hbm_bytes_per_s_chip
     return HardwareProfile(
         name=name, devices_per_node=t.devices, peak_flops=_PEAKS[peaks], float32_matmul=float32_matmul,
         hbm_bytes=t.hbm_bytes_per_device, hbm_bytes_per_s=chip_bw / t.devices_per_chip,
-        intra_node_bytes_per_s=intra, inter_node_bytes_per_s=t.efa_gbit_s / 8 * GB / t.devices,
-        intra_node_latency_s=10e-6, inter_node_latency_s=inter_latency, overlap=overlap,
+        intra_node_bytes_per_s=intra, inter_node_bytes_per_s=t.network_gbit_s / 8 * GB / t.devices,
+        intra_node_latency_s=10e-6, inter_node_latency_s=inter_latency, overlap=overlap, host_bytes_per_s=host,
         notes=topology.describe(t))
 
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # AWS P4d page: NVLink 3 through NVSwitch, 600 GB/s per GPU (both directions) -> 300 GB/s
     # each way; EFA 400 Gbps per instance shared by 8 GPUs (topology.py).
-    _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
-    # AWS P4 page: p4de is p4d with A100 80GB (more and faster HBM, same links).
-    _from_topology("p4de.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8),
+    # Host link: NVIDIA A100 datasheet, PCIe Gen4 64 GB/s (both directions) -> 32 GB/s each way.
+    _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=32 * GB),
+    # AWS P4 page: p4de is p4d with A100 80GB (more and faster HBM, same links and host link).
+    _from_topology("p4de.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=32 * GB),
     # AWS P5 page: NVLink 4, 900 GB/s per GPU (both directions) -> 450 GB/s; EFA 3200 Gbps.
-    _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    # Host link: NVIDIA H100 / H200 datasheets, PCIe Gen5 128 GB/s (both directions) -> 64 GB/s.
+    _from_topology("p5.48xlarge", "H100", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
     # AWS P5 page: p5e / p5en, 8 x H200 on the same NVLink 4 fabric, EFA 3200 Gbps.
-    _from_topology("p5e.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
-    _from_topology("p5en.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8),
+    _from_topology("p5e.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
+    _from_topology("p5en.48xlarge", "H200", float32_matmul="tf32", intra=450 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=64 * GB),
+    # NVIDIA V100 datasheet: NVLink 2, 300 GB/s per GPU (both directions) -> 150 GB/s each way;
+    # host link PCIe Gen3 32 GB/s (both directions) -> 16 GB/s.
+    # Network: AWS P3 page (topology.py), ENA through TCP except p3dn's EFA; assumption: 50 us
+    # per ring step over TCP. p3.2xlarge has one GPU (its intra-node rate is never used).
+    _from_topology("p3.2xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3.8xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3.16xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
+                   host=16 * GB),
+    _from_topology("p3dn.24xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=30e-6, overlap=0.8,
+                   host=16 * GB),
     # Assumption (not in the cited Neuron pages, which give no per-link rate): NeuronLink-v2 at
     # ~192 GB/s per Trainium chip (4 links), shared by its 2 cores -> 96 GB/s per core.
     # neuronx-cc auto-casts fp32 matmuls to bf16 by default (--auto-cast matmult).
@@ -225,6 +279,7 @@ def emulated(devices: int | None = None) -> HardwareProfile:
         hbm_bytes=memory // n, hbm_bytes_per_s=elementwise / n,
         intra_node_bytes_per_s=link, inter_node_bytes_per_s=link,
         intra_node_latency_s=latency, inter_node_latency_s=latency, overlap=0.0,
+        host_bytes_per_s=elementwise / n,  # "host" memory is the same RAM: a copy's rate
         notes=(f"{n} XLA CPU devices, {local} per process time-sharing {len(os.sched_getaffinity(0))} host "
                f"cores; collectives are memory copies ({'measured' if local > 1 else 'NOT measured, assumed'} "
                f"{link / GB:.2f} GB/s per device, {latency * 1e6:.0f} us per ring step); matmul "

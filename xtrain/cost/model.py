@@ -80,6 +80,7 @@ class Memory:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0        # temporaries beyond the state: activations, gathered weights, buffers
+    host: int = 0               # state kept in host memory (Plan(offload="optimizer")), not in `total`
     source: str = "graph"       # "xla" (compiled memory analysis) or "graph" (lowered program)
 
 
@@ -104,6 +105,7 @@ class Prediction:
     comm_s: Mapping[str, float]           # per link (intra-node / inter-node), before overlap
     exposed_comm_s: float
     bubble_s: float                       # part of compute_s (pipeline ticks with no work), not extra
+    offload_s: float                      # host <-> device transfers of an offloaded optimizer state
     step_s: float
     memory_bytes: int
     fits: bool
@@ -150,6 +152,16 @@ def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, f
     return per_link, data_parallel, other
 
 
+def offload_seconds(memory: Memory, profile: HardwareProfile) -> float:
+    """An offloaded optimizer state crosses the host link twice per step (to the device for the
+    update, back after it); counted as exposed, though XLA may overlap part of it."""
+    if not memory.host:
+        return 0.0
+    if profile.host_bytes_per_s is None:
+        raise ValueError(f"{profile.name} has no host-link bandwidth in its profile: offload cannot be costed there")
+    return 2 * memory.host / profile.host_bytes_per_s
+
+
 def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | None = None) -> Prediction:
     """Step time, throughput and fit of `cost` on `profile`.
 
@@ -163,13 +175,14 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
     pipelined = cost.pipeline.stages > 1
     hidden = 0.0 if pipelined else profile.overlap * compute  # a pipeline syncs after its last backward
     exposed = other + max(0.0, data_parallel - hidden)
-    step = compute + exposed  # a pipeline's bubble ticks are in its program's compute (module docstring)
+    offload = offload_seconds(cost.memory, profile)
+    step = compute + exposed + offload  # a pipeline's bubble ticks are in its program's compute (module docstring)
     bubble = compute * cost.pipeline.bubble_fraction if pipelined else 0.0
     devices = math.prod(cost.mesh.values())
     useful = cost.flops.matmul * devices if model_flops is None else model_flops
     peak = profile.matmul_flops_per_s(cost.flops.matmul_dtype)
     return Prediction(compute_s=compute, comm_s=per_link, exposed_comm_s=exposed,
-                      bubble_s=bubble, step_s=step, memory_bytes=cost.memory.total,
+                      bubble_s=bubble, offload_s=offload, step_s=step, memory_bytes=cost.memory.total,
                       fits=cost.memory.total <= profile.hbm_bytes, tokens_per_s=cost.tokens / step,
                       mfu=ir_flops.mfu(useful, step, devices, peak))
 
@@ -181,8 +194,12 @@ def memory_from_compiled(compiled, state: Mapping[str, int]) -> Memory:
     stats = compiled.memory_analysis()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
              + stats.temp_size_in_bytes)
+    host = state.get("optimizer_host", 0)
+    if host and not getattr(stats, "host_argument_size_in_bytes", 0):
+        total -= host  # XLA:CPU counts pinned_host buffers as device bytes (donated: once, net)
     return Memory(total=int(total), parameters=state.get("parameters", 0), gradients=state.get("gradients", 0),
-                  optimizer=state.get("optimizer", 0), activations=int(stats.temp_size_in_bytes), source="xla")
+                  optimizer=state.get("optimizer", 0), activations=int(stats.temp_size_in_bytes), host=host,
+                  source="xla")
 
 
 def _nbytes(aval) -> int:
@@ -222,11 +239,13 @@ def peak_live_bytes(jaxpr) -> int:
 
 def memory_from_graph(per_device_jaxpr, state: Mapping[str, int]) -> Memory:
     """Per-device memory of a lowered (not compiled) step: the state shards (`state`:
-    parameters, gradients, optimizer bytes) held all step, plus the peak of live
+    parameters, gradients, optimizer, int8 residual bytes; an offloaded optimizer state,
+    `optimizer_host`, counts as host memory) held all step, plus the peak of live
     intermediates of the per-device program (activations, gathered weights; gradients are
     intermediates there and counted in that peak, not twice)."""
     temporaries = peak_live_bytes(per_device_jaxpr)
-    held = state.get("parameters", 0) + state.get("optimizer", 0)
+    held = state.get("parameters", 0) + state.get("optimizer", 0) + state.get("grad_residual", 0)
     return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
                   gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),
-                  activations=int(max(0, temporaries - state.get("gradients", 0))), source="graph")
+                  activations=int(max(0, temporaries - state.get("gradients", 0))),
+                  host=state.get("optimizer_host", 0), source="graph")

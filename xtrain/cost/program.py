@@ -25,8 +25,10 @@ from jax.sharding import AbstractMesh
 
 from xtrain.ir import flops, stacked
 from xtrain.ir.model import Model
+from xtrain.lowering import precision
 from xtrain.lowering import state as state_mod
 from xtrain.lowering import ordering, platforms
+from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import lower
@@ -46,7 +48,7 @@ class AbstractStep:
     param_specs: dict[str, Spec]
     optimizer_specs: dict[str, Spec]
     batch_axes: tuple[str, ...]
-    state_bytes: dict[str, int]     # parameters / gradients / optimizer bytes per device
+    state_bytes: dict[str, int]     # parameters / gradients / optimizer (/ grad_residual) bytes per device
     bubble: float = 0.0             # a pipeline schedule table's idle share of (tick, stage) slots
     hlo: str | None = None          # the program lowered for `platform` (HLO text), when one was asked for
 
@@ -58,6 +60,8 @@ def _local_bytes(shape, dtype, spec: Spec, sizes: Mapping[str, int]) -> int:
 
 
 def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes per device (the optimizer's as `optimizer_host`
+    when offloaded)."""
     param_specs, optimizer_specs, grad_specs = layout.param_specs, layout.optimizer_specs, layout.grad_specs
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     by_shape = lambda leaf, name: optimizer_specs[name] if tuple(leaf.shape) == shapes[name] else ()
@@ -66,9 +70,10 @@ def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int
         name = next((getattr(e, "key", None) for e in path if getattr(e, "key", None) in shapes), None)
         spec = by_shape(leaf, name) if name else ()
         optimizer += _local_bytes(leaf.shape, leaf.dtype, spec, sizes)
+    where = "optimizer_host" if layout.offload_optimizer else "optimizer"
     return {"parameters": sum(_local_bytes(p.shape, p.dtype, param_specs[n], sizes) for n, p in params.items()),
             "gradients": sum(_local_bytes(p.shape, p.dtype, grad_specs[n], sizes) for n, p in params.items()),
-            "optimizer": optimizer}
+            "optimizer": 0, where: optimizer}
 
 
 def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping[str, int], plan: Plan,
@@ -90,6 +95,7 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    model = precision.apply_policy(model, plan.precision)  # as TrainStep: matmuls in the compute dtype
     shapes = model.param_shapes()
     layout = layout_mod.resolve(plan, sizes, shapes, optimized=set(shapes),
                                 lr_groups={} if stack_blocks else None, scan_layers=scan_layers)
@@ -102,10 +108,14 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
         model = stacked.stored_model(model, layout.stacking)
     params = model.param_shapes()
     opt_state = jax.eval_shape(tx.init, params)
+    sync = grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype)
+    residual = state_mod.residual_shapes(layout, params) if sync.int8 else None
+    scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), precision.initial_state(plan.precision))
     state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
-                       step=jax.ShapeDtypeStruct((), np.int32), key=key)
-    config = StepConfig(tx=tx, sync=grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                        remat=plan.layer_remat(), regather=regather)
+                       step=jax.ShapeDtypeStruct((), np.int32), key=key, loss_scale=scale, grad_residual=residual)
+    config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather,
+                        grad_tx=GradTransforms(loss_scale=plan.precision.loss_scale),
+                        offload_optimizer=layout.offload_optimizer)
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
     traced = lowered.train.trace(state, _shaped(batch), no_lr_groups)
@@ -115,8 +125,12 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             hlo = traced.lower(lowering_platforms=platforms.lowering_platforms(platform)).as_text(dialect="hlo")
     bubble = lowered.strategy.program.table.bubble() if plan.pipeline is not None else 0.0
+    state_bytes = _state_bytes(params, opt_state, layout, sizes)
+    if residual is not None:  # int8 error feedback: one gradient's worth per device
+        specs = state_mod.residual_specs(layout)
+        state_bytes["grad_residual"] = sum(_local_bytes(r.shape, r.dtype, specs[n], sizes) for n, r in residual.items())
     return AbstractStep(traced.jaxpr, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
-                        _state_bytes(params, opt_state, layout, sizes), bubble, hlo)
+                        state_bytes, bubble, hlo)
 
 
 def _shaped(batch: tuple) -> tuple:

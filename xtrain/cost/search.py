@@ -11,7 +11,9 @@ microbatches, data degree n / (t x p) over "data" with ZeRO stage 0-3 (0-1 with 
 all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
 per-stage checkpoint, or the 1F1B schedule, which always recomputes). Pipeline degrees by
 default: the divisors of n up to the model's number of repeated blocks, none for a model
-without repeated blocks; m in (p, 2p, 4p).
+without repeated blocks; m in (p, 2p, 4p). Precision: the script's fp32, except on hardware
+with fp16 but no bf16 arithmetic (V100: p3 instances), where every plan is fp16 with dynamic
+loss scaling (`HardwareProfile.plan_precision`).
 
 Each candidate is lowered for an abstract mesh (cost.program), never run; a pipeline candidate
 by the pipeline step itself, so its FLOPs, permutes between stages, gradient sync over "pipe"
@@ -26,7 +28,9 @@ with the first finding and never picked. MFU divides the model's FLOPs (xtrain.i
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
 whose memory exceeds the device is marked as not fitting and never picked. A variant that only
-saves memory (remat, 1F1B) is lowered only when its plain form does not fit.
+saves memory (remat, 1F1B, the optimizer state offloaded to host memory where the profile knows
+the host link) is lowered only when its plain form does not fit; an offloaded plan is charged
+its host transfers (twice the state per step) and needs no device memory for the state.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputa
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
 SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
+SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"
 SCHEDULES = ("gpipe", "1f1b")
 # mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices
 DEFAULT_ORDER = ("data", "pipe", "tensor")
@@ -73,6 +78,9 @@ class Candidate:
         schedule: the pipeline schedule, "gpipe" or "1f1b".
         order: the mesh axes from outermost to innermost (device ids are numbered row-major
             over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
+        precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
+            loss scaling on hardware without bf16, else "fp32").
+        offload: the optimizer state in host memory (Plan(offload="optimizer")).
     """
 
     data: int
@@ -83,6 +91,8 @@ class Candidate:
     microbatches: int = 1
     schedule: str = "gpipe"
     order: tuple[str, ...] = ()
+    precision: str = "fp32"
+    offload: bool = False
 
     def __post_init__(self):
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
@@ -112,17 +122,20 @@ class Candidate:
         short = {"data": "dp", "tensor": "tp", "pipe": "pp"}
         parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
-        return name + (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        name += " offload" if self.offload else ""
+        return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
     def plan(self, structure: Structure | None = None) -> Plan:
         """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
         stage, remat, the pipeline."""
-        base = Plan()
+        base = Plan(precision=self.precision, offload="optimizer" if self.offload else "none")
         if self.tensor > 1:
             if structure is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
-            base = presets.megatron(structure, self.mesh)
+            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision,
+                                       offload=base.offload)
         if self.pipe == 1:
             return dataclasses.replace(base, zero=self.zero, remat=self.remat)
         return dataclasses.replace(base, zero=self.zero).with_pipeline(
@@ -130,16 +143,23 @@ class Candidate:
 
     @property
     def saves_memory_only(self) -> bool:
-        """Remat and 1F1B never make a step faster (more recomputation, lockstep ticks)."""
-        return self.remat or self.schedule != "gpipe"
+        """Remat, 1F1B and offload never make a step faster (recomputation, lockstep ticks,
+        host transfers)."""
+        return self.remat or self.schedule != "gpipe" or self.offload
 
     @property
     def plain(self) -> "Candidate":
         """This candidate without its memory-only variants."""
-        return dataclasses.replace(self, remat=False, schedule="gpipe")
+        return dataclasses.replace(self, remat=False, schedule="gpipe", offload=False)
+
+    @property
+    def skipped(self) -> str:
+        """Why this memory-only variant is not lowered when its plain form fits."""
+        return SKIPPED_REMAT if self.remat else SKIPPED_OFFLOAD if self.offload else SKIPPED_1F1B
 
     def simplicity(self) -> tuple:
-        return (self.pipe, self.tensor, self.zero, self.remat, self.schedule != "gpipe", self.microbatches)
+        return (self.pipe, self.tensor, self.zero, self.offload, self.remat, self.schedule != "gpipe",
+                self.microbatches)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,6 +204,8 @@ class SearchResult:
         pick = f"pick: {self.best.candidate.name}" if self.best else \
         "pick: none fits this device's memory" + (" and passes the target's checker" if any(r.findings for r in self.rows) else "")
         lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
+        if self.profile.plan_precision == "fp16":
+            lines.append("precision: fp16 with dynamic loss scaling (this GPU has no bf16 arithmetic)")
         if any(r.candidate.pipe > 1 for r in self.rows):
             lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
                          "is inside compute ms, not added")
@@ -241,7 +263,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     out = []
     for p in pipe_degrees:
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
-            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules)
+            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
+                           profile)
     return out
 
 
@@ -252,12 +275,19 @@ def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
     return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
 
 
-def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules) -> list[Candidate]:
-    """The candidates of one (data, tensor, pipe) mesh."""
+def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules,
+            profile: HardwareProfile) -> list[Candidate]:
+    """The candidates of one (data, tensor, pipe) mesh; without a pipeline also the optimizer
+    state offloaded to host memory, where the profile knows the host link."""
     zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
+    precision = profile.plan_precision
     if pipe == 1:
-        return [Candidate(data=data, tensor=tensor, zero=z, remat=r) for z in zeros for r in remat]
-    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r)
+        plain = [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision)
+                 for z in zeros for r in remat]
+        offload = [Candidate(data=data, tensor=tensor, zero=z, precision=precision, offload=True) for z in zeros]
+        return plain + (offload if profile.host_bytes_per_s else [])
+    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r,
+                      precision=precision)
             for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
 
 
@@ -305,6 +335,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         return Row(candidate=candidate, reason=reason)
     target = placement.neuron_target(profile)
     try:
+        profile.check_precision(candidate.precision)
         plan = candidate.plan(structure)
         traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
                                            platform="neuron" if target else None)
@@ -360,12 +391,12 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         if c.saves_memory_only:
             plain = done.get(c.plain)
             placed = dataclasses.replace(c, order=plain.candidate.order) if plain is not None else c
-            # recomputation never makes a step faster: only worth lowering when memory is short;
-            # and it changes no collective, so it cannot mend a plan the target's checker rejects
+            # remat, 1F1B and offload never make a step faster: only worth lowering when memory is
+            # short; and they change no collective, so cannot mend a plan the target's checker rejects
             if prune_remat and plain is not None and plain.findings:
                 done[c] = Row(candidate=placed, reason=SKIPPED_REJECTED)
             elif prune_remat and plain is not None and plain.usable:
-                done[c] = Row(candidate=placed, reason=SKIPPED_REMAT if c.remat else SKIPPED_1F1B)
+                done[c] = Row(candidate=placed, reason=c.skipped)
             else:
                 done[c] = lower(c)
     rows = [done[c] for c in candidate_list]

@@ -4,6 +4,7 @@
     torch_ops.py      torch ops xtrain lowers itself (derivative rules, fixes to torchax's table)
     jax_function.py   a JAX loss function + parameter pytree -> xtrain.ir.Model
     optim.py          torch.optim optimizers -> optax transformations
+    large_batch.py    LARS and LAMB as torch optimizers (torch has neither)
     tensors.py        torch tensors <-> numpy arrays, torch state dicts and files
 
 Nothing is imported here: `import xtrain.frontend.jax_function` does not load torch.

@@ -1,7 +1,9 @@
 """torch.optim optimizers -> optax transformations with the same update rule.
 
 Supported: SGD (momentum, nesterov, weight_decay), Adam (betas, eps, weight_decay as L2 added
-to the gradient, as torch does), AdamW (decoupled weight decay), each with param groups.
+to the gradient, as torch does), AdamW (decoupled weight decay), and xtrain's own LARS and
+LAMB (xtrain.frontend.large_batch: momentum / Adam, then each layer's trust ratio, whose norms
+the step sums across shards: xtrain.ir.trust_ratio), each with param groups.
 
 The learning rate is not baked into the program: every supported rule ends in "multiply by
 -lr", so the transformation is built with lr=1 and the step multiplies each group's update by
@@ -18,13 +20,17 @@ import numpy as np
 import optax
 import torch
 
+from xtrain.frontend.large_batch import LAMB, LARS
 from xtrain.ir.stacked import member
+from xtrain.ir.trust_ratio import scale_by_trust_ratio
 
 # Options that change the update rule and that xtrain does not translate (value = torch default).
 _UNSUPPORTED = {
     "SGD": {"dampening": 0, "maximize": False},
     "Adam": {"amsgrad": False, "maximize": False},
     "AdamW": {"amsgrad": False, "maximize": False},
+    "LARS": {},
+    "LAMB": {},
 }
 # Options that only select a torch kernel; they cannot change the result.
 _IGNORED = {"foreach", "fused", "capturable", "differentiable", "initial_lr"}
@@ -32,7 +38,11 @@ _KNOWN = {
     "SGD": {"lr", "momentum", "nesterov", "weight_decay"},
     "Adam": {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"},
     "AdamW": {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"},
+    "LARS": {"lr", "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "adapt"},
+    "LAMB": {"lr", "betas", "eps", "weight_decay", "trust_coefficient", "adapt"},
 }
+# The classes each name must be: torch's own, or xtrain's (another package's LAMB has other rules).
+_CLASSES = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "LARS": LARS, "LAMB": LAMB}
 
 
 def _sgd(g: Mapping) -> optax.GradientTransformation:
@@ -61,24 +71,51 @@ def _adamw(g: Mapping) -> optax.GradientTransformation:
     return optax.adamw(g["lr"], b1=b1, b2=b2, eps=g["eps"], weight_decay=g["weight_decay"])
 
 
+def _lars(g: Mapping) -> optax.GradientTransformation:
+    parts = [optax.add_decayed_weights(g["weight_decay"])] if g["weight_decay"] else []
+    if g["adapt"]:
+        parts.append(scale_by_trust_ratio(g["trust_coefficient"], g["eps"]))
+    if g["momentum"]:
+        parts.append(optax.trace(decay=g["momentum"], nesterov=g["nesterov"]))
+    return optax.chain(*parts, optax.scale(-g["lr"]))
+
+
+def _lamb(g: Mapping) -> optax.GradientTransformation:
+    b1, b2 = g["betas"]
+    parts = [optax.scale_by_adam(b1=b1, b2=b2, eps=g["eps"])]
+    parts += [optax.add_decayed_weights(g["weight_decay"])] if g["weight_decay"] else []
+    parts += [scale_by_trust_ratio(g["trust_coefficient"], 0.0)] if g["adapt"] else []
+    return optax.chain(*parts, optax.scale(-g["lr"]))
+
+
 _BUILDERS: dict[str, Callable[[Mapping], optax.GradientTransformation]] = {
-    "SGD": _sgd, "Adam": _adam, "AdamW": _adamw,
+    "SGD": _sgd, "Adam": _adam, "AdamW": _adamw, "LARS": _lars, "LAMB": _lamb,
 }
+
+
+def _name(kind: str) -> str:
+    return f"xtrain.optim.{kind}" if kind in ("LARS", "LAMB") else f"torch.optim.{kind}"
+
+
+def _shown(cls: type) -> str:
+    """A class as users import it (torch.optim.RMSprop, not torch.optim.rmsprop.RMSprop)."""
+    module = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
+    return f"{module}.{cls.__qualname__}"
 
 
 def _check_group(kind: str, index: int, group: Mapping) -> None:
     for option, default in _UNSUPPORTED[kind].items():
         if option in group and group[option] != default:
             raise ValueError(
-                f"torch.optim.{kind} option {option}={group[option]!r} (param group {index}) is not "
+                f"{_name(kind)} option {option}={group[option]!r} (param group {index}) is not "
                 f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
     unknown = set(group) - _KNOWN[kind] - set(_UNSUPPORTED[kind]) - _IGNORED - {"params"}
     if unknown:
         raise ValueError(
-            f"torch.optim.{kind} option(s) {sorted(unknown)} (param group {index}) are not "
+            f"{_name(kind)} option(s) {sorted(unknown)} (param group {index}) are not "
             f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
     if float(group["lr"]) != group["lr"] or isinstance(group["lr"], torch.Tensor):
-        raise ValueError(f"torch.optim.{kind} lr must be a Python float (param group {index})")
+        raise ValueError(f"{_name(kind)} lr must be a Python float (param group {index})")
 
 
 def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor], str | None],
@@ -95,10 +132,10 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
         Parameters in no group are not optimized, as in torch.
     """
     kind = type(optimizer).__name__
-    if kind not in _BUILDERS:
+    if kind not in _BUILDERS or not isinstance(optimizer, _CLASSES[kind]):
         raise ValueError(
-            f"optimizer torch.optim.{kind} is not supported by xtrain; supported: "
-            f"{', '.join('torch.optim.' + k for k in _BUILDERS)}")
+            f"optimizer {_shown(type(optimizer))} is not supported by xtrain; "
+            f"supported: {', '.join(_name(k) for k in _BUILDERS)}")
     groups: dict[str, int] = {}
     transforms = {}
     for index, group in enumerate(optimizer.param_groups):

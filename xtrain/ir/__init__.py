@@ -5,6 +5,7 @@
     walk.py      the one jaxpr walker: environment, inlined calls, module paths
     stacked.py   block parameters stored stacked, (L, ...) per block position
     flops.py     FLOPs of a jaxpr's equations, by kind
+    trust_ratio.py  LARS / LAMB's per-layer trust ratio; the step supplies whole-tensor norms
 """
 from xtrain.ir.model import Model, TraceError
 

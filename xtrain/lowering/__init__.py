@@ -11,10 +11,12 @@ with every collective chosen and counted by xtrain.
     collectives.py     the collectives layer: every collective the program contains
     zero.py            ZeRO: flat gathers of stage 3, re-gather policy, sharded update of 1/2
     gradient_sync.py   bucketed (optionally hierarchical, narrower-dtype) gradient all-reduce
+    int8_sync.py       int8 gradient exchange (all-to-all, fp32 sums, all-gather) with error feedback
     grad_transforms.py, clipping.py, accumulation.py, precision.py, remat.py, options.py
                        what happens between gradients and update; micro-batches; mixed
                        precision; activation checkpointing; step options
     state.py           the TrainState and its shardings
+    offload.py         an offloaded optimizer state moved to the device for the update and back
     ordering.py        one order of collectives on XLA's CPU runtime
     accounting.py, report.py, nan_check.py   what the program communicates; the report; NaN locator
 """

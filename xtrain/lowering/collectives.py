@@ -3,7 +3,7 @@
 Partition rules (explicit/sharded.py), gradient synchronisation, ZeRO, gradient clipping and
 the pipeline's permutes all communicate through here and nowhere else (a test checks the
 sources), so what the program can contain is this list: all-reduce, reduce-scatter,
-all-gather, collective permute. The report counts them back from the emitted program
+all-gather, all-to-all, collective permute. The report counts them back from the emitted program
 (accounting.py), autodiff's transposes included; the Neuron conformance checker and the cost
 model read the same program.
 
@@ -44,6 +44,12 @@ def all_gather(x, axes: Sequence[str], dim: int, *, tiled: bool = True, invarian
     reduce-scatter (what a consumer that varies over `axes` anyway needs)."""
     gather = _all_gather_invariant if invariant else lax.all_gather
     return gather(x, _name(axes), axis=dim, tiled=tiled)
+
+
+def all_to_all(x, axes: Sequence[str], dim: int):
+    """Block i of `x`'s dimension `dim` (cut into one block per device of `axes`) sent to device
+    i; the received blocks replace them in sender order (block j came from device j)."""
+    return lax.all_to_all(x, _name(axes), dim, dim, tiled=True)
 
 
 def permute(x, axis: str, pairs: Sequence[tuple[int, int]]):

@@ -58,15 +58,16 @@ class GradTransforms:
 
 def finish_step(old, new, loss, norm, grad_tx: GradTransforms):
     """(next TrainState, step outputs): counts the step; under fp16 / detect_nan keeps `old`'s
-    parameters, optimizer state and buffers when the step is not finite and moves the loss
+    parameters, optimizer state, buffers and int8 residuals when the step is not finite and moves the loss
     scale. Outputs: loss, grad_norm (pre-clip, when computed), skipped and loss_scale."""
     out = {"loss": loss} if norm is None else {"loss": loss, "grad_norm": norm}
     new = dataclasses.replace(new, step=old.step + 1)
     if not grad_tx.skips:
         return new, out
     finite = jnp.isfinite(norm) & jnp.isfinite(loss)
-    kept = precision.keep_if(finite, (new.params, new.opt_state, new.buffers), (old.params, old.opt_state, old.buffers))
-    new = dataclasses.replace(new, params=kept[0], opt_state=kept[1], buffers=kept[2])
+    fields = ("params", "opt_state", "buffers", "grad_residual")
+    kept = precision.keep_if(finite, tuple(getattr(new, f) for f in fields), tuple(getattr(old, f) for f in fields))
+    new = dataclasses.replace(new, **dict(zip(fields, kept)))
     out["skipped"] = ~finite
     if old.loss_scale is not None:
         out["loss_scale"] = old.loss_scale["scale"]

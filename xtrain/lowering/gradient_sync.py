@@ -7,6 +7,10 @@ Gradients are grouped into buckets of about `bucket_bytes`; each bucket is one f
     hierarchical  (2+ gradient axes, e.g. node x local) reduce-scatter over the inner axes,
                   all-reduce of the 1/inner shard over the outer axes, all-gather over the
                   inner axes: the slow outer links carry 1/inner of the bytes.
+
+`comm_dtype="int8"` quantizes each bucket instead (xtrain.lowering.int8_sync: int8 all-to-all,
+fp32 sums, int8 all-gather, flat or hierarchical) and keeps what quantization dropped on each
+device as error feedback (`with_feedback` adds it to the next step's gradients).
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from xtrain.lowering import collectives
+from xtrain.lowering import collectives, int8_sync
+
+INT8 = "int8"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +35,8 @@ class GradSync:
     Attributes:
         bucket_bytes: target payload of one all-reduce; None = one all-reduce per tensor.
         comm_dtype: dtype on the wire (e.g. "bfloat16" for fp32 gradients); None = as computed.
+            "int8": quantized with a scale per chunk and error feedback (xtrain.lowering.int8_sync);
+            not with ZeRO-3, the pipeline, fp16 loss scaling or lowering="xla" (`check_int8`).
         hierarchical: when gradients are reduced over 2+ mesh axes, reduce-scatter over the
             inner axes, all-reduce over the outer ones, all-gather over the inner ones;
             False = one flat all-reduce over all of them.
@@ -40,17 +48,25 @@ class GradSync:
     comm_dtype: str | None = None
     hierarchical: bool = True
     inner_axes: tuple[str, ...] | None = None
+    int8_chunk: int = 512  # comm_dtype="int8": elements that share one fp32 scale
 
     def __post_init__(self):
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"GradSync.bucket_bytes={self.bucket_bytes} must be positive or None")
-        if self.comm_dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(f"GradSync.comm_dtype={self.comm_dtype!r} must be None, 'bfloat16', 'float16' or 'float32'")
+        if self.comm_dtype not in (None, "bfloat16", "float16", "float32", INT8):
+            raise ValueError(f"GradSync.comm_dtype={self.comm_dtype!r} must be None, 'bfloat16', 'float16', "
+                             "'float32' or 'int8'")
+        if not isinstance(self.int8_chunk, int) or self.int8_chunk < 1:
+            raise ValueError(f"GradSync.int8_chunk={self.int8_chunk!r} must be a positive number of elements")
         if isinstance(self.inner_axes, str):
             object.__setattr__(self, "inner_axes", (self.inner_axes,))
         if self.inner_axes is not None and not self.inner_axes:
             raise ValueError("GradSync.inner_axes=() names no axis; pass e.g. ('local',) or None for the last "
                              "gradient axis")
+
+    @property
+    def int8(self) -> bool:
+        return self.comm_dtype == INT8
 
     def split(self, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(inner, outer) axes of a hierarchical reduction over `axes`; inner=() means flat."""
@@ -93,23 +109,40 @@ def _hierarchical(flat, inner: tuple[str, ...], outer: tuple[str, ...]):
     return collectives.all_gather(shard, inner, 0, invariant=True)[:size]
 
 
-def _all_reduce(grads: list, axes: tuple[str, ...], config: GradSync) -> list:
-    dtype = grads[0].dtype if config.comm_dtype is None else config.comm_dtype
-    flat = jnp.concatenate([g.astype(dtype).ravel() for g in grads])
-    inner, outer = config.split(axes)
-    flat = _hierarchical(flat, inner, outer) if inner else collectives.all_reduce(flat, axes)
+def _unflatten(flat, like: list) -> list:
     out, offset = [], 0
-    for g in grads:
+    for g in like:
         out.append(flat[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
         offset += g.size
     return out
 
 
-def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], config: GradSync) -> dict:
+def _all_reduce(grads: list, axes: tuple[str, ...], config: GradSync) -> tuple[list, list | None]:
+    """(the bucket's gradients summed, their int8 residuals or None)."""
+    inner, outer = config.split(axes)
+    if config.int8:
+        flat = jnp.concatenate([g.astype(jnp.float32).ravel() for g in grads])
+        flat, residual = int8_sync.all_reduce(flat, [inner, outer] if inner else [axes], config.int8_chunk)
+        return _unflatten(flat, grads), _unflatten(residual, grads)
+    dtype = grads[0].dtype if config.comm_dtype is None else config.comm_dtype
+    flat = jnp.concatenate([g.astype(dtype).ravel() for g in grads])
+    flat = _hierarchical(flat, inner, outer) if inner else collectives.all_reduce(flat, axes)
+    return _unflatten(flat, grads), None
+
+
+def with_feedback(grads: Mapping[str, jnp.ndarray], residual: Mapping[str, jnp.ndarray] | None) -> dict:
+    """Error feedback: each gradient plus what quantization dropped of it on this device last
+    step (`residual` as stored: a device dimension of 1 beside the gradient's shape)."""
+    return {n: g + residual[n].reshape(g.shape) if residual and n in residual else g for n, g in grads.items()}
+
+
+def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], config: GradSync
+         ) -> tuple[dict, dict]:
     """All-reduces each gradient over its axes (name -> axes), bucketing tensors that share axes.
+    Returns (gradients, int8 residual per reduced gradient: empty unless comm_dtype="int8").
 
     Reverse order: the last layers' gradients exist first in the backward pass."""
-    out = dict(grads)
+    out, residual = dict(grads), {}
     by_axes: dict[tuple, dict[str, int]] = {}
     for name in reversed(list(grads)):
         if axes.get(name):
@@ -121,6 +154,26 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
     for (group_axes, _), sizes in by_axes.items():
         for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):
             with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
-                reduced = _all_reduce([grads[n] for n in bucket], group_axes, config)
+                reduced, dropped = _all_reduce([grads[n] for n in bucket], group_axes, config)
             out.update(zip(bucket, reduced))
-    return out
+            residual.update(zip(bucket, dropped or ()))
+    return out, residual
+
+
+def check_int8(config: GradSync, *, zero: int, pipeline: bool, loss_scale: bool, lowering: str) -> None:
+    """Fails for the combinations GradSync(comm_dtype="int8") does not support, naming why."""
+    if not config.int8:
+        return
+    refusals = [
+        (zero == 3, "ZeRO-3 (zero=3)", "its gradients leave as the transpose of the parameter gathers, inside "
+                                       "the backward pass; use zero=1 or 2, or comm_dtype='bfloat16'"),
+        (pipeline, "a pipeline", "the pipeline step reduces each stage's gradients itself; use "
+                                 "comm_dtype='bfloat16', or a plan without a pipeline"),
+        (loss_scale, "fp16 loss scaling", "skipped steps and a moving scale would leave the error-feedback "
+                                          "residual in the wrong scale; use precision='bf16' or 'fp32'"),
+        (lowering != "explicit", f"lowering={lowering!r}", "XLA's partitioner chooses its own gradient "
+                                                           "collectives; use lowering='explicit'"),
+    ]
+    for bad, what, fix in refusals:
+        if bad:
+            raise ValueError(f"GradSync(comm_dtype='int8') is not supported with {what}: {fix}")

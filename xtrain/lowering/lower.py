@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from xtrain.ir.model import Model
-from xtrain.lowering import train_step
+from xtrain.lowering import gradient_sync, offload, train_step
 from xtrain.lowering.explicit.forward import ExplicitStrategy
 from xtrain.lowering.pipeline.strategy import PipelineStrategy
 from xtrain.lowering.state import TrainState
@@ -23,6 +23,10 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
     pipeline) or XLA's partitioner on the same layout."""
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+    gradient_sync.check_int8(config.sync, zero=layout.zero, pipeline=pipeline is not None,
+                             loss_scale=config.grad_tx.loss_scale is not None, lowering=lowering)
+    if layout.offload_optimizer and isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices to ask
+        offload.check_host_memory(mesh.devices.flat[0])
     specs = jax.tree.map(lambda s: s.spec, shardings)
     if pipeline is not None:
         if lowering != "explicit":

@@ -121,8 +121,12 @@ def memory_of(compiled) -> dict[str, int]:
     stats = compiled.memory_analysis()
     if stats is None:
         return {}
-    return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-            "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
+    out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+           "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
+    # host memory apart where XLA tells it apart (GPU); XLA:CPU counts pinned_host buffers as device bytes
+    host = {f"host_{k}": getattr(stats, f"host_{v}_size_in_bytes", 0)
+            for k, v in (("arguments", "argument"), ("outputs", "output"), ("temporaries", "temp"))}
+    return {**out, **{k: v for k, v in host.items() if v}}
 
 
 def _shard_bytes(x, sharding=None) -> int:
@@ -133,11 +137,20 @@ def _shard_bytes(x, sharding=None) -> int:
 
 def state_memory(state, grad_shardings: dict) -> dict[str, int]:
     """Bytes per device of the parameters (trained and frozen), of the gradients the update
-    consumes (sharded like `grad_shardings`: the parameters', or ZeRO-2's optimizer shards)
-    and of the optimizer state, from the shardings of the placed TrainState."""
+    consumes (sharded like `grad_shardings`: the parameters', or ZeRO-2's optimizer shards),
+    of the optimizer state (in device memory, and in host memory as `optimizer_host` under
+    Plan(offload="optimizer")) and of int8's error-feedback residuals, from the shardings of
+    the placed TrainState."""
     import jax
 
     params = {**state.params, **state.frozen}
-    return {"parameters": sum(_shard_bytes(v) for v in params.values()),
-            "gradients": sum(_shard_bytes(v, grad_shardings.get(n)) for n, v in state.params.items()),
-            "optimizer": sum(_shard_bytes(v) for v in jax.tree.leaves(state.opt_state) if hasattr(v, "shape"))}
+    optimizer = [v for v in jax.tree.leaves(state.opt_state) if hasattr(v, "shape")]
+    on_host = lambda v: getattr(getattr(v, "sharding", None), "memory_kind", None) == "pinned_host"
+    out = {"parameters": sum(_shard_bytes(v) for v in params.values()),
+           "gradients": sum(_shard_bytes(v, grad_shardings.get(n)) for n, v in state.params.items()),
+           "optimizer": sum(_shard_bytes(v) for v in optimizer if not on_host(v))}
+    if any(on_host(v) for v in optimizer):  # Plan(offload="optimizer")
+        out["optimizer_host"] = sum(_shard_bytes(v) for v in optimizer if on_host(v))
+    if state.grad_residual is not None:  # GradSync(comm_dtype="int8")'s error feedback
+        out["grad_residual"] = sum(_shard_bytes(v) for v in state.grad_residual.values())
+    return out

@@ -9,9 +9,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xtrain.ir import stacked
 from xtrain.ir.stacked import Stacking
 from xtrain.ir.tree import named_leaves, rebuild
 from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.offload import HOST_MEMORY
 from xtrain.sharding.plan import Spec
 
 
@@ -27,18 +29,51 @@ class TrainState:
     step: Any                   # int32 scalar: steps run (a step fp16 skipped counts)
     key: Any                    # base PRNG key; step k uses fold_in(key, k)
     loss_scale: Any = None      # fp16: {"scale": f32, "good_steps": i32} (xtrain.lowering.precision)
+    grad_residual: Any = None   # GradSync(comm_dtype="int8"): per device, what quantization dropped
+                                # of each gradient, added to the next step's (residual_specs)
 
 
-def named(mesh, specs: Mapping[str, Spec]) -> dict[str, NamedSharding]:
-    """{name: NamedSharding} of per-tensor specs on `mesh`."""
-    return {n: NamedSharding(mesh, PartitionSpec(*s)) for n, s in specs.items()}
+def named(mesh, specs: Mapping[str, Spec], memory_kind: str | None = None) -> dict[str, NamedSharding]:
+    """{name: NamedSharding} of per-tensor specs on `mesh` (in `memory_kind`: default the device's)."""
+    return {n: NamedSharding(mesh, PartitionSpec(*s), memory_kind=memory_kind) for n, s in specs.items()}
+
+
+def residual_specs(layout: StateLayout) -> dict[str, Spec]:
+    """Where int8 error-feedback residuals live: one per device of the data axes each optimized
+    gradient is summed over, on a device dimension placed first (after the layer dimension of a
+    stacked parameter), the rest split as the parameter. Each device holds its own (1, ...)."""
+    out = {}
+    for name in sorted(layout.optimized):
+        axes = layout.grad_axes(name)
+        if not axes:
+            continue
+        spec, entry = tuple(layout.param_specs[name]), axes[0] if len(axes) == 1 else axes
+        out[name] = (spec[0], entry) + spec[1:] if stacked.is_stacked(name) else (entry,) + spec
+    return out
+
+
+def residual_shapes(layout: StateLayout, shapes: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Global shapes of the int8 residuals (`residual_specs`); `shapes`: stored parameters'."""
+    out = {}
+    for name in residual_specs(layout):
+        shape = list(shapes[name].shape)
+        shape.insert(1 if stacked.is_stacked(name) else 0, int(np.prod([layout.sizes[a] for a in layout.grad_axes(name)])))
+        out[name] = jax.ShapeDtypeStruct(tuple(shape), shapes[name].dtype)
+    return out
+
+
+def residual_zeros(layout: StateLayout, shapes: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The residuals of a fresh run: zero-stride host arrays (placing them allocates only each
+    device's own part)."""
+    return {n: np.broadcast_to(np.zeros((), s.dtype), s.shape) for n, s in residual_shapes(layout, shapes).items()}
 
 
 def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
     """Shardings of a TrainState laid out by `layout`: parameters per their specs, optimizer
-    moments like their parameter's optimizer spec (ZeRO-1/2 split them further), everything
-    else replicated."""
-    params, optimizer = named(mesh, layout.param_specs), named(mesh, layout.optimizer_specs)
+    moments like their parameter's optimizer spec (ZeRO-1/2 split them further; in host memory
+    under Plan(offload="optimizer")), everything else replicated."""
+    host = HOST_MEMORY if layout.offload_optimizer else None
+    params, optimizer = named(mesh, layout.param_specs), named(mesh, layout.optimizer_specs, host)
     shapes = {n: x.shape for n, x in {**state.params, **state.frozen}.items()}
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -47,7 +82,7 @@ def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
             name = getattr(entry, "key", None)
             if name in params and getattr(leaf, "shape", None) == shapes[name]:
                 return optimizer[name]
-        return replicated
+        return NamedSharding(mesh, PartitionSpec(), memory_kind=host)
 
     return TrainState(
         params={n: params[n] for n in state.params},
@@ -57,6 +92,7 @@ def shardings(state: TrainState, layout: StateLayout, mesh) -> TrainState:
         step=replicated,
         key=replicated,
         loss_scale=jax.tree.map(lambda _: replicated, state.loss_scale),
+        grad_residual=None if state.grad_residual is None else named(mesh, residual_specs(layout)),
     )
 
 
@@ -66,12 +102,13 @@ def abstract(state: TrainState) -> TrainState:
 
 
 def initial(params: Mapping[str, Any], buffers: Mapping[str, Any], optimized, tx: optax.GradientTransformation,
-            seed: int, loss_scale) -> TrainState:
+            seed: int, loss_scale, grad_residual=None) -> TrainState:
     """A fresh state: the optimizer's initial state for the `optimized` parameters, the rest frozen."""
     trained = {n: v for n, v in params.items() if n in optimized}
     return TrainState(params=trained, frozen={n: v for n, v in params.items() if n not in optimized},
                       buffers=dict(buffers), opt_state=jax.jit(tx.init)(trained), step=np.int32(0),
-                      key=jax.random.key_data(jax.random.key(seed)), loss_scale=loss_scale)
+                      key=jax.random.key_data(jax.random.key(seed)), loss_scale=loss_scale,
+                      grad_residual=grad_residual)
 
 
 def restacked(state: TrainState, stacking: Stacking, tx: optax.GradientTransformation) -> TrainState:

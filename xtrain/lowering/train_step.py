@@ -22,7 +22,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.lowering import gradient_sync
+from xtrain.lowering import gradient_sync, offload
 from xtrain.lowering import ordering
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.gradient_sync import GradSync
@@ -44,6 +44,8 @@ class StepConfig:
         sync: bucketing, wire dtype and hierarchy of the gradient all-reduce.
         remat: activation checkpointing of each layer of the repeated blocks (None: off).
         regather: ZeRO-3 gathers each weight again in the backward pass.
+        offload_optimizer: the optimizer state arrives in host memory and goes back there
+            (xtrain.lowering.offload).
     """
 
     tx: optax.GradientTransformation
@@ -52,6 +54,7 @@ class StepConfig:
     sync: GradSync = GradSync()
     remat: LayerRemat | None = None
     regather: bool = True
+    offload_optimizer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +137,38 @@ def _trainer(strategy: Strategy, config: StepConfig) -> Callable:
             key = jax.random.fold_in(state.key, state.step)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else None
             out = compute(state, batch, key, scale)
-            grads = gradient_sync.sync(out.grads, out.pending, config.sync)
-            params, opt_state, norm = strategy.update(grads, state.opt_state, state.params, lrs, scale)
+            grads = gradient_sync.with_feedback(out.grads, state.grad_residual)  # int8's error feedback
+            grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
+            old = _fetched(state, config)  # an offloaded optimizer state reaches the device only now
+            params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale)
             new = dataclasses.replace(state, params=params, buffers={**state.buffers, **out.buffers},
-                                      opt_state=opt_state)
-            return finish_step(state, new, out.loss, norm, config.grad_tx)
+                                      opt_state=opt_state, grad_residual=_stored(state.grad_residual,
+                                                                                 {**dropped, **scattered}))
+            new, outputs = finish_step(old, new, out.loss, norm, config.grad_tx)
+            if config.offload_optimizer:
+                new = dataclasses.replace(new, opt_state=offload.store(new.opt_state))
+            return new, outputs
 
         return strategy.runner.train(step, batch)(state, batch, lrs)
 
     return train_step
+
+
+def _fetched(state: TrainState, config: StepConfig) -> TrainState:
+    """`state` with an offloaded optimizer state moved to the device, placed after the backward
+    pass in the program so that it is not held through it."""
+    if not config.offload_optimizer:
+        return state
+    return dataclasses.replace(state, opt_state=offload.fetch(state.opt_state))
+
+
+def _stored(residual, dropped: Mapping[str, Any]):
+    """The next int8 residuals in their stored form (a device dimension of 1 beside the
+    gradient's shape); None without int8."""
+    if residual is None:
+        return None
+    assert set(dropped) == set(residual), (sorted(dropped), sorted(residual))
+    return {n: dropped[n].reshape(r.shape).astype(r.dtype) for n, r in residual.items()}
 
 
 def _evaluator(strategy: Strategy) -> Callable:

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from xtrain.lowering import collectives
+from xtrain.ir.stacked import is_stacked
+from xtrain.ir.trust_ratio import SUM_SQUARES
+from xtrain.lowering import clipping, collectives, int8_sync
 from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
 from xtrain.lowering.sharded import Context, Sharded
@@ -78,9 +80,11 @@ class Update:
                  optimizer_specs: Mapping[str, Spec], stage: int, tx: optax.GradientTransformation,
                  grad_tx: GradTransforms = GradTransforms(), sync: GradSync = GradSync()):
         self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
-        self.bucket_bytes, self.comm_dtype = sync.bucket_bytes, sync.comm_dtype
+        self.sync, self.bucket_bytes = sync, sync.bucket_bytes
         self.n = math.prod(sizes[a] for a in data_axes)
         self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
+        # a stacked array's rows are layers (split over the pipeline axis, if at all), not parts of one tensor
+        self.row_axes = {n: tuple(axes_of(s[0])) if is_stacked(n) and s else () for n, s in param_specs.items()}
         self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
                      for n in param_specs}
 
@@ -114,20 +118,30 @@ class Update:
             groups.setdefault(key, {})[name] = whole_bytes(v)
         return [b for sizes in groups.values() for b in buckets(sizes, self.bucket_bytes)]
 
-    def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
-        """Each gradient summed over the data axes, this device keeping its block (ZeRO-2), on the
-        wire in the gradient sync's dtype (bfloat16 under a bf16 precision policy)."""
-        out = {}
+    def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> tuple[dict, dict]:
+        """(each gradient summed over the data axes, this device keeping its block (ZeRO-2), on the
+        wire in the gradient sync's dtype (bfloat16 under a bf16 precision policy); the int8
+        residual of each gradient, empty unless GradSync(comm_dtype="int8"))."""
+        out, dropped = {}, {}
         for index, bucket in enumerate(self._buckets(grads, lambda g: g.size * g.dtype.itemsize)):
             with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 dtype = grads[bucket[0]].dtype
-                rows = [_rows(grads[n].astype(self.comm_dtype or dtype), split[n], self.n) for n in bucket]
-                mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
-                for n, block in zip(bucket, _split_columns(mine.astype(dtype), [r.shape[1] for r in rows])):
-                    shape = list(grads[n].shape)
-                    shape[split[n]] //= self.n
-                    out[n] = block.reshape(shape)
-        return out
+                wire = dtype if self.sync.int8 else (self.sync.comm_dtype or dtype)  # int8 quantizes per chunk
+                rows = [_rows(grads[n].astype(wire), split[n], self.n) for n in bucket]
+                widths, blocks = [r.shape[1] for r in rows], {}
+                for n in bucket:
+                    blocks[n] = list(grads[n].shape)
+                    blocks[n][split[n]] //= self.n
+                if self.sync.int8:  # all-to-all of int8 rows, summed in fp32 (xtrain.lowering.int8_sync)
+                    mine, left = int8_sync.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes,
+                                                          self.sync.int8_chunk)
+                    dropped.update({n: _unrows(r, split[n], tuple(blocks[n]))
+                                    for n, r in zip(bucket, _split_columns(left, widths))})
+                else:
+                    mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
+                out.update({n: b.astype(dtype).reshape(blocks[n])
+                            for n, b in zip(bucket, _split_columns(mine, widths))})
+        return out, dropped
 
     def _all_gather(self, shards: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
         """Every device's block of each updated parameter, joined: the whole parameter."""
@@ -145,21 +159,31 @@ class Update:
         axes where the optimizer works on a slice (ZeRO-1/2)."""
         return {n: axes + (self.data_axes if n in split else ()) for n, axes in self.param_axes.items()}
 
+    def _sum_squares(self, split: Mapping[str, int]):
+        """Per-tensor (per-layer) sums over the shards, for transformations that need whole
+        norms (LARS / LAMB's trust ratios: xtrain.ir.trust_ratio)."""
+        axes = {n: tuple(a for a in ax if a not in self.row_axes[n]) for n, ax in self._split_axes(split).items()}
+        return lambda partial: clipping.sum_over_shards(partial, axes)
+
     def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
-        """(new parameters, new optimizer state, global gradient norm or None) from
-        synchronised (or, ZeRO-2, raw) gradients; `lrs` per param group, `scale` fp16's."""
+        """(new parameters, new optimizer state, global gradient norm or None, int8 residuals of
+        ZeRO-2's reduce-scatter) from synchronised (or, ZeRO-2, raw) gradients; `lrs` per param
+        group, `scale` fp16's."""
         split = {n: d for n, d in self.dims.items() if d is not None and n in params}
         shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
+        dropped = {}
         if self.stage == 2:  # last layers' gradients first, as the backward pass makes them
-            scattered = self._reduce_scatter({n: grads[n] for n in reversed(list(grads)) if n in split}, split)
+            order = reversed(list(grads))
+            scattered, dropped = self._reduce_scatter({n: grads[n] for n in order if n in split}, split)
         else:
             scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
         shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
         shard_g, norm = self.grad_tx.before_update(shard_g, self._split_axes(split), scale)
-        updates, opt_state = self.tx.update(shard_g, opt_state, shard_p)
+        updates, opt_state = optax.with_extra_args_support(self.tx).update(
+            shard_g, opt_state, shard_p, **{SUM_SQUARES: self._sum_squares(split)})
         new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
         gathered = self._all_gather({n: v for n, v in new.items() if n in split}, split)
-        return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm
+        return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm, dropped
 
 
 # -- ZeRO-3: gathering parameter shards ---------------------------------------------------------

@@ -2,7 +2,8 @@
 
     mesh.py      Mesh(data=4, tensor=2): named axes
     plan.py      Plan: per-tensor specs by module-path glob, batch spec, ZeRO stage, pipeline,
-                 precision and remat (their settings: pipeline.py, precision.py, remat.py)
+                 precision, remat and offload (their settings: pipeline.py, precision.py,
+                 remat.py, offload.py)
     zero.py      which dimension ZeRO splits over the data axes (shared with the presets)
     layout.py    layout resolution: plan + mesh sizes + shapes -> the state layout
     presets.py   ddp, fsdp/zero, hybrid, megatron (megatron.py) as ordinary Plans

@@ -19,6 +19,7 @@ from typing import Hashable, Iterable, Mapping
 from xtrain.ir.stacked import Stacking, family
 from xtrain.sharding import zero
 from xtrain.sharding.mesh import DATA
+from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
 UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (why: scan_layers_for)
@@ -45,6 +46,7 @@ class StateLayout:
         stage_starts: a placed pipeline's first layer of each virtual stage; None before.
         agreement: per-layer name -> the decisions that must agree for layers to share one
             stored array (shape, dtype, trainability, param group, specs).
+        offload_optimizer: the optimizer state lives in host memory (Plan(offload="optimizer")).
     """
 
     sizes: Mapping[str, int]
@@ -60,6 +62,7 @@ class StateLayout:
     scan_layers: bool = True
     stage_starts: tuple[int, ...] | None = None
     agreement: Mapping[str, Hashable] = dataclasses.field(default_factory=dict)
+    offload_optimizer: bool = False
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -152,7 +155,8 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
                        layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
                        optimizer_specs=stacking.stack_specs(optimizer),
                        optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
-                       scan_layers=scan_layers, agreement=agreement)
+                       scan_layers=scan_layers, agreement=agreement,
+                       offload_optimizer=plan.offload is Offload.OPTIMIZER)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

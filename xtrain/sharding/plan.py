@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 from typing import Mapping, Sequence, Union
 
+from xtrain.sharding.offload import Offload
 from xtrain.sharding.pipeline import Pipeline, pipeline
 from xtrain.sharding.precision import Precision
 from xtrain.sharding.remat import LayerRemat, Remat
@@ -57,6 +58,8 @@ class Plan:
         remat_keep: remat="selective": fnmatch patterns over module paths, e.g. ("blocks.*.attn",).
         pipeline: pipeline parallelism (stages, microbatches, schedule, split); set it with
             `plan.with_pipeline(...)`. None: no pipeline.
+        offload: "optimizer" keeps the optimizer state in host memory between steps
+            (xtrain.sharding.offload); "none" (default) keeps everything on the device.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -67,6 +70,7 @@ class Plan:
     remat: Remat | str | bool = "off"
     remat_keep: tuple[str, ...] = ()
     pipeline: Pipeline | None = None
+    offload: Offload | str = "none"
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
                       split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
@@ -77,6 +81,7 @@ class Plan:
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision.of(self.precision))
+        object.__setattr__(self, "offload", Offload.of(self.offload))
         self._check_remat()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
@@ -106,7 +111,8 @@ class Plan:
         batch = "default (the mesh's 'data' axis)" if self.batch is None else tuple(self.batch)
         mixed = "" if self.precision.compute.value == "fp32" else f", precision={self.precision.compute.value}"
         remat = "" if self.remat.value == "off" else f", remat={self.remat.value}"
-        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat})"]
+        offload = "" if self.offload is Offload.NONE else f", offload={self.offload.value}"
+        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat}{offload})"]
         if self.pipeline is not None:
             lines.append(f"  {self.pipeline}")
         width = max((len(p) for p in self.params), default=0)

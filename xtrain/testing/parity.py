@@ -15,7 +15,8 @@ import torch
 
 OptimizerFactory = Callable[[object], torch.optim.Optimizer]
 LOSS_RTOL = 1e-5
-PARAM_ATOL = {"SGD": 1e-5, "Adam": 5e-5, "AdamW": 5e-5}
+# LARS's steps are proportional to the gradient (as SGD's); LAMB's are Adam's, about lr x sign(g)
+PARAM_ATOL = {"SGD": 1e-5, "Adam": 5e-5, "AdamW": 5e-5, "LARS": 1e-5, "LAMB": 5e-5}
 
 
 def _scalar_loss(out):

@@ -1,0 +1,32 @@
+"""What a plan keeps in host memory instead of device memory (`Plan(offload=...)`).
+
+    none       everything on the device.
+    optimizer  the optimizer state (Adam's moments, momentum buffers, ...) lives in the host
+               memory the device can address (JAX memory kind "pinned_host"); each step moves
+               it to the device for the update and back (xtrain.lowering.offload). Parameters
+               stay on the device: xtrain keeps them in float32 (bf16/fp16 plans cast matmul
+               operands, they hold no second, master copy to offload).
+
+Activations are not offloaded yet (`remat` trades them for recomputation instead).
+"""
+from __future__ import annotations
+
+import enum
+
+HOST_MEMORY = "pinned_host"  # the JAX memory kind of host memory a device reads and writes directly
+
+
+class Offload(enum.Enum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+
+    @classmethod
+    def of(cls, value: "Offload | str | None") -> "Offload":
+        if isinstance(value, Offload):
+            return value
+        try:
+            return cls("none" if value is None else value)
+        except ValueError:
+            hint = " (activation offload is not supported yet: use remat='full' to save activations)" \
+                if value == "activations" else ""
+            raise ValueError(f"Plan(offload={value!r}) must be one of {[o.value for o in cls]}{hint}") from None
