@@ -2,7 +2,7 @@
 
 `TrainStep` resolves the state layout (xtrain.sharding.layout), places the initial state and
 lowers the step (xtrain.lowering.lower) for a plan; with `plan="auto"` it does so at the first
-call, for the plan the cost model picks (xtrain.cost.search) from the batch's shapes. Reports,
+call, for the plan the cost model picks from the batch's shapes (xtrain.autoplan). Reports,
 checkpoints and exports are helpers beside it (xtrain.explain, xtrain.checkpoint).
 
 A caller that runs a user's script, such as the `xtrain report` and `xtrain plan` commands, takes
@@ -19,8 +19,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import checkpoint, data, explain, hooks, recompile, runtime
-from xtrain.cost import hardware, search
+from xtrain import autoplan, checkpoint, data, explain, hooks, recompile, runtime
+from xtrain.cost import hardware
 from xtrain.frontend import tensors
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
@@ -160,14 +160,10 @@ class TrainStep:
         self._program = self._lower(self.layout)
 
     def _choose_plan(self, batch: tuple) -> None:
-        """plan="auto": the cost model's pick for the current devices, agreed by every process."""
-        devices = len(jax.devices())
-        self.search = search.search(self.trainable.model, self.trainable.tx, host_batch(batch),
-                                    hardware.current_profile(), devices, structure=self.trainable.structure,
-                                    pipe_degrees=None if self._searches_pipelines else (1,))
-        if self.search.best is None:
-            raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{self.search}")
-        best = _agreed(self.search).candidate
+        """plan="auto": the cost model's pick for the current devices, agreed by every process
+        (xtrain.autoplan); `self.search` keeps the search."""
+        self.search = autoplan.search_plans(self.trainable, host_batch(batch), pipelines=self._searches_pipelines)
+        best = autoplan.agreed_pick(self.search)
         self._build(Mesh(**best.mesh).build(), best.plan(self.trainable.structure))
 
     @property
@@ -393,12 +389,3 @@ class TrainStep:
         """The lowered step (its strategy's notes feed the report)."""
         self._require_built(".lowered")
         return self._program
-
-
-def _agreed(result: search.SearchResult):
-    """The pick of process 0 in every process: each calibrates its own profile, and a job whose
-    processes compiled different plans would deadlock in its first collective."""
-    if jax.process_count() == 1:
-        return result.best
-    index = multihost_utils.broadcast_one_to_all(np.int32(result.rows.index(result.best)))
-    return result.rows[int(index)]
