@@ -39,7 +39,7 @@ def _device_ids(lowered: dict[str, int], placed: dict[str, int]) -> list[int]:
 
 
 def conforming_orders(candidate, hlo: str, target: conformance.Target) -> tuple[list, list]:
-    """A search candidate (cost.search.Candidate) in every mesh-axis order whose program
+    """A search candidate (cost.candidates.Candidate) in every mesh-axis order whose program
     `target` accepts (`hlo`: the program lowered for `candidate.mesh`, its devices renumbered
     for each order), the given order first; and the findings of the given order."""
     errors = _errors(hlo, target)

@@ -1,0 +1,177 @@
+"""The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, tensor and
+pipeline degrees, microbatches and schedule, ZeRO stage, remat, optimizer offload, compute
+precision, the order of its mesh axes) and turns into a Plan; `candidates` lists the points for
+a device count and hardware profile, in the order the search lowers and lists them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from neuron_support import topology
+from xtrain.cost.hardware import HardwareProfile
+from xtrain.ir.structure import Structure
+from xtrain.sharding import presets
+from xtrain.sharding.plan import Plan
+
+SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
+# under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
+SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
+SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
+SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"
+SCHEDULES = ("gpipe", "1f1b")
+# mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices
+DEFAULT_ORDER = ("data", "pipe", "tensor")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One point of the search space.
+
+    Attributes:
+        data: data-parallel degree (mesh axis "data").
+        tensor: Megatron tensor-parallel degree (mesh axis "tensor"; 1: none).
+        zero: ZeRO stage over "data".
+        remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
+            checkpoint of each stage, `with_pipeline(checkpoint=True)`).
+        pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
+        schedule: the pipeline schedule, "gpipe" or "1f1b".
+        order: the mesh axes from outermost to innermost (device ids are numbered row-major
+            over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
+        precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
+            loss scaling on hardware without bf16, else "fp32").
+        offload: the optimizer state in host memory (Plan(offload="optimizer")).
+    """
+
+    data: int
+    tensor: int = 1
+    zero: int = 0
+    remat: bool = False
+    pipe: int = 1
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    order: tuple[str, ...] = ()
+    precision: str = "fp32"
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
+            raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
+                             f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Candidate(schedule={self.schedule!r}) is not one of {SCHEDULES}")
+        if self.pipe == 1 and (self.microbatches, self.schedule) != (1, "gpipe"):
+            raise ValueError(f"Candidate(pipe=1, microbatches={self.microbatches}, schedule={self.schedule!r}): "
+                             "microbatches and schedule belong to a pipeline; set pipe >= 2")
+        if self.schedule == "1f1b" and self.remat:
+            raise ValueError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
+                             "input; use remat=False")
+
+    def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
+        sizes = {"data": self.data, "pipe": self.pipe, "tensor": self.tensor}
+        return {a: sizes[a] for a in order if a == "data" or sizes[a] > 1}
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Mesh axis sizes in device order: `order`, by default "data" outermost and "tensor"
+        innermost (neighbouring devices)."""
+        return self._sizes(self.order or DEFAULT_ORDER)
+
+    @property
+    def name(self) -> str:
+        short = {"data": "dp", "tensor": "tp", "pipe": "pp"}
+        parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
+        name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
+        name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
+        name += " offload" if self.offload else ""
+        return name + (f" {self.precision}" if self.precision != "fp32" else "")
+
+    def plan(self, structure: Structure | None = None) -> Plan:
+        """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
+        stage, remat, the pipeline."""
+        base = Plan(precision=self.precision, offload="optimizer" if self.offload else "none")
+        if self.tensor > 1:
+            if structure is None:
+                raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
+                                 "which needs a torch.nn.Module")
+            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision,
+                                       offload=base.offload)
+        if self.pipe == 1:
+            return dataclasses.replace(base, zero=self.zero, remat=self.remat)
+        return dataclasses.replace(base, zero=self.zero).with_pipeline(
+            stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
+
+    @property
+    def saves_memory_only(self) -> bool:
+        """Remat, 1F1B and offload never make a step faster (recomputation, lockstep ticks,
+        host transfers)."""
+        return self.remat or self.schedule != "gpipe" or self.offload
+
+    @property
+    def plain(self) -> "Candidate":
+        """This candidate without its memory-only variants."""
+        return dataclasses.replace(self, remat=False, schedule="gpipe", offload=False)
+
+    @property
+    def skipped(self) -> str:
+        """Why this memory-only variant is not lowered when its plain form fits."""
+        return SKIPPED_REMAT if self.remat else SKIPPED_OFFLOAD if self.offload else SKIPPED_1F1B
+
+    def simplicity(self) -> tuple:
+        return (self.pipe, self.tensor, self.zero, self.offload, self.remat, self.schedule != "gpipe",
+                self.microbatches)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pipeline_degrees(devices: int, layers: int) -> list[int]:
+    """Default pipe degrees > 1: the divisors of `devices` up to `layers` repeated blocks."""
+    return [p for p in _divisors(devices) if 2 <= p <= layers]
+
+
+def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequence[int] | None = None,
+               zero_stages: Sequence[int] = (0, 1, 2, 3), remat: Sequence[bool] = (False, True),
+               pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
+               schedules: Sequence[str] = SCHEDULES) -> list[Candidate]:
+    """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
+    devices of one instance (and, on Trainium, are replica-group sizes a node supports).
+
+    Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
+    of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
+    per-stage checkpoint (1F1B always recomputes)."""
+    bad = [p for p in pipe_degrees if p < 1 or devices % p]
+    if bad:
+        raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
+                         f"divisors of {devices}, e.g. {_divisors(devices)}")
+    out = []
+    for p in pipe_degrees:
+        for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
+            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
+                           profile)
+    return out
+
+
+def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
+    """Divisors of the devices of one instance; on Trainium, replica-group sizes a node supports."""
+    allowed = topology.INSTANCES.get(profile.name.split("[")[0])
+    groups = allowed.node_group_sizes if allowed and allowed.node_group_sizes else None
+    return [t for t in _divisors(math.gcd(devices, profile.devices_per_node)) if groups is None or t in groups]
+
+
+def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules,
+            profile: HardwareProfile) -> list[Candidate]:
+    """The candidates of one (data, tensor, pipe) mesh; without a pipeline also the optimizer
+    state offloaded to host memory, where the profile knows the host link."""
+    zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
+    precision = profile.plan_precision
+    if pipe == 1:
+        plain = [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision)
+                 for z in zeros for r in remat]
+        offload = [Candidate(data=data, tensor=tensor, zero=z, precision=precision, offload=True) for z in zeros]
+        return plain + (offload if profile.host_bytes_per_s else [])
+    return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r,
+                      precision=precision)
+            for m in microbatches for z in zeros for s in schedules for r in (remat if s == "gpipe" else (False,))]
