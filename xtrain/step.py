@@ -100,7 +100,7 @@ class TrainStep:
         self._built = True
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
-            self.load(path)
+            self.load(path, verify=False)  # verified when load() deferred it
 
     def _config(self, remat="plan") -> StepConfig:
         plan, options = self.plan, self.options
@@ -320,7 +320,9 @@ class TrainStep:
             extra: JSON-serialisable data stored alongside (e.g. the data position); `load`
                 returns it.
             blocking: False copies the state to host now and writes it in a background thread;
-                call `.wait()` on the returned handle (or save again) before relying on it.
+                call `.wait()` on the returned handle before relying on it. Saves to one path
+                run one after another: a save to a path an earlier save is still writing
+                starts when that one ends, so the checkpoint left is the later save's, whole.
 
         Returns:
             An `xtrain.checkpoint.SaveHandle`; `.wait()` returns the committed path.
@@ -329,16 +331,22 @@ class TrainStep:
         return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking,
                                rows=self.layout.stacking.row_table())
 
-    def load(self, path: str | os.PathLike) -> dict:
+    def load(self, path: str | os.PathLike, *, verify: bool = True) -> dict:
         """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
         under logical names and global shapes and are resharded on load: each process reads
         only the regions its devices hold). Returns the `extra` dict saved with it. Before
-        plan="auto" has chosen its plan the checkpoint is checked now and restored onto the
-        chosen plan at the first step (the normal restart path)."""
+        plan="auto" has chosen its plan the checkpoint is verified now and restored onto the
+        chosen plan at the first step (the normal restart path).
+
+        Args:
+            verify: check every byte read against the checksums written with it (a corrupt
+                file is a CheckpointError naming it; the state is then unchanged). False
+                skips the checksums (the manifest and shapes are still checked)."""
         if not self._built:
+            manifest = checkpoint.verify_all(path) if verify else checkpoint.read_manifest(path)
             self._pending_load = path
-            return checkpoint.read_manifest(path)["extra"]
-        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table())
+            return manifest["extra"]
+        values, manifest = checkpoint.restore(path, self.state, rows=self.layout.stacking.row_table(), verify=verify)
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 
