@@ -6,8 +6,8 @@ after it, the same in both lowerings:
               non-finite step must be detected (fp16 overflow, detect_nan)
     clip      torch's clip_grad_norm_ rule
     lr        each update times its param group's current lr (scale_by_lr)
-    skip      fp16 / detect_nan: a step whose loss or gradient norm is not finite keeps the old
-              parameters, optimizer state and buffers (finish_step); fp16's scale moves
+    skip      fp16 / detect_nan / input checks: a step whose loss or gradient norm is not finite
+              keeps the old parameters, optimizer state and buffers (finish_step); fp16's scale moves
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class GradTransforms:
         max_norm: clip the global gradient norm to this (None: no clipping).
         lr_groups: parameter name -> param group whose lr scales its update (None: the lr is
             inside the optax transformation).
-        check_finite: skip a step whose loss or gradient norm is not finite (detect_nan).
+        check_finite: skip a step whose loss or gradient norm is not finite (detect_nan, and the
+            input checks, which poison the gradients of a batch they refuse).
         loss_scale: fp16's dynamic loss scale rule (implies check_finite).
     """
 
