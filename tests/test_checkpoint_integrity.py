@@ -108,8 +108,8 @@ def test_a_truncated_shard_names_the_file_and_no_loadable_checkpoint_is_an_error
     for path in manager.complete():
         shard = path / "shards-00000.safetensors"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=r"step_00000002/shards-00000\.safetensors: cannot read piece .*the file is "
-                                              r"truncated, corrupt or not a safetensors file"):
+    with pytest.raises(CheckpointError, match=r"step_00000002/shards-00000\.safetensors: cannot read piece .*the "
+                                              r"file is truncated, corrupt or not a safetensors file"):
         sgd_step().load(manager.latest())
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: step_00000002: .*truncated.*; "
                                               r"step_00000001: .*truncated"):
@@ -242,3 +242,18 @@ def test_a_crash_between_the_overwrite_renames_leaves_a_named_loadable_checkpoin
     hook(Pause("none"))
     manager.save(step, extra={"save": 3})  # saving it again cleans up
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
+def test_a_truncated_file_for_sharded_init_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = MLP()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(raw[: len(raw) - 200])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read .*the file is truncated, corrupt or "
+                                              r"not a safetensors file"):
+        target = MLP()
+        xtrain.compile(target, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(target.parameters(), lr=0.1),
+                       init_from=tmp_path / "model.safetensors")

@@ -35,7 +35,8 @@ def test_half_precision_parameters_round_trip_exactly(dtype, tmp_path):
 
     step.save(tmp_path / "ckpt")
     other = gpt2().to(dtype)
-    restored = xtrain.compile(other, xtrain.Mesh(data=4, tensor=2), optimizer=torch.optim.SGD(other.parameters(), lr=0.05),
-                              loss_fn=lm_loss, plan=xtrain.plans.megatron(other, {"data": 4, "tensor": 2}))
+    restored = xtrain.compile(other, xtrain.Mesh(data=4, tensor=2), loss_fn=lm_loss,
+                              optimizer=torch.optim.SGD(other.parameters(), lr=0.05),
+                              plan=xtrain.plans.megatron(other, {"data": 4, "tensor": 2}))
     restored.load(tmp_path / "ckpt")
     assert same(restored.state_dict(), trained) == []

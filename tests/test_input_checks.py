@@ -53,7 +53,8 @@ def test_an_embedding_index_out_of_range_is_named_on_any_layout(mesh, plan):
     x = x.clone()
     x[13, 3] = 1000
     with pytest.raises(IndexError, match=r"batch argument 0 holds 1000 where module 'tok' uses it as an index "
-                                         r"\(embedding\) into a dimension of size 10: valid values are 0\.\.9\. " + SKIPPED):
+                                         r"\(embedding\) into a dimension of size 10: valid values are 0\.\.9\. "
+                                         + SKIPPED):
         step(x, y)
     x[13, 3] = -1  # embedding refuses negative indices, as torch does
     with pytest.raises(IndexError, match=r"batch argument 0 holds -1 where module 'tok' .* valid values are 0\.\.9"):
@@ -78,7 +79,8 @@ def test_advanced_indexing_wraps_negative_indices_like_torch_and_refuses_beyond(
     assert_parity(run_parity(Picks(), sgd, batches, xtrain.Mesh(data=8)))
     step = compile_(Picks())
     with pytest.raises(IndexError, match=r"batch argument 1 holds -7 where module '<top level>' uses it as an index "
-                                         r"\(indexing \(x\[idx\]\)\) into a dimension of size 6: valid values are -6\.\.5"):
+                                         r"\(indexing \(x\[idx\]\)\) into a dimension of size 6: valid values "
+                                         r"are -6\.\.5"):
         step(batches[0][0], torch.tensor([-7] + [0] * 15))
 
 
@@ -157,3 +159,19 @@ def test_checks_can_be_turned_off():
     y[0] = 99
     assert step(x, y)["skipped"] is False  # JAX's clipped gather: what the checks exist to prevent
     assert not [n for n in step.report(x, y).notes if n.startswith("input checks")]
+
+
+def test_an_hf_language_models_labels_are_checked_where_its_loss_reads_them():
+    from test_hf_models import gpt2, lm_batches, lm_loss
+
+    torch.manual_seed(0)
+    model = gpt2()
+    step = compile_(model, loss_fn=lm_loss)
+    ids, labels = lm_batches(n=1)[0]
+    labels = labels.clone()
+    labels[:, 0] = 500  # HF shifts the labels: position 0 is never a target (padded with -100 at the end)
+    assert step(ids, labels)["skipped"] is False
+    labels[3, 7] = 500
+    with pytest.raises(IndexError, match=r"batch argument 1 holds 500 where module '<top level>' uses it as an index "
+                                         r"\(cross_entropy/nll_loss target\) into a dimension of size 101"):
+        step(ids, labels)

@@ -104,9 +104,7 @@ class TrainStep:
 
     def _config(self, remat="plan") -> StepConfig:
         plan, options = self.plan, self.options
-        nan = options.step.raises_on_nan(plan.precision.loss_scale is not None)
-        grad_tx = GradTransforms(options.step.clip_grad_norm, self.trainable.lr_groups,
-                                 nan or options.step.check_inputs, plan.precision.loss_scale)
+        grad_tx = GradTransforms.of(options.step, self.trainable.lr_groups, plan.precision.loss_scale)
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                           remat=plan.layer_remat() if remat == "plan" else remat,

@@ -144,5 +144,6 @@ def _check_disjoint(where: str, name: str, regions: list[Region]) -> None:
             if _overlap(region, other):
                 raise CheckpointError(
                     f"{where}: pieces of {name} overlap (regions {list(map(list, other))} and "
-                    f"{list(map(list, region))}): the manifest is corrupt; two pieces must never hold the same elements")
+                    f"{list(map(list, region))}): the manifest is corrupt; two pieces must never hold the same "
+                    "elements")
         active.append(region)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from xtrain.ir.stacked import member
 from xtrain.lowering import clipping, precision
+from xtrain.lowering.options import StepOptions
 from xtrain.sharding.precision import LossScale
 
 
@@ -36,6 +37,15 @@ class GradTransforms:
     lr_groups: Mapping[str, int] | None = None
     check_finite: bool = False
     loss_scale: LossScale | None = None
+
+    @classmethod
+    def of(cls, options: StepOptions, lr_groups: Mapping[str, int] | None = None,
+           loss_scale: LossScale | None = None) -> "GradTransforms":
+        """What a step with `options` does to its gradients: it skips non-finite steps when it
+        raises on them (detect_nan) and when it checks its inputs (a refused batch's gradients
+        are NaN), and always under fp16's loss scaling."""
+        skips = options.check_inputs or options.raises_on_nan(loss_scale is not None)
+        return cls(options.clip_grad_norm, lr_groups, skips, loss_scale)
 
     @property
     def skips(self) -> bool:

@@ -47,6 +47,7 @@ class Source:
     wrapped: bool = False                   # negatives were wrapped by the op's lowering
     ignore: int | None = None               # a value masked out before the gather
     float_arg: bool = False                 # the batch argument is floating-point
+    padded: tuple[tuple[int, int], ...] | None = None  # per dimension: constants before / after the region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,13 @@ class _Test:
 
     kind: str
     of: Source
+    value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    """A scalar constant (a literal, possibly passed into a call body)."""
+
     value: int
 
 
@@ -114,10 +122,21 @@ class Found:
 
 
 # -- finding the checks in the traced graph ----------------------------------------------------
-def _literal(var) -> int | None:
-    if isinstance(var, jcore.Literal) and np.ndim(var.val) == 0 and np.issubdtype(np.asarray(var.val).dtype, np.number):
-        return int(var.val)
-    return None
+def _literal(var) -> _Const | None:
+    """A scalar literal of integral value (index arithmetic: offsets, ignore indices)."""
+    value = np.asarray(var.val) if isinstance(var, jcore.Literal) else None
+    if value is None or value.ndim or not np.issubdtype(value.dtype, np.number) or not np.isfinite(value):
+        return None
+    return _Const(int(value)) if float(value) == int(value) else None
+
+
+def _batch(value) -> bool:
+    """Whether an abstract value comes from the batch."""
+    return isinstance(value, (Source, _Derived, _Test, _Columns))
+
+
+def _const(value) -> int | None:
+    return value.value if isinstance(value, _Const) else None
 
 
 def _is_int(aval) -> bool:
@@ -128,9 +147,11 @@ def _follow(eqn, ins: list) -> list:
     """Abstract values of an equation's outputs from its inputs' (None: not from the batch)."""
     name = str(eqn.primitive)
     if name == "concatenate" and _is_columns(eqn):
-        return [_Columns(tuple(ins))]
+        return [_Columns(tuple(v if _batch(v) else None for v in ins))]
     tests = _tests(name, eqn, ins)
-    src = next((v for v in ins if v is not None), None)
+    src = next((v for v in ins if _batch(v)), None)
+    if src is None and name in ("convert_element_type", "copy") and _const(ins[0]) is not None:
+        return [ins[0]]
     if src is None or any(t is not None for t in tests):
         return tests
     if isinstance(src, Source) and len(eqn.outvars) == 1:
@@ -164,21 +185,39 @@ def _moved(name: str, eqn, src: Source) -> Source | None:
         return src
     if name in _RESHAPING:
         return dataclasses.replace(src, reshaped=True)
+    if name == "pad" and not src.reshaped:
+        config = eqn.params["padding_config"]
+        if any(interior or lo < 0 or hi < 0 for lo, hi, interior in config) or config[0][:2] != (0, 0):
+            return None
+        padded = src.padded or ((0, 0),) * len(config)
+        return dataclasses.replace(src, padded=tuple((int(a + lo), int(b + hi))
+                                                     for (a, b), (lo, hi, _) in zip(padded, config)))
     if name == "slice" and not src.reshaped and set(eqn.params["strides"] or (1,)) == {1}:
         starts, limits, shape = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.invars[0].aval.shape
         if starts[0] != 0 or limits[0] != shape[0]:
             return None  # rows of the batch: no longer each device's rows
-        region = tuple(r if (a, b) == (0, n) else ((r or (0, n))[0] + a, (r or (0, n))[0] + b)
-                       for r, a, b, n in zip(src.region, starts, limits, shape))
-        return dataclasses.replace(src, region=region)
+        return _sliced(src, starts, limits, shape)
     return None
+
+
+def _sliced(src: Source, starts, limits, shape) -> Source:
+    """`src` sliced to [starts, limits) of its current (padded) extent."""
+    padded = src.padded or ((0, 0),) * len(shape)
+    region, pads = [], []
+    for r, (low, high), a, b, n in zip(src.region, padded, starts, limits, shape):
+        lo, hi = r or (0, n - low - high)  # the argument's rows this dimension holds
+        first, last = lo + max(a - low, 0), lo + min(b - low, hi - lo)
+        whole = (first, last) == (0, n - low - high) and r is None
+        region.append(None if whole else (int(first), int(max(first, last))))
+        pads.append((int(max(0, min(low, b) - a)), int(max(0, b - max(a, low + hi - lo)))))
+    return dataclasses.replace(src, region=tuple(region), padded=tuple(pads) if any(map(any, pads)) else None)
 
 
 def _tests(name: str, eqn, ins: list) -> list:
     """Comparisons and offsets of a batch index by a constant; select_n of them (the wrap and
     ignore-index rewrites)."""
-    if name in ("lt", "ne", "add") and isinstance(ins[0], Source) and _literal(eqn.invars[1]) is not None:
-        value = _literal(eqn.invars[1])
+    if name in ("lt", "ne", "add") and isinstance(ins[0], Source) and _const(ins[1]) is not None:
+        value = _const(ins[1])
         if name != "lt" or value == 0:
             return [_Test({"lt": "negative", "ne": "ne", "add": "add"}[name], ins[0], value)]
     if name == "select_n" and len(ins) == 3 and isinstance(ins[0], _Test):
@@ -202,15 +241,16 @@ class _Finder:
 
     def run(self, jaxpr, values: list, stack: str) -> list:
         env = dict(zip(jaxpr.invars, values))
-        read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)
+        read = lambda v: _literal(v) if isinstance(v, jcore.Literal) else env.get(v)
         for eqn in jaxpr.eqns:
             ins, here = [read(v) for v in eqn.invars], f"{stack}/{eqn.source_info.name_stack}"
             name = str(eqn.primitive)
             if name == "gather":
                 self._gather(eqn, ins, here)
-            if name in _BODIES and any(ins):
+            from_batch = any(_batch(v) for v in ins)
+            if name in _BODIES and from_batch:
                 outs = self._body(eqn, ins, here)
-            elif any(ins) and any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+            elif from_batch and any(True for _ in jcore.jaxprs_in_params(eqn.params)):
                 outs = self._opaque(eqn, ins, here)
             else:
                 outs = _follow(eqn, ins)
@@ -224,7 +264,7 @@ class _Finder:
         return self.run(body, ins, stack)
 
     def _opaque(self, eqn, ins, stack) -> list:
-        ints = [x for x, v in zip(ins, eqn.invars) if x is not None and _is_int(v.aval)]
+        ints = [x for x, v in zip(ins, eqn.invars) if _batch(x) and _is_int(v.aval)]
         if not ints:  # float batch values (features) are no indices
             return [None] * len(eqn.outvars)
         derived = _derived(ints[0], str(eqn.primitive))
@@ -241,9 +281,10 @@ class _Finder:
         where = module or "<top level>"
         if op.float_index:
             float_args = [v.arg for v in _parts(index) if isinstance(v, Source) and v.float_arg]
-            raise TypeError(f"batch argument {float_args[0]} is floating-point but module {where!r} uses it as the "
-                            f"indices of {op.name}: pass integer labels/indices (torch.long or int32)" if float_args else
-                            f"module {where!r}: the indices of {op.name} are floating-point; torch needs an integer "
+            if float_args:
+                raise TypeError(f"batch argument {float_args[0]} is floating-point but module {where!r} uses it as "
+                                f"the indices of {op.name}: pass integer labels/indices (torch.long or int32)")
+            raise TypeError(f"module {where!r}: the indices of {op.name} are floating-point; torch needs an integer "
                             "tensor there (torch.long)")
         sizes = _gathered_sizes(eqn)
         parts = list(index.parts) if isinstance(index, _Columns) else [index] * len(sizes)
@@ -253,7 +294,7 @@ class _Finder:
             self._record(part, size, op, marker is not None, module)
 
     def _record(self, part, size: int, op: index_ops.IndexOp, marked: bool, module: str) -> None:
-        if part is None:
+        if not _batch(part):
             return
         if not isinstance(part, Source):
             part = _derived(part, "")

@@ -44,7 +44,8 @@ class StepConfig:
     Attributes:
         tx: the optax transformation (lr 1 for torch optimizers: the lr enters per step).
         options: accumulation and the other step options.
-        grad_tx: unscale / clip / lr / skip between the gradients and the update.
+        grad_tx: unscale / clip / lr / skip between the gradients and the update (default: what
+            `options` call for, without lr groups or loss scaling: GradTransforms.of).
         sync: bucketing, wire dtype and hierarchy of the gradient all-reduce.
         remat: activation checkpointing of each layer of the repeated blocks (None: off).
         regather: ZeRO-3 gathers each weight again in the backward pass.
@@ -52,10 +53,14 @@ class StepConfig:
 
     tx: optax.GradientTransformation
     options: StepOptions = StepOptions()
-    grad_tx: GradTransforms = GradTransforms()
+    grad_tx: GradTransforms | None = None
     sync: GradSync = GradSync()
     remat: LayerRemat | None = None
     regather: bool = True
+
+    def __post_init__(self):
+        if self.grad_tx is None:  # a skip the options need (input checks) is never left out
+            object.__setattr__(self, "grad_tx", GradTransforms.of(self.options))
 
 
 @dataclasses.dataclass(frozen=True)
