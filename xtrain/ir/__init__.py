@@ -5,6 +5,7 @@
     walk.py      the one jaxpr walker: environment, inlined calls, module paths
     stacked.py   block parameters stored stacked, (L, ...) per block position
     flops.py     FLOPs of a jaxpr's equations, by kind
+    index_ops.py markers of torch index ops whose rules differ from JAX's (read by the input checks)
 """
 from xtrain.ir.model import Model, TraceError
 
