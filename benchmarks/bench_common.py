@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench_xtrain.py: the default data-parallel plan, or plan='auto' (the cost model's pick)")
     p.add_argument("--report", action="store_true",
                    help="bench_xtrain.py: also emit step.report()'s wire bytes and XLA memory per device")
+    p.add_argument("--no-guards", action="store_true",
+                   help="bench_xtrain.py: compile with detect_nan=False, check_inputs=False (their cost is the "
+                        "difference)")
     return p.parse_args(argv)
 
 

@@ -21,7 +21,8 @@ def main() -> None:
     model = bench_common.build_model(args)
     step = xtrain.compile(model, xtrain.Mesh(data=-1), lowering=args.lowering,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
-                          plan="auto" if args.plan == "auto" else None)
+                          plan="auto" if args.plan == "auto" else None,
+                          detect_nan=not args.no_guards, check_inputs=not args.no_guards)
     losses, seconds = bench_common.timed_loop(lambda x, y: step(x, y)["loss"], bench_common.batches(args),
                                               args.warmup)
     extra = {}
@@ -33,7 +34,7 @@ def main() -> None:
         extra["pick"] = step.search.best.candidate.name
     if env.process_id == 0:
         bench_common.emit("xtrain", losses, seconds, processes=env.num_processes, devices=jax.device_count(),
-                          core=CORE, lowering=args.lowering, **extra)
+                          core=CORE, lowering=args.lowering, guards=not args.no_guards, **extra)
 
 
 if __name__ == "__main__":

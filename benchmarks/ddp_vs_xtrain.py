@@ -2,10 +2,12 @@
 
     python benchmarks/ddp_vs_xtrain.py                 # ~4-5 minutes on 2 cores
     python benchmarks/ddp_vs_xtrain.py --rounds 5 --steps 50
+    python benchmarks/ddp_vs_xtrain.py --lowerings explicit --guards-cost   # + the step without its guards
 
 Runs, on the same model (examples/gpt_model.py), initial weights and global batches:
   xtrain  torchrun, 2 processes x 1 CPU device, data parallel (each xtrain lowering asked for)
   xtrain  1 process x 1 CPU device (compute alone: compare with eager)
+  xtrain  with --guards-cost: the first lowering again without detect_nan and the input checks
   DDP     torchrun, 2 processes, gloo
   eager   1 process, plain torch
 Every process is pinned to one core with one compute thread: torch through OMP_NUM_THREADS=1,
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--guards-cost", action="store_true",
+                   help="also run the first lowering with detect_nan=False, check_inputs=False (their cost)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
     return p.parse_args(argv)
 
@@ -90,6 +94,10 @@ def runs(args) -> list[Run]:
     first = args.lowerings.split(",")[0]
     out.append(Run(key="xtrain-1proc", label=f"xtrain (lowering={first})", launch="1 process x 1 CPU device",
                    worker="bench_xtrain.py", processes=1, extra=("--lowering", first)))
+    if args.guards_cost:
+        out.append(Run(key="unguarded", label=f"xtrain (lowering={first}), no detect_nan / input checks",
+                       launch=f"torchrun, {n} processes x 1 CPU device", worker="bench_xtrain.py", processes=n,
+                       extra=("--lowering", first, "--no-guards")))
     out.append(Run(key="jit", label="plain jax.jit of the traced model (no xtrain lowering)", launch="1 process",
                    worker="bench_jit.py", processes=1))
     out.append(Run(key="ddp", label="PyTorch DDP (gloo)", launch=f"torchrun, {n} processes",
@@ -192,6 +200,10 @@ def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str
 def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
     ms = {run.key: median_ms(records[run.key]) for run in all_runs}
     lines = ["| ratio of median step times | value |", "|---|---:|"]
+    if "unguarded" in ms:
+        first = next(k for k in ms if k.startswith("xtrain"))
+        lines.append(f"| {first} / the same without detect_nan and input checks (their cost) | "
+                     f"{ms[first] / ms['unguarded']:.3f} |")
     for key in (k for k in ms if k.startswith("xtrain") and k != "xtrain-1proc"):
         lines.append(f"| {key} / DDP | {ms[key] / ms['ddp']:.2f} |")
         lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")

@@ -112,15 +112,20 @@ def test_detect_nan_names_the_module_and_skips_the_update():
     assert all(torch.equal(before[k], after[k]) for k in before), "a non-finite step changed the parameters"
 
 
-def test_detect_nan_is_off_by_default_and_finite_steps_pass():
+def test_detect_nan_is_on_by_default_finite_steps_pass_and_it_can_be_turned_off():
     torch.manual_seed(0)
     model = MLP()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), detect_nan=True)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     out = step(*mlp_batches(n=1)[0])
     assert out["skipped"] is False and np.isfinite(out["grad_norm"])
     fragile = Fragile()
-    plain = xtrain.compile(fragile, xtrain.Mesh(data=8), optimizer=sgd(fragile.parameters()))
-    assert np.isnan(plain(*mlp_batches(n=1)[0])["loss"])  # no check, no error: the default
+    default = xtrain.compile(fragile, xtrain.Mesh(data=8), optimizer=sgd(fragile.parameters()))
+    with pytest.raises(FloatingPointError, match="in module 'root'"):
+        default(*mlp_batches(n=1)[0])
+    plain = xtrain.compile(fragile, xtrain.Mesh(data=8), optimizer=sgd(fragile.parameters()), detect_nan=False,
+                           check_inputs=False)
+    out = plain(*mlp_batches(n=1)[0])
+    assert np.isnan(out["loss"]) and "skipped" not in out  # no check, no skip: NaN flows on
 
 
 # -- losses over a varying number of terms -------------------------------------------------------

@@ -30,3 +30,17 @@ def test_report_of_a_script_that_never_steps_is_an_error(tmp_path):
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "no_step.py finished without calling a compiled training step, so there is no report" in out.stderr
+
+
+def test_plan_validates_every_target_before_running_the_script(tmp_path, capsys):
+    from xtrain import cli
+
+    script, ran = tmp_path / "train.py", tmp_path / "ran"
+    script.write_text(f"open({str(ran)!r}, 'w').write('the script ran')\n")
+    for target in ("emulated:abc", "emulated:0", "trn1.32xlarge:x", "nosuch.2xlarge"):
+        assert cli.main(["plan", "--target", target, str(script)]) == 2, target
+        assert not ran.exists(), target
+    err = capsys.readouterr().err
+    assert ("xtrain plan: target 'emulated:abc': after 'emulated:' comes a number of devices, a positive integer "
+            "(e.g. emulated:8)") in err
+    assert "target 'emulated:0'" in err and "nosuch.2xlarge" in err

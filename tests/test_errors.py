@@ -98,6 +98,36 @@ def test_mesh_axes_do_not_multiply_to_device_count():
         compile_mlp(xtrain.Mesh(data=3, tensor=2))
 
 
+@pytest.mark.parametrize("axes", [{"dp": 8}, {"tensor": 8}], ids=["dp", "tensor"])
+def test_the_default_plan_on_a_mesh_without_data_is_refused_with_the_fix(axes):
+    name = next(iter(axes))
+    with pytest.raises(ValueError, match=re.escape(
+            f"Mesh({name}=8) has no 'data' axis, and the default plan splits only the batch, over 'data': every "
+            f"device would compute the whole batch with the whole model. Name the data-parallel axis 'data' "
+            f"(xtrain.Mesh(data=8)), say which axes split the batch (xtrain.Plan(batch=('{name}',)))")):
+        compile_mlp(xtrain.Mesh(**axes))
+
+
+def test_the_fix_runs_and_an_axis_that_splits_nothing_is_a_report_note():
+    batch = mlp_batches(n=1)[0]
+    step = compile_mlp(xtrain.Mesh(dp=8), plan=xtrain.Plan(batch=("dp",)))
+    assert step(*batch)["skipped"] is False and step.batch_spec == ("dp",)
+    step = compile_mlp(xtrain.Mesh(data=4, context=2))
+    step(*batch)
+    assert ("mesh axis 'context' (size 2) splits nothing: the 2 devices along it hold and compute the same (give "
+            "it to the batch or to parameters to use them)") in step.report().notes
+
+
+def test_a_meta_device_model_without_init_from_names_the_fix():
+    with torch.device("meta"):
+        model = MLP()
+    with pytest.raises(ValueError, match=re.escape(
+            "6 parameters of MLP are on the meta device (e.g. ['fc1.weight', 'fc1.bias', 'fc2.weight']): they have "
+            "shapes but no values. Load them while compiling with xtrain.compile(..., init_from='model.safetensors' "
+            "or an HF checkpoint directory)")):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model))
+
+
 # -- front end ---------------------------------------------------------------------------------
 def test_forward_returning_logits_without_loss_fn():
     with pytest.raises(TraceError, match=re.escape(

@@ -17,8 +17,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             loss_fn: Callable | None = None, params: Any = None, seed: int = 0,
             lowering: str = "explicit", grad_sync: GradSync | None = None, scan_layers: bool | str = "auto",
             zero3_regather: bool | None = None, init_from: str | None = None,
-            clip_grad_norm: float | None = None, accumulate: int = 1, detect_nan: bool = False,
-            allow_recompile: bool = False):
+            clip_grad_norm: float | None = None, accumulate: int = 1, detect_nan: bool | None = None,
+            check_inputs: bool = True, allow_recompile: bool = False):
     """Compiles a model into a distributed training step.
 
     Args:
@@ -58,7 +58,7 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             exist. "auto" (default): unrolled up to 8 layers, scanned beyond, and scanned on a
             host emulating several CPU devices in one process (measured reasons and figures:
             `xtrain.ir.stacked.scan_layers_for`). `step.scan_layers` says which was used.
-        clip_grad_norm, accumulate, detect_nan, allow_recompile: see
+        clip_grad_norm, accumulate, detect_nan, check_inputs, allow_recompile: see
             `xtrain.lowering.options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
             without recompiling. Precision and activation checkpointing are the plan's
@@ -82,7 +82,8 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
     options = CompileOptions(seed=seed, lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
                              zero3_regather=zero3_regather, init_from=init_from,
                              step=StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate,
-                                              detect_nan=detect_nan, allow_recompile=allow_recompile))
+                                              detect_nan=detect_nan, check_inputs=check_inputs,
+                                              allow_recompile=allow_recompile))
     runtime.init()
     if torch_module.is_module(model):
         trainable = torch_module.wrap(model, optimizer, loss_fn)

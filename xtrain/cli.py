@@ -342,10 +342,9 @@ def report(script: str, args: Sequence[str]) -> int:
 def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None) -> int:
     """Runs `script`; its first training step prints the plan search for `target` (lowered for
     an abstract mesh: no devices of that kind needed) instead of training."""
-    from neuron_support.topology import parse_cluster
+    from xtrain.cost import hardware
 
-    if not target.startswith("emulated"):
-        parse_cluster(target)  # a bad target fails here, before the script runs
+    hardware.check_target(target)  # a bad target fails here, before the script runs
     if global_batch is not None and global_batch < 1:
         raise ValueError(f"--global-batch {global_batch} must be >= 1")
 

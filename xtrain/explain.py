@@ -33,6 +33,10 @@ def _state_notes(step) -> list[str]:
     layout = step.layout
     replicated = layout.replicated()
     notes = [f"{len(replicated)} of {len(layout.param_specs)} parameters replicated on every device"]
+    pipe = step.plan.pipeline.axis if step.plan.pipeline is not None else None
+    for axis in layout.unused_axes(pipe):
+        notes.append(f"mesh axis {axis!r} (size {layout.sizes[axis]}) splits nothing: the {layout.sizes[axis]} devices "
+                     "along it hold and compute the same (give it to the batch or to parameters to use them)")
     whole = layout.zero_whole
     if whole:
         notes.append(f"ZeRO-{layout.zero} keeps {len(whole)} tensors whole (no dimension divisible by the data "
@@ -63,6 +67,8 @@ def report(step, *batch) -> report_mod.Report:
     if step.options.lowering == "explicit":
         notes += [_layers_note(step)] if step.plan.pipeline is None else []
         notes += step.lowered.notes()
+    else:
+        notes += step.lowered.inputs.notes()
     shapes = {n: tuple(v.shape) for n, v in {**step.state.params, **step.state.frozen}.items()}
     return report_mod.Report(step.options.lowering, sizes, found, report_mod.memory_of(compiled), notes,
                              report_mod.state_memory(step.state, named(step.mesh, layout.grad_specs)),

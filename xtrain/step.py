@@ -19,13 +19,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import autoplan, checkpoint, data, explain, hooks, recompile, runtime
+from xtrain import autoplan, checkpoint, data, explain, guards, hooks, recompile, runtime
 from xtrain.cost import hardware
 from xtrain.frontend import tensors
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
 from xtrain.ir.tree import rebuild
-from xtrain.lowering import accumulation, nan_check, platforms, precision
+from xtrain.lowering import accumulation, input_checks, platforms, precision
 from xtrain.lowering import state as state_mod
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.gradient_sync import GradSync
@@ -103,12 +103,11 @@ class TrainStep:
         self._built = True
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
-            self.load(path)
+            self.load(path, verify=False)  # verified when load() deferred it
 
     def _config(self, remat="plan") -> StepConfig:
         plan, options = self.plan, self.options
-        grad_tx = GradTransforms(options.step.clip_grad_norm, self.trainable.lr_groups, options.step.detect_nan,
-                                 plan.precision.loss_scale)
+        grad_tx = GradTransforms.of(options.step, self.trainable.lr_groups, plan.precision.loss_scale)
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                           remat=plan.layer_remat() if remat == "plan" else remat,
@@ -222,25 +221,27 @@ class TrainStep:
 
     def __call__(self, *batch: Any) -> dict[str, float]:
         """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
-        (before clipping) when clipping, and "skipped" / "loss_scale" under fp16."""
+        (before clipping) and "skipped" when the step can skip updates (clipping, detect_nan,
+        input checks, fp16), and "loss_scale" under fp16. A skipped step raises unless fp16's
+        loss scaler skipped it (xtrain.guards)."""
         if self._intercept is not None:
             intercept, self._intercept = self._intercept, None
             if intercept.build:
                 self._ensure_built(batch)
             intercept.run(self, batch)
+        guards.check_not_empty(batch)
         self._ensure_built(batch)
         placed = self._place(batch)
         accumulation.check_divisible(placed, self.options.step.accumulate, self._data_size())
         self._place_stages(placed)
         self._guard(placed)
         self._last_batch = placed
-        before = self._nan_evidence(placed)
         self.state, out = self._program.train(self.state, placed, self._lrs())
         if self.trainable.learning_rates is not None:
             self.trainable.learning_rates.mark_stepped()
         out = {k: (bool(v) if k == "skipped" else float(v)) for k, v in out.items()}
-        if self.options.step.detect_nan and out.get("skipped"):
-            self._raise_nonfinite(out, before)
+        if out.get("skipped"):
+            guards.explain_skip(self, out, placed)
         return out
 
     def _guard(self, placed: tuple) -> None:
@@ -249,29 +250,18 @@ class TrainStep:
         if now not in self._compiled_for:
             self._compiled_for.append(now)
 
-    def _nan_evidence(self, placed: tuple):
-        """detect_nan: what the forward reads this step (the state is donated to the step)."""
-        if not self.options.step.detect_nan:
-            return None
-        copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
-        key = jax.random.fold_in(self.state.key, self.state.step)
-        params = self.layout.stacking.unstack_dict({**self.state.params, **self.state.frozen})  # copies of rows
-        return copy(params), copy(self.state.buffers), key, placed
-
-    def _raise_nonfinite(self, out: dict, evidence) -> None:
-        bad = nan_check.first_nonfinite(self.user_model(), *evidence)
-        where = ("every forward tensor is finite; the backward pass produced the non-finite gradient"
-                 if bad is None else f"first non-finite tensor: output of {bad.primitive} (shape {bad.shape}) in "
-                 f"module {bad.module or '<top level>'!r}")
-        raise FloatingPointError(
-            f"step {self.step_count}: loss {out['loss']}, gradient norm {out.get('grad_norm')}; {where}. The update "
-            "was skipped: parameters and optimizer state are those before this step")
-
     def eval(self, *batch: Any) -> dict[str, float]:
-        """The loss in eval mode (dropout off, running statistics); updates nothing."""
+        """The loss in eval mode (dropout off, running statistics); updates nothing. The batch's
+        indices are checked on the host first (input checks), as the training step does."""
+        guards.check_not_empty(batch)
         self._ensure_built(batch)
         placed = self._place(batch)
         self._place_stages(placed)
+        if self.options.step.check_inputs:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  (self.state.buffers, self.state.key, placed))
+            guards.raise_for_inputs(self.step_count, input_checks.for_model(self.model, *shapes).checks, placed,
+                                    during="eval")
         loss = self._program.eval(self.state, placed)
         return {"loss": float(loss[0] / loss[1] if isinstance(loss, tuple) else loss)}
 
@@ -316,7 +306,9 @@ class TrainStep:
             extra: JSON-serialisable data stored alongside (e.g. the data position); `load`
                 returns it.
             blocking: False copies the state to host now and writes it in a background thread;
-                call `.wait()` on the returned handle (or save again) before relying on it.
+                call `.wait()` on the returned handle before relying on it. Saves to one path
+                run one after another: a save to a path an earlier save is still writing
+                starts when that one ends, so the checkpoint left is the later save's, whole.
 
         Returns:
             An `xtrain.checkpoint.SaveHandle`; `.wait()` returns the committed path.
@@ -325,17 +317,23 @@ class TrainStep:
         return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking,
                                rows=self.layout.stacking.row_table())
 
-    def load(self, path: str | os.PathLike) -> dict:
+    def load(self, path: str | os.PathLike, *, verify: bool = True) -> dict:
         """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
         under logical names and global shapes and are resharded on load: each process reads
         only the regions its devices hold). Returns the `extra` dict saved with it. Before
-        plan="auto" has chosen its plan the checkpoint is checked now and restored onto the
-        chosen plan at the first step (the normal restart path)."""
+        plan="auto" has chosen its plan the checkpoint is verified now and restored onto the
+        chosen plan at the first step (the normal restart path).
+
+        Args:
+            verify: check every byte read against the checksums written with it (a corrupt
+                file is a CheckpointError naming it; the state is then unchanged). False
+                skips the checksums (the manifest and shapes are still checked)."""
         if not self._built:
+            manifest = checkpoint.verify_all(path) if verify else checkpoint.read_manifest(path)
             self._pending_load = path
-            return checkpoint.read_manifest(path)["extra"]
+            return manifest["extra"]
         rows = self.layout.stacking.row_table()
-        values, manifest = checkpoint.restore(path, self.state, rows=rows, per_device=(RESIDUAL,))
+        values, manifest = checkpoint.restore(path, self.state, rows=rows, per_device=(RESIDUAL,), verify=verify)
         self.state = rebuild(self.state, values)
         return manifest["extra"]
 

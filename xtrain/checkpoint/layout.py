@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the global array
 
@@ -38,10 +38,14 @@ def _size(region: Region) -> int:
 def read_slice(file: str, key: str, region: Region) -> np.ndarray:
     """Reads only `region` of tensor `key` from a safetensors file. The file is opened per read,
     so at most one region of it is mapped at a time (host memory stays bounded)."""
-    with safe_open(file, framework="np") as f:
-        if not region:
-            return np.asarray(f.get_tensor(key))
-        return np.asarray(f.get_slice(key)[tuple(slice(lo, hi) for lo, hi in region)])
+    try:
+        with safe_open(file, framework="np") as f:
+            if not region:
+                return np.asarray(f.get_tensor(key))
+            return np.asarray(f.get_slice(key)[tuple(slice(lo, hi) for lo, hi in region)])
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: cannot read tensor {key!r} ({type(err).__name__}: {err}); the file is "
+                              "truncated, corrupt or not a safetensors file") from None
 
 
 def assemble(name: str, want: Region, dtype: np.dtype, pieces: Iterable[dict],

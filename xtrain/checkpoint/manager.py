@@ -1,5 +1,6 @@
-"""A directory of numbered checkpoints: periodic saves, keep-last-N, resume from the latest
-complete one, and a save on SIGTERM (spot reclaim, SageMaker stop, torchrun shutting down)."""
+"""A directory of numbered checkpoints: periodic saves, keep-last-N, resume from the newest
+checkpoint that loads and verifies (saying which it skipped and why), and a save on SIGTERM
+(spot reclaim, SageMaker stop, torchrun shutting down)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +10,20 @@ import shutil
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from xtrain.checkpoint.integrity import CheckpointWarning
 from xtrain.checkpoint.layout import CheckpointError
-from xtrain.checkpoint.store import PARTIAL, SaveHandle, check_complete
+from xtrain.checkpoint.store import OLD, PARTIAL, check_complete
+from xtrain.checkpoint.writer import SaveHandle
 from xtrain.runtime import sagemaker
 
-_NAME = re.compile(r"^step_(\d+)$")
+# step_<N>, or step_<N>.old: a checkpoint a save of the same name was replacing when it stopped
+_NAME = re.compile(rf"^step_(\d+)(?:{re.escape(OLD)})?$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,23 +70,33 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self._sigterm = self._watching = False
         self._saving = threading.Event()
+        self.skipped: list[tuple[Path, str]] = []  # what the last restore() skipped, and why
 
     # -- finding -----------------------------------------------------------------------------
     def path_for(self, step_count: int) -> Path:
         return self.directory / f"step_{step_count:08d}"
 
-    def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first (partial ones are never listed)."""
+    def candidates(self) -> list[Path]:
+        """Every `step_<N>` directory, oldest first, complete or not; `step_<N>.old` stands for
+        step N when `step_<N>` itself is missing (a save replacing it stopped between renames)."""
         if not self.directory.is_dir():
             return []
+        found = {}
+        for p in sorted(self.directory.iterdir(), key=lambda p: p.name.endswith(OLD)):
+            match = _NAME.match(p.name)
+            if match and p.is_dir():
+                found.setdefault(int(match.group(1)), p)
+        return [found[k] for k in sorted(found)]
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first (partial ones are never listed)."""
         found = []
-        for p in self.directory.iterdir():
-            if _NAME.match(p.name):
-                try:
-                    found.append(check_complete(p))
-                except CheckpointError:
-                    continue
-        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+        for p in self.candidates():
+            try:
+                found.append(check_complete(p))
+            except CheckpointError:
+                continue
+        return found
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -112,9 +127,10 @@ class CheckpointManager:
         if self.options.keep:
             for old in done[:-self.options.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        for stale in self.directory.glob(f"step_*{PARTIAL}"):  # leftovers of killed saves
-            if stale.with_name(stale.name[:-len(PARTIAL)]) in done:
-                shutil.rmtree(stale, ignore_errors=True)
+        for suffix in (PARTIAL, OLD):  # leftovers of killed saves
+            for stale in self.directory.glob(f"step_*{suffix}"):
+                if stale.with_name(stale.name[:-len(suffix)]) in done:
+                    shutil.rmtree(stale, ignore_errors=True)
 
     def maybe_save(self, step, extra: dict | None = None, *, exit_after_sigterm: bool = True) -> bool:
         """Saves every `save_every` steps, and after a SIGTERM (then exits with status 0 when
@@ -137,10 +153,32 @@ class CheckpointManager:
         return stopping
 
     # -- restarts ----------------------------------------------------------------------------
-    def restore(self, step) -> dict | None:
-        """Loads the latest complete checkpoint into `step`; returns its `extra` (None: no checkpoint)."""
-        latest = self.latest()
-        return None if latest is None else step.load(latest)
+    def restore(self, step, *, verify: bool = True) -> dict | None:
+        """Loads the newest checkpoint that is complete and verifies into `step`; returns its
+        `extra` (None: no checkpoint at all). Newer ones that do not load (partial, corrupt,
+        from another model) are skipped with a CheckpointWarning naming each and why
+        (`self.skipped` keeps them); when none loads, a CheckpointError lists them all.
+
+        Args:
+            verify: check the bytes read against the checksums saved with them (False: trust
+                the files, e.g. for a huge restore from storage you already trust)."""
+        self.skipped = []
+        for path in reversed(self.candidates()):
+            try:
+                extra = step.load(path, verify=verify)
+            except CheckpointError as err:
+                self.skipped.append((path, str(err)))
+                continue
+            if self.skipped:
+                warnings.warn(f"CheckpointManager.restore loaded {path}, skipping newer checkpoints that do not load: "
+                              f"{self._skipped_text()}", CheckpointWarning, stacklevel=2)
+            return extra
+        if self.skipped:
+            raise CheckpointError(f"no checkpoint in {self.directory} loads: {self._skipped_text()}")
+        return None
+
+    def _skipped_text(self) -> str:
+        return "; ".join(f"{path.name}: {reason}" for path, reason in self.skipped)
 
     def stop_on_sigterm(self) -> None:
         """After SIGTERM, the next `maybe_save` saves and exits cleanly (status 0).

@@ -15,7 +15,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from xtrain.checkpoint.layout import CheckpointError, make_array, read_slice, stacked_reader
 from xtrain.frontend import tensors
@@ -45,10 +45,14 @@ def tensor_locations(source: str | os.PathLike) -> dict[str, tuple[Path, tuple[i
     """{tensor name: (file, shape, safetensors dtype)} from the files' headers only."""
     out = {}
     for file in _files(source):
-        with safe_open(str(file), framework="np") as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                out[key] = (file, tuple(piece.get_shape()), piece.get_dtype())
+        try:
+            with safe_open(str(file), framework="np") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    out[key] = (file, tuple(piece.get_shape()), piece.get_dtype())
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: cannot read its safetensors header ({type(err).__name__}: {err}); the "
+                                  "file is truncated, corrupt or not a safetensors file") from None
     return out
 
 

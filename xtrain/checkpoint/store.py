@@ -1,46 +1,46 @@
-"""The on-disk checkpoint: write (atomic, every process its own shards) and read (any layout).
+"""The on-disk checkpoint: its format, and reading it onto any layout (writing:
+xtrain.checkpoint.writer).
 
-    <path>/manifest.json            tensors (logical name -> shape, dtype, stored pieces), step, extra
+    <path>/manifest.json            tensors (logical name -> shape, dtype, stored pieces with their
+                                    regions and checksums), step, extra
     <path>/shards-00000.safetensors  the pieces process 0 holds (one per distinct shard)
     <path>/index-00000.json         what process 0 wrote (written after its shards are on disk)
     <path>/COMMITTED                written last: the checkpoint is complete
     <path>/begin.json               written first: how many processes write (names what is missing)
 
-A save writes into `<path>.partial`, waits for every process, and only then process 0 writes
-the manifest and the marker and renames the directory to `<path>`. A crash at any point leaves
-at most a `.partial` directory, which loading rejects.
+Every reader checks what it reads: a tensor's pieces must tile it exactly (no overlap, no gap),
+each piece must have the shape the manifest gives it, and the rows read must match the
+checksums written with them (xtrain.checkpoint.integrity; `verify=False` skips the checksums).
+Checkpoints written before checksums existed (manifest version 1) load with a warning that
+they are unverified. A load that fails on any process fails on every process.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import shutil
-import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import save_file
+from jax.experimental import multihost_utils
 
-from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, read_slice, region_of, stacked_reader
+from xtrain.checkpoint import integrity
+from xtrain.checkpoint.layout import CheckpointError, assemble, make_array, stacked_reader
 from xtrain.ir import stacked
 from xtrain.ir.tree import named_leaves
 
 FORMAT = "xtrain-checkpoint"
-VERSION = 1
-MANIFEST, MARKER, PARTIAL, BEGIN = "manifest.json", "COMMITTED", ".partial", "begin.json"
-BARRIER_TIMEOUT_MS = 30 * 60 * 1000  # a slow filesystem may take long; a dead peer fails the job sooner
-_barriers = itertools.count()
+VERSION = 2  # 2: every piece has a checksum
+MANIFEST, MARKER, PARTIAL, BEGIN, OLD = "manifest.json", "COMMITTED", ".partial", "begin.json", ".old"
 
 
-def _shard_file(process: int) -> str:
+def shard_file(process: int) -> str:
     return f"shards-{process:05d}.safetensors"
 
 
-def _index_file(process: int) -> str:
+def index_file(process: int) -> str:
     return f"index-{process:05d}.json"
 
 
@@ -48,192 +48,50 @@ def partial_of(path: Path) -> Path:
     return path.with_name(path.name + PARTIAL)
 
 
-# -- processes -------------------------------------------------------------------------------
-def _barrier(tag: str) -> None:
-    """Waits for every process (through the jax.distributed key-value service, not a device
-    collective, so that it also works from the background thread of an async save)."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed  # the key-value client has no public name in jax 0.10
-
-    distributed.global_state.client.wait_at_barrier(f"xtrain-ckpt-{tag}", BARRIER_TIMEOUT_MS)
+def old_of(path: Path) -> Path:
+    """Where a checkpoint being replaced by a save of the same name waits until the new one is in place."""
+    return path.with_name(path.name + OLD)
 
 
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- writing ---------------------------------------------------------------------------------
-def _rows(name: str, length: int, rows: Mapping[str, tuple] | None) -> tuple:
+def stacked_rows(name: str, length: int, rows: Mapping[str, tuple] | None) -> tuple:
     """The layer each row of stacked leaf `name` holds (its parameter is the last path part)."""
     return tuple((rows or {}).get(name.rsplit("/", 1)[-1], range(length)))
 
 
-def host_pieces(tree: Any, rows: Mapping[str, tuple] | None = None
-                ) -> tuple[dict[str, np.ndarray], dict[str, dict], dict[str, dict]]:
-    """Host copies of this process's pieces: one per distinct shard (replica 0 only), so each
-    element is written once in the whole job. Returns (arrays by key, piece index, tensor info)."""
-    arrays, pieces, tensors = {}, {}, {}
-    for name, leaf in named_leaves(tree).items():
-        leaf = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
-        for k, shard in enumerate(leaf.addressable_shards):
-            if shard.replica_id != 0:
-                continue
-            # a copy: the step donates its state, so the device buffer is reused by the next step
-            data, region = np.array(shard.data, copy=True), region_of(shard.index, leaf.shape)
-            for tensor, piece, where in _per_layer(name, data, region, rows):
-                arrays[f"{tensor}#{k}"] = piece
-                pieces[f"{tensor}#{k}"] = {"tensor": tensor, "region": [list(r) for r in where]}
-        for tensor, (shape, dtype) in _per_layer_info(name, leaf, rows).items():
-            tensors[tensor] = {"shape": shape, "dtype": dtype}
-    return arrays, pieces, tensors
-
-
-def _per_layer(name: str, data: np.ndarray, region, rows) -> list:
-    """A shard of a stacked leaf (`params/model.layers.*.w`) as one piece per layer, stored
-    under the layers' own names (padding rows dropped), so checkpoints do not depend on how
-    the step stores blocks."""
-    if not stacked.is_stacked(name):
-        return [(name, data, region)]
-    (lo, hi), rest = region[0], tuple(region[1:])
-    layer_of = _rows(name, region[0][1], rows) if rows else None
-    return [(stacked.member(name, layer_of[i] if layer_of else i), np.ascontiguousarray(data[i - lo]), rest)
-            for i in range(lo, hi) if not layer_of or layer_of[i] is not None]
-
-
-def _per_layer_info(name: str, leaf, rows) -> dict[str, tuple[list, str]]:
-    dtype = jnp.dtype(leaf.dtype).name
-    if not stacked.is_stacked(name):
-        return {name: (list(leaf.shape), dtype)}
-    return {stacked.member(name, k): (list(leaf.shape[1:]), dtype)
-            for k in _rows(name, leaf.shape[0], rows) if k is not None}
-
-
-class SaveHandle:
-    """A save in progress (async) or done. `wait()` returns the committed path or raises."""
-
-    def __init__(self, path: Path, thread: threading.Thread | None = None):
-        self.path, self._thread, self.error = path, thread, None
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> Path:
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.path
-
-
-def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = None,
-         blocking: bool = True, rows: Mapping[str, tuple] | None = None) -> SaveHandle:
-    """Writes `tree` (a TrainState) to `path` atomically; every process must call it.
-    `rows`: {stacked parameter name: layer of each row} where rows are not layers 0..L-1 in
-    order (xtrain.ir.stacked.Stacking.row_table).
-
-    The device-to-host copies happen now; with `blocking=False` the files are written by a
-    background thread (`handle.wait()` joins it)."""
-    path = Path(path).absolute()
-    try:
-        meta = json.dumps({"step": int(step), "extra": extra or {}})
-    except TypeError as err:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from None
-    arrays, pieces, tensors = host_pieces(tree, rows)
-    tag = f"{next(_barriers)}-{path}"
-    handle = SaveHandle(path)
-    job = lambda: _write(path, arrays, pieces, tensors, json.loads(meta), tag)
-    if blocking:
-        job()
-        return handle
-
-    def run():
-        try:
-            job()
-        except BaseException as err:  # surfaced by wait()
-            handle.error = err
-
-    handle._thread = threading.Thread(target=run, name=f"xtrain-save-{path.name}", daemon=False)
-    handle._thread.start()
-    return handle
-
-
-def _write(path: Path, arrays: dict, pieces: dict, tensors: dict, meta: dict, tag: str) -> None:
-    me, tmp = jax.process_index(), partial_of(path)
-    if me == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _fsync_write(tmp / BEGIN, json.dumps({"processes": jax.process_count(), "step": meta["step"]}))
-    _barrier(f"{tag}-begin")
-    save_file(arrays, str(tmp / _shard_file(me)))
-    with open(tmp / _shard_file(me), "rb+") as f:
-        os.fsync(f.fileno())
-    _fsync_write(tmp / _index_file(me), json.dumps({"pieces": pieces, "tensors": tensors}))
-    _barrier(f"{tag}-written")
-    if me == 0:
-        _commit(path, tmp, meta)
-    _barrier(f"{tag}-committed")
-
-
-def _commit(path: Path, tmp: Path, meta: dict) -> None:
-    tensors, placed = {}, {}
-    for p in range(jax.process_count()):
-        if not (tmp / _index_file(p)).exists():
-            raise CheckpointError(
-                f"process {p} wrote {_index_file(p)} into {tmp} but process 0 cannot see it: the checkpoint "
-                "directory must be on a filesystem every process shares (NFS, EFS, FSx for Lustre)")
-        index = json.loads((tmp / _index_file(p)).read_text())
-        tensors.update(index["tensors"])
-        for key, piece in index["pieces"].items():
-            placed.setdefault(piece["tensor"], []).append({"file": _shard_file(p), "key": key,
-                                                           "region": piece["region"]})
-    for name, info in tensors.items():
-        info["pieces"] = placed.get(name, [])
-    manifest = {"format": FORMAT, "version": VERSION, "processes": jax.process_count(), **meta,
-                "tensors": tensors}
-    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    _fsync_write(tmp / MARKER, "")
-    _fsync_dir(tmp)
-    if path.exists():  # replacing a checkpoint of the same name: keep one complete copy at all times
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(path)
-    _fsync_dir(path.parent)
-
-
 # -- reading ---------------------------------------------------------------------------------
+def _json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: cannot be read as JSON ({err}): the checkpoint is corrupt") from None
+
+
 def _missing_parts(path: Path) -> list[str]:
     if not (path / BEGIN).exists():
         return [f"{BEGIN} (not written by xtrain, or the save died at once)"]
     missing = []
-    for p in range(json.loads((path / BEGIN).read_text())["processes"]):
-        lacking = [f for f in (_shard_file(p), _index_file(p)) if not (path / f).exists()]
+    for p in range(_json(path / BEGIN)["processes"]):
+        lacking = [f for f in (shard_file(p), index_file(p)) if not (path / f).exists()]
         if lacking:
             missing.append(f"{' and '.join(lacking)} (process {p} did not finish writing its shards)")
     return missing + [n for n in (MANIFEST, MARKER) if not (path / n).exists()]
+
+
+def _absent(path: Path) -> CheckpointError:
+    old, hint = old_of(path), ""
+    if old.is_dir() and not _missing_parts(old):
+        hint = (f"; a save replacing it stopped between its two renames: the checkpoint it replaced is complete "
+                f"at {old} (step {_json(old / MANIFEST).get('step')}): load that (CheckpointManager.restore does)")
+    elif partial_of(path).exists():
+        hint = f"; an unfinished save of it is at {partial_of(path)}"
+    return CheckpointError(f"no checkpoint at {path}{hint}")
 
 
 def check_complete(path: str | os.PathLike) -> Path:
     """`path` as a Path if it holds a complete checkpoint, else a CheckpointError saying why."""
     path = Path(path)
     if not path.is_dir():
-        hint = f"; an unfinished save of it is at {partial_of(path)}" if partial_of(path).exists() else ""
-        raise CheckpointError(f"no checkpoint at {path}{hint}")
+        raise _absent(path)
     missing = _missing_parts(path)
     if path.name.endswith(PARTIAL) and not missing:  # the rename to the final name is the commit
         missing = [f"the rename to {path.name[:-len(PARTIAL)]} that commits it"]
@@ -247,13 +105,18 @@ def check_complete(path: str | os.PathLike) -> Path:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     path = check_complete(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = _json(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path / MANIFEST} is not an xtrain checkpoint manifest (format {manifest.get('format')!r})")
     return manifest
 
 
-def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype) -> tuple[list, str, Any]:
+def verified(manifest: dict) -> bool:
+    """Whether the checkpoint has checksums for its pieces (those written before had none)."""
+    return all("checksum" in p for t in manifest["tensors"].values() for p in t["pieces"])
+
+
+def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype, verify: bool) -> tuple[list, str, Any]:
     """(shape, dtype, reader) of a per-device tensor (one row per data-parallel device on its
     first dimension: GradSync(comm_dtype="int8")'s error-feedback residuals) for a step holding
     `want`: as stored when the device counts agree; else the stored rows summed into row 0
@@ -263,7 +126,7 @@ def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype) ->
     name_dtype = jnp.dtype(dtype).name
     if info is None:
         return list(want), name_dtype, zeros
-    read = _reader(path, name, info)
+    read = _reader(path, name, info, verify)
     _check_leaf(path, f"{name} (per device)", info["shape"][1:], info["dtype"], want[1:], dtype)
     if info["shape"][0] == want[0]:
         return list(want), name_dtype, read
@@ -276,7 +139,7 @@ def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype) ->
     return list(want), name_dtype, summed
 
 
-def _sources(path: Path, manifest: dict, target: dict[str, Any], rows,
+def _sources(path: Path, manifest: dict, target: dict[str, Any], rows, verify: bool,
              per_device: tuple[str, ...] = ()) -> dict[str, tuple[list, str, Any]]:
     """For each target leaf: (global shape, dtype, region reader) from the checkpoint. A leaf the
     step stores stacked (`model.layers.*.w`) reads its rows from the per-layer tensors
@@ -284,16 +147,16 @@ def _sources(path: Path, manifest: dict, target: dict[str, Any], rows,
     (stored ones the step does not hold are dropped)."""
     saved = manifest["tensors"]
     device_row = lambda name: name.startswith(per_device) if per_device else False
-    stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name]))
+    stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name], verify))
     out, used = {}, {n for n in saved if device_row(n)}
     for name, leaf in target.items():
         if device_row(name) and not stacked.is_stacked(name):
-            out[name] = _per_device(path, name, saved.get(name), tuple(leaf.shape), leaf.dtype)
+            out[name] = _per_device(path, name, saved.get(name), tuple(leaf.shape), leaf.dtype, verify)
             continue
         if name in saved:
             out[name], _ = stored(name), used.add(name)
             continue
-        layer_of = _rows(name, leaf.shape[0], rows) if stacked.is_stacked(name) and leaf.ndim else ()
+        layer_of = stacked_rows(name, leaf.shape[0], rows) if stacked.is_stacked(name) and leaf.ndim else ()
         members = [stacked.member(name, k) for k in layer_of if k is not None]
         if not members or not (device_row(name) or all(m in saved for m in members)):
             continue
@@ -304,7 +167,8 @@ def _sources(path: Path, manifest: dict, target: dict[str, Any], rows,
                 continue
             member = stacked.member(name, k)
             if device_row(name):
-                readers.append(_per_device(path, member, saved.get(member), tuple(leaf.shape[1:]), leaf.dtype)[2])
+                per_layer = _per_device(path, member, saved.get(member), tuple(leaf.shape[1:]), leaf.dtype, verify)
+                readers.append(per_layer[2])
                 continue
             shape, dtype, read = stored(member)
             _check_leaf(path, member, shape, dtype, leaf.shape[1:], leaf.dtype)
@@ -327,22 +191,70 @@ def _check_leaf(path: Path, name: str, shape: list, dtype: str, want_shape, want
                               f"holds {jnp.dtype(want_dtype).name}{list(want_shape)}")
 
 
+def _agreed(path: Path, error: CheckpointError | None) -> None:
+    """Raises on every process when any process failed to read its part of `path`: each reads
+    (and verifies) only its own regions, and a job whose processes loaded different states, or
+    where some did not load at all, would silently diverge."""
+    failed = [error is not None]
+    if jax.process_count() > 1:
+        failed = list(np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1))
+    if error is not None:
+        raise error
+    if any(failed):
+        bad = [p for p, f in enumerate(failed) if f]
+        raise CheckpointError(f"checkpoint {path}: process(es) {bad} could not read their part of it (their error "
+                              "names the file and the problem); no process loaded it")
+
+
 def restore(path: str | os.PathLike, target: Any, rows: Mapping[str, tuple] | None = None,
-            per_device: tuple[str, ...] = ()) -> tuple[dict[str, jax.Array], dict]:
+            per_device: tuple[str, ...] = (), *, verify: bool = True) -> tuple[dict[str, jax.Array], dict]:
     """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
     mesh and plan, block parameters stacked or per layer; `rows` as for `save`). Each process
-    reads only the regions its devices hold. `per_device`: name prefixes of leaves with one
-    row per data-parallel device (`_per_device` says what they become on another device
-    count). Returns ({logical name: array}, manifest)."""
+    reads only the regions its devices hold, verifying their checksums unless `verify=False`.
+    `per_device`: name prefixes of leaves with one row per data-parallel device (`_per_device`
+    says what they become on another device count). Returns ({logical name: array}, manifest)."""
     path = Path(path)
     manifest = read_manifest(path)
-    leaves = named_leaves(target)
-    sources = _sources(path, manifest, leaves, rows, per_device)
-    return {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
-            for name, leaf in leaves.items()}, manifest
+    if verify and not verified(manifest):
+        integrity.warn_unverified(path, "has no checksums (written by an xtrain before checkpoints had them)")
+    leaves, error, out = named_leaves(target), None, {}
+    try:
+        sources = _sources(path, manifest, leaves, rows, verify, per_device)
+        out = {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
+               for name, leaf in leaves.items()}
+    except CheckpointError as err:
+        error = err
+    _agreed(path, error)
+    return out, manifest
 
 
-def _reader(path: Path, name: str, info: dict):
+def verify_all(path: str | os.PathLike) -> dict:
+    """Reads and verifies every piece of checkpoint `path` (shared out over the processes);
+    returns its manifest. For a load that cannot read its regions yet (plan="auto" before its
+    first step) but must know now whether the checkpoint is intact."""
+    path = Path(path)
+    manifest, error = read_manifest(path), None
+    pieces = [(name, info, piece) for name, info in sorted(manifest["tensors"].items()) for piece in info["pieces"]]
+    try:
+        for name, info in manifest["tensors"].items():
+            integrity.check_tiling(str(path / MANIFEST), name, info["shape"], info["pieces"])
+        for name, info, piece in pieces[jax.process_index()::jax.process_count()]:
+            extent = [hi - lo for lo, hi in piece["region"]]
+            integrity.read_piece(str(path / piece["file"]), piece["key"], extent,
+                                 tuple((0, n) for n in extent), piece.get("checksum"))
+    except CheckpointError as err:
+        error = err
+    _agreed(path, error)
+    return manifest
+
+
+def _reader(path: Path, name: str, info: dict, verify: bool):
+    integrity.check_tiling(str(path / MANIFEST), name, info["shape"], info["pieces"])
     dtype = jnp.dtype(info["dtype"])
-    read_piece = lambda piece, local: read_slice(str(path / piece["file"]), piece["key"], local)
+
+    def read_piece(piece, local):
+        extent = [hi - lo for lo, hi in piece["region"]]
+        record = piece.get("checksum") if verify else None
+        return integrity.read_piece(str(path / piece["file"]), piece["key"], extent, local, record)
+
     return lambda want: assemble(name, want, dtype, info["pieces"], read_piece)

@@ -295,9 +295,20 @@ _NEURON_INSTANCES = (("trn2", "trn2.48xlarge"), ("nc_v3", "trn2.48xlarge"), ("tr
                      ("nc_v2", "trn1.32xlarge"))
 
 
+def check_target(spec: str) -> None:
+    """Validates a target ('INSTANCE[:NODES]' or 'emulated[:DEVICES]') without starting JAX."""
+    name, colon, count = spec.partition(":")
+    if name != "emulated":
+        topology.parse_cluster(spec)
+    elif colon and not (count.isdigit() and int(count) > 0):
+        raise ValueError(f"target {spec!r}: after 'emulated:' comes a number of devices, a positive integer "
+                         "(e.g. emulated:8); or write 'emulated' for this machine's devices")
+
+
 def target(spec: str) -> tuple[HardwareProfile, int]:
     """'trn1.32xlarge:4' -> (its profile, 128 devices); 'emulated' or 'emulated:8' -> this
     machine's CPU devices (calibrated)."""
+    check_target(spec)
     name, _, count = spec.partition(":")
     if name == "emulated":
         import jax

@@ -13,7 +13,7 @@ import torchax
 from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
-from xtrain.frontend import optim, structure, torch_ops
+from xtrain.frontend import autograd_function, optim, structure, torch_ops
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
 
@@ -159,6 +159,12 @@ class TorchModel(Model):
     # -- state ---------------------------------------------------------------------------
     def initial_params(self) -> dict[str, np.ndarray]:
         named = dict(self.module.named_parameters())
+        meta = [n for n in self.param_names if named[n].is_meta]
+        if meta:
+            raise ValueError(
+                f"{len(meta)} parameters of {self.name} are on the meta device (e.g. {meta[:3]}): they have shapes but "
+                "no values. Load them while compiling with xtrain.compile(..., init_from='model.safetensors' or an HF "
+                "checkpoint directory), or build the model on the CPU")
         return {n: _to_numpy(named[n]) for n in self.param_names}
 
     def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -209,7 +215,8 @@ class TorchModel(Model):
         # Factory calls without a device (torch.arange(t), torch.ones(...)) must build traced
         # arrays, not host tensors: make "jax" the default device while tracing.
         with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
-                _training_mode(self.module, training), torch_ops.module_rules(self.module):
+                _training_mode(self.module, training), torch_ops.module_rules(self.module), \
+                autograd_function.honoured(env, scopes.current):
             t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
             full = {**t_params, **t_buffers}
             for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():

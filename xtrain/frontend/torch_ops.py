@@ -29,9 +29,13 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 import torchax
-from torchax.ops import mappings, ops_registry
+from torchax.decompositions import DECOMPOSITIONS
+from torchax.ops import jaten, mappings, ops_registry
+
+from xtrain.ir import index_ops
 
 aten = torch.ops.aten
+_NLL_DECOMPOSITION = DECOMPOSITIONS[aten.nll_loss_forward.default]
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -64,6 +68,15 @@ def _legit_no_stats(input, weight, bias, training, momentum, eps):
     return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
 
 
+@contextlib.contextmanager
+def _indexing(name: str, index):
+    """Traces an index op under its torch rule's marker (xtrain.ir.index_ops); yields the index,
+    cast to int32 if it came as floats (refused by the lowering, naming the batch argument)."""
+    is_float = jnp.issubdtype(index.dtype, jnp.inexact)
+    with jax.named_scope(index_ops.scope_name(index_ops.IndexOp(name, negatives=False, float_index=is_float))):
+        yield index.astype(jnp.int32) if is_float else index
+
+
 def _gather(input, dim, index):
     """torch.gather as jnp.take_along_axis: a gather whose batch correspondence is explicit
     in its dimension numbers (operand_batching_dims), where torchax's lowering builds global
@@ -74,7 +87,21 @@ def _gather(input, dim, index):
     dim = dim % input.ndim
     # torch allows index to be smaller than input in the other dims: cut input to match
     input = input[tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))]
-    return jnp.take_along_axis(input, index, axis=dim, mode="clip")
+    with _indexing("torch.gather", index) as index:
+        return jnp.take_along_axis(input, index, axis=dim, mode="clip")
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """aten.embedding (torchax's lowering) under its torch rule: no negative indices."""
+    with _indexing("embedding", indices) as indices:
+        return jaten._aten_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+
+
+def _nll_loss_forward(*args):
+    """nll_loss (cross_entropy's) as torchax decomposes it, under its torch rule: targets in
+    [0, classes) or the ignore index."""
+    with jax.named_scope(index_ops.scope_name(index_ops.IndexOp("cross_entropy/nll_loss target"))):
+        return _NLL_DECOMPOSITION(*args)
 
 
 def _matmul(x, y):
@@ -316,6 +343,7 @@ _JAX_OVERRIDES = {
     aten.softmax.int: _softmax_int,
     aten.native_layer_norm.default: _native_layer_norm,
     aten.gather.default: _gather,
+    aten.embedding.default: _embedding,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
     torch.nn.functional.rms_norm: _rms_norm,
     torch.matmul: _matmul,
@@ -329,6 +357,7 @@ _JAX_ENV_OVERRIDES = {  # jax functions that draw random keys from the environme
 }
 
 _OVERRIDES = {
+    aten.nll_loss_forward.default: _nll_loss_forward,
     aten.native_batch_norm.default: _batch_norm,
     aten._native_batch_norm_legit.default: _batch_norm,
     aten._native_batch_norm_legit.no_stats: _legit_no_stats,

@@ -6,6 +6,7 @@
     stacked.py   block parameters stored stacked, (L, ...) per block position
     flops.py     FLOPs of a jaxpr's equations, by kind
     trust_ratio.py  LARS / LAMB's per-layer trust ratio; the step supplies whole-tensor norms
+    index_ops.py markers of torch index ops whose rules differ from JAX's (read by the input checks)
 """
 from xtrain.ir.model import Model, TraceError
 

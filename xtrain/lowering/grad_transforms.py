@@ -6,8 +6,8 @@ after it, the same in both lowerings:
               non-finite step must be detected (fp16 overflow, detect_nan)
     clip      torch's clip_grad_norm_ rule
     lr        each update times its param group's current lr (scale_by_lr)
-    skip      fp16 / detect_nan: a step whose loss or gradient norm is not finite keeps the old
-              parameters, optimizer state and buffers (finish_step); fp16's scale moves
+    skip      fp16 / detect_nan / input checks: a step whose loss or gradient norm is not finite
+              keeps the old parameters, optimizer state and buffers (finish_step); fp16's scale moves
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from xtrain.ir.stacked import member
 from xtrain.lowering import clipping, precision
+from xtrain.lowering.options import StepOptions
 from xtrain.sharding.precision import LossScale
 
 
@@ -27,7 +28,8 @@ class GradTransforms:
         max_norm: clip the global gradient norm to this (None: no clipping).
         lr_groups: parameter name -> param group whose lr scales its update (None: the lr is
             inside the optax transformation).
-        check_finite: skip a step whose loss or gradient norm is not finite (detect_nan).
+        check_finite: skip a step whose loss or gradient norm is not finite (detect_nan, and the
+            input checks, which poison the gradients of a batch they refuse).
         loss_scale: fp16's dynamic loss scale rule (implies check_finite).
     """
 
@@ -35,6 +37,15 @@ class GradTransforms:
     lr_groups: Mapping[str, int] | None = None
     check_finite: bool = False
     loss_scale: LossScale | None = None
+
+    @classmethod
+    def of(cls, options: StepOptions, lr_groups: Mapping[str, int] | None = None,
+           loss_scale: LossScale | None = None) -> "GradTransforms":
+        """What a step with `options` does to its gradients: it skips non-finite steps when it
+        raises on them (detect_nan) and when it checks its inputs (a refused batch's gradients
+        are NaN), and always under fp16's loss scaling."""
+        skips = options.check_inputs or options.raises_on_nan(loss_scale is not None)
+        return cls(options.clip_grad_norm, lr_groups, skips, loss_scale)
 
     @property
     def skips(self) -> bool:

@@ -36,4 +36,4 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
         strategy = ExplicitStrategy(model, mesh, layout, specs, config)
     else:
         strategy = XlaStrategy(model, mesh, layout, config)
-    return train_step.build(strategy, shardings, mesh, config)
+    return train_step.build(strategy, shardings, mesh, config, model)

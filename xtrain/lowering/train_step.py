@@ -3,6 +3,8 @@
     loss, gradients   the strategy's: the explicit forward and its autodiff (explicit/forward.py),
                       the pipeline's schedule (pipeline/strategy.py), or XLA's partitioner on the
                       global view (xla_partitioner.py)
+    input checks      the batch's indices against their dimensions (input_checks.py): a batch
+                      that breaks one turns the gradients to NaN, so the step is skipped
     gradient sync     what the strategy left to sum (it may have summed some inside the backward
                       pass, as ZeRO-3's gathers do by their transpose): a bucketed all-reduce
     update            the optax transformation on each device's shards, ZeRO-sharded as the
@@ -19,10 +21,11 @@ import dataclasses
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.lowering import gradient_sync, offload
+from xtrain.lowering import gradient_sync, input_checks, offload
 from xtrain.lowering import ordering
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.gradient_sync import GradSync
@@ -40,7 +43,8 @@ class StepConfig:
     Attributes:
         tx: the optax transformation (lr 1 for torch optimizers: the lr enters per step).
         options: accumulation and the other step options.
-        grad_tx: unscale / clip / lr / skip between the gradients and the update.
+        grad_tx: unscale / clip / lr / skip between the gradients and the update (default: what
+            `options` call for, without lr groups or loss scaling: GradTransforms.of).
         sync: bucketing, wire dtype and hierarchy of the gradient all-reduce.
         remat: activation checkpointing of each layer of the repeated blocks (None: off).
         regather: ZeRO-3 gathers each weight again in the backward pass.
@@ -50,11 +54,15 @@ class StepConfig:
 
     tx: optax.GradientTransformation
     options: StepOptions = StepOptions()
-    grad_tx: GradTransforms = GradTransforms()
+    grad_tx: GradTransforms | None = None
     sync: GradSync = GradSync()
     remat: LayerRemat | None = None
     regather: bool = True
     offload_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.grad_tx is None:  # a skip the options need (input checks) is never left out
+            object.__setattr__(self, "grad_tx", GradTransforms.of(self.options))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +104,11 @@ class PerDevice:
     state_specs: TrainState
     batch_spec: Spec
 
+    @property
+    def split_dims(self) -> frozenset[int]:
+        """Batch dimensions split across devices (a step function sees a shard of them)."""
+        return frozenset(d for d, entry in enumerate(self.batch_spec) if entry)
+
     def train(self, fn: Callable, batch: tuple) -> Callable:
         return jax.shard_map(ordering.in_order(fn), mesh=self.mesh,
                              in_specs=(self.state_specs, batch_specs(self.batch_spec, batch), PartitionSpec()),
@@ -110,6 +123,8 @@ class PerDevice:
 class GlobalView:
     """Runs a step function on global arrays (XLA's partitioner splits it)."""
 
+    split_dims = frozenset()
+
     def train(self, fn: Callable, batch: tuple) -> Callable:
         return fn
 
@@ -119,25 +134,48 @@ class GlobalView:
 
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
-    """A compiled step: `train(state, batch, lrs) -> (state, outputs)`, `eval(state, batch) -> loss`."""
+    """A compiled step: `train(state, batch, lrs) -> (state, outputs)`, `eval(state, batch) -> loss`;
+    `inputs`: the input checks of the batch shape it last traced (the host names a violation)."""
 
     train: Callable
     eval: Callable
     strategy: Strategy
+    inputs: input_checks.Found = dataclasses.field(default_factory=input_checks.Found)
 
     def notes(self) -> list[str]:
-        return self.strategy.notes()
+        return self.strategy.notes() + self.inputs.notes()
 
 
-def _trainer(strategy: Strategy, config: StepConfig) -> Callable:
+def _checks(model, config: StepConfig, runner, state: TrainState, batch: tuple, found: input_checks.Found) -> list:
+    """The input checks this step runs (none when switched off); recorded in `found`."""
+    if not config.options.check_inputs:
+        return []
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.buffers, state.key, batch))
+    traced = input_checks.for_model(model, *shapes)
+    found.checks[:] = [c for c in traced.checks if input_checks.checkable(c, runner.split_dims)]
+    found.unchecked[:] = traced.unchecked + [f"{c.op} in module {c.module or '<top level>'!r} reads a part of batch "
+                                             f"argument {c.arg} the batch split cuts: not checked"
+                                             for c in traced.checks if c not in found.checks]
+    return list(found.checks)
+
+
+def _poisoned(grads, bad) -> dict:
+    """NaN gradients when `bad`: the gradient sync spreads them to every device, whose norm
+    then skips the step (finish_step). Exact otherwise (times 1)."""
+    return {n: g * jnp.where(bad, jnp.nan, 1.0).astype(g.dtype) for n, g in grads.items()}
+
+
+def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.Found) -> Callable:
     def train_step(state: TrainState, batch: tuple, lrs):
         compute = strategy.gradients(state, batch)  # traced at global shapes, outside shard_map
+        checks = _checks(model, config, strategy.runner, state, batch, found)
 
         def step(state: TrainState, batch: tuple, lrs):
             key = jax.random.fold_in(state.key, state.step)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else None
             out = compute(state, batch, key, scale)
-            grads = gradient_sync.with_feedback(out.grads, state.grad_residual)  # int8's error feedback
+            grads = _poisoned(out.grads, input_checks.violated(checks, batch)) if checks else out.grads
+            grads = gradient_sync.with_feedback(grads, state.grad_residual)  # int8's error feedback
             grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
             old = _fetched(state, config)  # an offloaded optimizer state reaches the device only now
             params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale)
@@ -183,9 +221,9 @@ def _evaluator(strategy: Strategy) -> Callable:
     return eval_step
 
 
-def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig) -> StepProgram:
-    """The jit-compiled step of `strategy`, its state laid out by `shardings` (donated)."""
+def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig, model) -> StepProgram:
+    """The jit-compiled step of `strategy` for `model`, its state laid out by `shardings` (donated)."""
     gradient_sync.check_axes(config.sync, dict(mesh.shape))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    train = jax.jit(_trainer(strategy, config), out_shardings=(shardings, replicated), donate_argnums=0)
-    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy)
+    replicated, found = NamedSharding(mesh, PartitionSpec()), input_checks.Found()
+    train = jax.jit(_trainer(strategy, config, model, found), out_shardings=(shardings, replicated), donate_argnums=0)
+    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy, found)

@@ -14,8 +14,10 @@ When a process of a multi-process job dies, the others end instead of waiting fo
 collective whose peer is gone: a launcher that watches its children (torchrun, mpirun) stops
 them with SIGTERM at once, and otherwise (srun without --kill-on-bad-exit, a node whose peer
 node failed) jax.distributed's coordinator misses the dead process's heartbeats and aborts every
-process with "Terminating process because the JAX distributed service detected fatal errors"
-after `heartbeat_timeout_s`. Gloo's own timeout (XLA's xla_cpu_collective_timeout_seconds, 30
+process with "Terminating process because the JAX distributed service detected fatal errors.
+This most likely indicates that another task died" after `heartbeat_timeout_s` (20 s by
+default, so a survivor ends within 30 s; the heartbeats come from a thread of their own, so a
+long compile or step does not miss them). Gloo's own timeout (XLA's xla_cpu_collective_timeout_seconds, 30
 min) is no bound worth having, and cannot be shortened safely: a peer still compiling its step
 legitimately keeps the others waiting in their first collective for minutes.
 """
@@ -35,8 +37,8 @@ log = logging.getLogger(__name__)
 BACKEND_ORDER = backends.BACKEND_ORDER
 EMULATE_ENV = "XTRAIN_EMULATE"
 # Seconds without a heartbeat after which jax.distributed declares a process dead and aborts
-# the others (JAX's own default).
-HEARTBEAT_TIMEOUT_S = 100
+# the others (JAX's own default is 100: a survivor would wait that long).
+HEARTBEAT_TIMEOUT_S = 20
 
 _state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}, "precision": "fp32"}
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -118,7 +120,8 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
             many CPU devices as the real cluster has, or `cpu_devices` of them scaled down
             (see neuron_support.emulate). Ignored off CPU.
         heartbeat_timeout_s: in a multi-process job, how long a process may go silent before
-            jax.distributed declares it dead and ends every other process with an error.
+            jax.distributed declares it dead and ends every other process with an error (20 s:
+            the survivors of a dead process end within 30 s when no launcher stops them).
         precision: the compute precision of the plans this process will run ("fp32", "bf16",
             "fp16"): on Trainium it sets the Neuron compiler's flags and stochastic rounding,
             which the plugin reads once, when it starts. A plan of another precision is then

@@ -91,6 +91,14 @@ class StateLayout:
         """Stored parameters whole on every device."""
         return [n for n, s in self.param_specs.items() if not any(s)]
 
+    def unused_axes(self, pipe_axis: str | None = None) -> list[str]:
+        """Mesh axes of size > 1 that split nothing (batch, parameters, optimizer state, pipeline
+        stages): the devices along them compute the same thing."""
+        used = set(self.batch_axes) | {pipe_axis}
+        for spec in (*self.layer_specs.values(), *self.layer_optimizer_specs.values()):
+            used.update(a for e in spec for a in axes_of(e))
+        return [a for a, n in self.sizes.items() if n > 1 and a not in used]
+
 
 def batch_spec(plan: Plan, sizes: Mapping[str, int]) -> Spec:
     """The plan's batch spec, validated against the mesh; by default the mesh's axes with data
@@ -151,12 +159,32 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
     agreement = _agreement(shapes, params, optimizer, optimized, lr_groups)
     stack = scan_layers and plan.pipeline is None and lr_groups is not None
     stacking = Stacking.find(shapes, agreement.get) if stack else Stacking({})
-    return StateLayout(sizes=sizes, batch_spec=spec, zero=plan.zero, layer_specs=params,
-                       layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
-                       optimizer_specs=stacking.stack_specs(optimizer),
-                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
-                       scan_layers=scan_layers, agreement=agreement,
-                       offload_optimizer=plan.offload is Offload.OPTIMIZER)
+    out = StateLayout(sizes=sizes, batch_spec=spec, zero=plan.zero, layer_specs=params,
+                      layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
+                      optimizer_specs=stacking.stack_specs(optimizer),
+                      optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
+                      scan_layers=scan_layers, agreement=agreement,
+                      offload_optimizer=plan.offload is Offload.OPTIMIZER)
+    _check_mesh_used(out, plan)
+    return out
+
+
+def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
+    """The default plan on a mesh without a data axis whose axes split nothing is a mistake:
+    every device would compute the whole batch with the whole model (`Mesh(dp=8)`: the default
+    plan splits the batch over `data`). The batch is never split over an axis guessed from its
+    name. Other unused axes (`Mesh(data=2, rest=4)`, a batch spec given) are the report's note."""
+    if plan.batch is not None or any(a in BATCH_AXES for a in layout.sizes):
+        return
+    unused = layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None)
+    if not unused or len(unused) < sum(n > 1 for n in layout.sizes.values()):
+        return
+    axes = lambda rename: ", ".join(f"{rename.get(a, a)}={n}" for a, n in layout.sizes.items())
+    raise ValueError(f"Mesh({axes({})}) has no {DATA!r} axis, and the default plan splits only the batch, over "
+                     f"{DATA!r}: every device would compute the whole batch with the whole model. Name the "
+                     f"data-parallel axis {DATA!r} (xtrain.Mesh({axes({unused[0]: DATA})})), say which axes split the "
+                     f"batch (xtrain.Plan(batch=({unused[0]!r},))), or give a plan that splits parameters over them "
+                     "(xtrain.plans.megatron, fsdp)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -103,19 +103,22 @@ def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
     return same_vma(ctx, [ct.value, primal.value])[0]
 
 
+def _zeros_for(ct, aval):
+    """A cotangent JAX passed as a symbolic zero, as an array of the local shape."""
+    if type(ct).__name__ in ("SymbolicZero", "Zero"):
+        return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    return ct
+
+
 def custom_vjp(ctx, eqn, args):
     """Keeps the user's VJP: primal, fwd and bwd are all interpreted on shards. Outputs and
-    cotangents cross the boundary whole along pending sums (partial sums are resolved)."""
+    cotangents cross the boundary whole along pending sums (partial sums are resolved). fwd
+    is traced knowing which inputs autodiff perturbs (a torch Function's needs_input_grad)."""
     p = eqn.params
     call, n_consts = p["call_jaxpr"], p["num_consts"]
     if n_consts:
         return fallback(ctx, eqn, args)
     prims, path = args, ctx.path
-    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(prims))
-    # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
-    # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
-    _, res_tree, forwards = p["out_trees"]()
-    n_res = sum(f is None for f in forwards)
     out_avals = [v.aval for v in eqn.outvars]
     prim_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in prims]
     with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
@@ -131,8 +134,14 @@ def custom_vjp(ctx, eqn, args):
         layouts.setdefault("out", [o.layout for o in outs])
         return [o.value for o in outs]
 
-    def f_fwd(*vals):
+    def f_fwd(*primals):
         ctx.path = path
+        vals = [x.value for x in primals]
+        fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[x.perturbed for x in primals])
+        # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
+        # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
+        _, res_tree, forwards = p["out_trees"]()
+        n_res = sum(f is None for f in forwards)
         ins = with_values(prims, vals)
         outs = interpret(ctx, fwd_jaxpr, fwd_consts, ins)
         primal = resolved(outs[n_res:])
@@ -145,6 +154,7 @@ def custom_vjp(ctx, eqn, args):
 
     def f_bwd(res, cts):
         ctx.path = path
+        cts = [_zeros_for(c, a) for c, a in zip(cts, out_avals)]
         res_structs = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in layouts["res"]]
         bwd = jax.make_jaxpr(lambda *a: _instantiate(p["bwd"].call_wrapped(*a), prim_avals))(
             *res_structs, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
@@ -153,7 +163,7 @@ def custom_vjp(ctx, eqn, args):
         outs = interpret(ctx, bwd.jaxpr, bwd.consts, ins)
         return tuple(_cotangent_for(ctx, o, x) for o, x in zip(outs, prims))
 
-    f.defvjp(f_fwd, f_bwd)
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     values = f(*[x.value for x in prims])
     return wrap(eqn, values, layouts["out"])
 
