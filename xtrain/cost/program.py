@@ -32,6 +32,7 @@ from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import lower
+from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline.program import placement
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import StepConfig
@@ -113,8 +114,9 @@ def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping
     scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), precision.initial_state(plan.precision))
     state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
                        step=jax.ShapeDtypeStruct((), np.int32), key=key, loss_scale=scale, grad_residual=residual)
+    # the default step's gradient norm and skip (detect_nan, input checks), and fp16's loss scale
     config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather,
-                        grad_tx=GradTransforms(loss_scale=plan.precision.loss_scale),
+                        grad_tx=GradTransforms.of(StepOptions(), loss_scale=plan.precision.loss_scale),
                         offload_optimizer=layout.offload_optimizer)
     lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
     no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
