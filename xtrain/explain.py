@@ -6,6 +6,7 @@ HLO. Memory comes from XLA's compiled memory analysis and the placed state's sha
 """
 from __future__ import annotations
 
+from xtrain.ir import attention
 from xtrain.lowering import accounting
 from xtrain.lowering import report as report_mod
 from xtrain.lowering.state import named
@@ -27,6 +28,12 @@ def _layers_note(step) -> str:
     layers = layout_mod.depth(step.user_model().param_shapes())
     how = "as one layer scan" if step.layout.scan_layers else "unrolled, one after another"
     return f"repeated blocks ({layers} layers) run {how} (scan_layers={step.options.scan_layers!r})"
+
+
+def _attention_notes(step, batch) -> list[str]:
+    """Which attention each call site of the emitted program got (xtrain.ir.attention)."""
+    found = attention.sites(step.program(*batch).jaxpr, step.model.module_paths())
+    return [f"attention in {path or '<top level>'!r}: {site.describe()}" for path, site in sorted(found.items())]
 
 
 def _state_notes(step) -> list[str]:
@@ -66,7 +73,7 @@ def report(step, *batch) -> report_mod.Report:
     found = collectives(step, *batch, compiled=compiled)
     if step.options.lowering == "explicit":
         notes += [_layers_note(step)] if step.plan.pipeline is None else []
-        notes += step.lowered.notes()
+        notes += step.lowered.notes() + _attention_notes(step, batch)
     else:
         notes += step.lowered.inputs.notes()
     shapes = {n: tuple(v.shape) for n, v in {**step.state.params, **step.state.frozen}.items()}

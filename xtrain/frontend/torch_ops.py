@@ -10,7 +10,7 @@ autodiff of the forward formula, every intermediate of erf / the normalisation b
 residual; inside the layer scan each residual is a stacked (L, ...) buffer written in the
 forward loop and read in the backward loop, which on XLA:CPU cost more than the matmuls around
 them.
-Scaled dot-product attention keeps the heads as a batch dim (see `_sdpa`).
+Scaled dot-product attention is xtrain.frontend.sdpa's (blockwise, or cuDNN's on CUDA).
 
 torchax 0.0.14's batch norm computes new running statistics but never writes them back,
 and uses the biased variance where torch keeps the unbiased one. The override below runs
@@ -32,6 +32,7 @@ import torchax
 from torchax.decompositions import DECOMPOSITIONS
 from torchax.ops import jaten, mappings, ops_registry
 
+from xtrain.frontend import sdpa
 from xtrain.ir import index_ops
 
 aten = torch.ops.aten
@@ -296,46 +297,6 @@ def module_rules(root: torch.nn.Module):
             del module.forward
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False, env=None):
-    """F.scaled_dot_product_attention on (..., heads, length, dim) arrays, heads kept as a batch
-    dim of every product: a tensor-parallel split of the heads stays local. (torchax runs torch's
-    reference, whose 4-D matmuls torch flattens to 3-D bmm, merging batch and heads, which
-    forces a gather of heads split over a mesh axis.) Grouped-query attention groups the query
-    heads per key/value head instead of repeating keys and values."""
-    *batch, hq, length, dim = query.shape
-    hk, source = key.shape[-3], key.shape[-2]
-    if hq != hk and (not enable_gqa or hq % hk):
-        raise ValueError(f"scaled_dot_product_attention: {hq} query heads and {hk} key/value heads; "
-                         f"pass enable_gqa=True with a head count that divides {hq}")
-    group = hq // hk
-    q = query.reshape(*batch, hk, group, length, dim)
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    scores = jnp.einsum("...hgld,...hsd->...hgls", q, key) * scale
-    mask = None
-    if is_causal:
-        if attn_mask is not None:
-            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, "
-                             "not both")
-        mask = jnp.tril(jnp.ones((length, source), bool))
-    elif attn_mask is not None:
-        mask = attn_mask
-        if mask.ndim >= 3 and mask.shape[-3] == hq and hq != 1:  # per-query-head mask: group it like q
-            mask = mask.reshape(*mask.shape[:-3], hk, group, length, source)
-        elif mask.ndim >= 3:
-            mask = jnp.expand_dims(mask, -3)  # (..., 1, L, S) -> (..., 1, 1, L, S)
-    if mask is not None and mask.dtype == jnp.bool_:
-        scores = jnp.where(mask, scores, -jnp.inf)
-    elif mask is not None:
-        scores = scores + mask.astype(scores.dtype)
-    weights = _softmax_core(scores, scores.ndim - 1)
-    if dropout_p > 0:
-        keep = jax.random.bernoulli(env.get_and_rotate_prng_key(), 1.0 - dropout_p, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0).astype(weights.dtype)
-    out = jnp.einsum("...hgls,...hsd->...hgld", weights, value)
-    return out.reshape(*batch, hq, length, value.shape[-1])
-
-
 _JAX_OVERRIDES = {
     aten.gelu.default: _gelu,
     aten.silu.default: _silu,
@@ -352,8 +313,8 @@ _JAX_OVERRIDES = {
 }
 
 _JAX_ENV_OVERRIDES = {  # jax functions that draw random keys from the environment
-    torch.nn.functional.scaled_dot_product_attention: _sdpa,
-    aten.scaled_dot_product_attention.default: _sdpa,
+    torch.nn.functional.scaled_dot_product_attention: sdpa.sdpa,
+    aten.scaled_dot_product_attention.default: sdpa.sdpa,
 }
 
 _OVERRIDES = {

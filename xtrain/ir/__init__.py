@@ -7,6 +7,7 @@
     flops.py     FLOPs of a jaxpr's equations, by kind
     trust_ratio.py  LARS / LAMB's per-layer trust ratio; the step supplies whole-tensor norms
     index_ops.py markers of torch index ops whose rules differ from JAX's (read by the input checks)
+    attention.py markers naming the attention each call site got (read by the report)
 """
 from xtrain.ir.model import Model, TraceError
 

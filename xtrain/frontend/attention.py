@@ -1,0 +1,277 @@
+"""Scaled-dot-product attention computed block by block, with its own derivative rule.
+
+The scores of one query block against one key block at a time, combined by an online
+softmax (running max and sum per query row); the backward pass keeps the output and the
+log-sum-exp of each row, not the L x S weights, and recomputes each block's scores. Memory is
+linear in the sequence. A causal mask skips the key blocks a query block cannot see (about
+half the pairs). Keys and values stay one per key/value head (grouped-query / multi-query
+attention groups the query heads instead of repeating them); heads and batch stay batch dims
+of every product, so a split of either over a mesh axis stays local.
+
+Shapes: q (..., Hk, G, L, D), k (..., Hk, S, D), v (..., Hk, S, Dv), mask (or additive bias)
+broadcastable to (..., Hk, G, L, S) with the same rank as q.
+
+The explicit lowering keeps a loop carry at the layout it starts with, so every carry starts
+as arithmetic on q (`_zeros_like_rows`), in q's layout; a constant would be replicated and
+each step's carry gathered back to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from xtrain.ir.attention import Implementation, Site
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+    """Static shape of one blockwise attention call.
+
+    Attributes:
+        scale: multiplies q.k.
+        causal: torch's is_causal: query i sees keys j <= i.
+        block_q, block_k: block sizes (the sequences are padded to whole blocks).
+        length, source: query and key lengths before padding.
+        dropout: probability of dropping an attention weight (0: none).
+    """
+
+    scale: float
+    causal: bool
+    block_q: int
+    block_k: int
+    length: int
+    source: int
+    dropout: float = 0.0
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.length // self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return -(-self.source // self.block_k)
+
+    def key_blocks(self, i: int) -> range:
+        """The key blocks query block i must see: all, or up to its last row under causal."""
+        if not self.causal:
+            return range(self.n_k)
+        last_row = min((i + 1) * self.block_q, self.length) - 1
+        return range(min(self.n_k, last_row // self.block_k + 1))
+
+    def pairs(self) -> int:
+        return sum(len(self.key_blocks(i)) for i in range(self.n_q))
+
+
+def blocking_for(length: int, source: int, block: int, *, scale: float, causal: bool,
+                 dropout: float = 0.0) -> Blocking:
+    """A blocking of `block` (shorter sequences are one block)."""
+    return Blocking(scale, causal, min(block, length), min(block, source), length, source, dropout)
+
+
+def site(b: Blocking, why: str = "") -> Site:
+    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why)
+
+
+def _pad(x, axis: int, size: int):
+    extra = size - x.shape[axis]
+    if extra <= 0 or x.shape[axis] == 1:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _zeros_like_rows(q_block, width: int, dtype):
+    """(..., bq, width) zeros in q's layout (see the module docstring)."""
+    return q_block[..., :1].astype(dtype) * jnp.zeros((width,), dtype)
+
+
+def _key_stack(x, start: int, count: int, bk: int):
+    """Key blocks [start, start + count) of (..., S, d) as (count, ..., bk, d), the scanned axis first."""
+    part = x[..., start * bk:(start + count) * bk, :]
+    part = part.reshape(*x.shape[:-2], count, bk, x.shape[-1])
+    return jnp.moveaxis(part, -3, 0)
+
+
+def _mask_stack(mask, rows: slice, start: int, count: int, bk: int):
+    """Mask blocks of one query block, (count, ..., bq or 1, bk)."""
+    part = mask[..., rows, start * bk:(start + count) * bk] if mask.shape[-2] > 1 \
+        else mask[..., start * bk:(start + count) * bk]
+    part = part.reshape(*part.shape[:-1], count, bk)
+    return jnp.moveaxis(part, -2, 0)
+
+
+def _scores(b: Blocking, q_i, k_j, mask_j, q_start: int, k_start):
+    """One block's masked scores (..., Hk, G, bq, bk), -inf where masked."""
+    s = jnp.einsum("...hgqd,...hkd->...hgqk", q_i, k_j, preferred_element_type=jnp.float32) * b.scale
+    if mask_j is not None and mask_j.dtype == jnp.bool_:
+        s = jnp.where(mask_j, s, -jnp.inf)
+    elif mask_j is not None:
+        s = s + mask_j.astype(s.dtype)
+    rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
+    cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
+    if b.causal:
+        s = jnp.where(cols <= rows, s, -jnp.inf)
+    if b.n_k * b.block_k != b.source:  # padded keys
+        s = jnp.where(cols < b.source, s, -jnp.inf)
+    return s
+
+
+def _dropped(b: Blocking, p, key, i: int, j):
+    """p with torch's inverted dropout, one key per block pair (the backward draws it again)."""
+    if not b.dropout:
+        return p
+    keep = jax.random.bernoulli(jax.random.fold_in(key, i * b.n_k + j), 1.0 - b.dropout, p.shape)
+    return jnp.where(keep, p / (1.0 - b.dropout), 0.0)
+
+
+def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
+    """Output (..., bq, Dv) and log-sum-exp (..., bq) of query block i."""
+    rows = slice(i * b.block_q, (i + 1) * b.block_q)
+    q_i, blocks = q[..., rows, :], b.key_blocks(i)
+    start, count = blocks.start, len(blocks)
+    xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k),
+          None if mask is None else _mask_stack(mask, rows, start, count, b.block_k),
+          jnp.arange(start, start + count, dtype=jnp.int32))
+    zero = _zeros_like_rows(q_i, 1, jnp.float32)[..., 0]  # (..., bq)
+
+    def step(carry, x):
+        m, l, acc = carry
+        k_j, v_j, mask_j, j = x
+        s = _scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row masked so far: no NaN from -inf - -inf
+        p = jnp.exp(s - m_safe[..., None])
+        fade = jnp.exp(m - m_safe)
+        l = l * fade + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("...hgqk,...hkd->...hgqd", _dropped(b, p, key, i, j).astype(v_j.dtype), v_j,
+                        preferred_element_type=jnp.float32)
+        return (m_new, l, acc * fade[..., None] + pv), None
+
+    init = (zero - jnp.inf, zero, _zeros_like_rows(q_i, v.shape[-1], jnp.float32))
+    (m, l, acc), _ = lax.scan(step, init, xs)
+    seen = l > 0  # a fully masked row gives zeros (as torch's SDPA does), not 0/0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+def _forward(b: Blocking, q, k, v, mask, key):
+    """Padded inputs -> (out (..., Lp, Dv), lse (..., Lp))."""
+    parts = [_forward_block(b, q, k, v, mask, key, i) for i in range(b.n_q)]
+    return jnp.concatenate([o for o, _ in parts], axis=-2), jnp.concatenate([s for _, s in parts], axis=-1)
+
+
+def _reduce_to(x, shape):
+    """Sums x over the dims where `shape` broadcasts (size 1), keeping them."""
+    axes = tuple(d for d, n in enumerate(shape) if n == 1 and x.shape[d] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _backward_block(b: Blocking, res, d_out, i: int):
+    """dq of query block i and, per key block it sees, (dk, dv, dmask) blocks."""
+    q, k, v, mask, key, out, lse = res
+    rows = slice(i * b.block_q, (i + 1) * b.block_q)
+    q_i, do_i, lse_i = q[..., rows, :], d_out[..., rows, :], lse[..., rows]
+    delta = jnp.sum(do_i.astype(jnp.float32) * out[..., rows, :].astype(jnp.float32), axis=-1)  # (..., bq)
+    blocks = b.key_blocks(i)
+    start, count = blocks.start, len(blocks)
+    mask_xs = None if mask is None else _mask_stack(mask, rows, start, count, b.block_k)
+    xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k), mask_xs,
+          jnp.arange(start, start + count, dtype=jnp.int32))
+    want_dmask = mask is not None and mask.dtype != jnp.bool_
+
+    def step(dq, x):
+        k_j, v_j, mask_j, j = x
+        s = _scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k)
+        p = jnp.exp(s - lse_i[..., None])
+        dp = jnp.einsum("...hgqd,...hkd->...hgqk", do_i, v_j, preferred_element_type=jnp.float32)
+        dv = jnp.einsum("...hgqk,...hgqd->...hkd", _dropped(b, p, key, i, j).astype(do_i.dtype), do_i,
+                        preferred_element_type=jnp.float32)
+        ds = p * (_dropped(b, dp, key, i, j) - delta[..., None])  # (..., Hk, G, bq, bk)
+        dq = dq + jnp.einsum("...hgqk,...hkd->...hgqd", ds, k_j, preferred_element_type=jnp.float32) * b.scale
+        dk = jnp.einsum("...hgqk,...hgqd->...hkd", ds, q_i, preferred_element_type=jnp.float32) * b.scale
+        dmask = _reduce_to(ds, mask_j.shape) if want_dmask else None
+        return dq, (dk, dv, dmask)
+
+    dq, (dk, dv, dmask) = lax.scan(step, _zeros_like_rows(q_i, q.shape[-1], jnp.float32), xs)
+    return dq, dk, dv, dmask
+
+
+def _assemble_dmask(b: Blocking, mask, parts):
+    """dmask blocks [query block][key block] (None = skipped) -> the mask's (padded) shape."""
+    def row(i):
+        zero = jnp.zeros(next(p for p in parts[i] if p is not None).shape, jnp.float32)
+        return jnp.concatenate([zero if p is None else p for p in parts[i]], axis=-1)
+
+    rows = [row(i) for i in range(b.n_q)]
+    full = jnp.concatenate(rows, axis=-2) if mask.shape[-2] > 1 else functools.reduce(jnp.add, rows)
+    return full.astype(mask.dtype)
+
+
+def _backward(b: Blocking, res, d_out):
+    q, k, v, mask = res[:4]
+    dq_parts, dk = [], [None] * b.n_k
+    dv, dmask = [None] * b.n_k, [[None] * b.n_k for _ in range(b.n_q)]
+    add = lambda acc, x: x if acc is None else acc + x
+    for i in range(b.n_q):
+        dq_i, dk_i, dv_i, dm_i = _backward_block(b, res, d_out, i)
+        dq_parts.append(dq_i)
+        for t, j in enumerate(b.key_blocks(i)):
+            dk[j], dv[j] = add(dk[j], dk_i[t]), add(dv[j], dv_i[t])
+            if dm_i is not None:
+                dmask[i][j] = dm_i[t]
+    # key blocks no query block sees (causal, L < S) get zero gradients
+    dk = [jnp.zeros(k.shape[:-2] + (b.block_k, k.shape[-1]), jnp.float32) if x is None else x for x in dk]
+    dv = [jnp.zeros(v.shape[:-2] + (b.block_k, v.shape[-1]), jnp.float32) if x is None else x for x in dv]
+    dq = jnp.concatenate(dq_parts, axis=-2).astype(q.dtype)
+    dk = jnp.concatenate(dk, axis=-2).astype(k.dtype)
+    dv = jnp.concatenate(dv, axis=-2).astype(v.dtype)
+    d_mask = None if mask is None or mask.dtype == jnp.bool_ else _assemble_dmask(b, mask, dmask)
+    return dq, dk, dv, d_mask
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(b: Blocking, q, k, v, mask, key):
+    return _forward(b, q, k, v, mask, key)[0]
+
+
+def _attention_fwd(b: Blocking, q, k, v, mask, key):
+    out, lse = _forward(b, q, k, v, mask, key)
+    return out, (q, k, v, mask, key, out, lse)
+
+
+def _attention_bwd(b: Blocking, res, d_out):
+    dq, dk, dv, d_mask = _backward(b, res, d_out)
+    return dq, dk, dv, d_mask, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blockwise(q, k, v, mask, key, b: Blocking):
+    """Attention of q (..., Hk, G, L, D) over k, v (..., Hk, S, D|Dv): (..., Hk, G, L, Dv).
+
+    `mask`: None, boolean (True = attend) or additive, broadcastable to the scores with q's
+    rank; `key`: the dropout key (unused when b.dropout is 0)."""
+    lp, sp = b.n_q * b.block_q, b.n_k * b.block_k
+    q, k, v = _pad(q, -2, lp), _pad(k, -2, sp), _pad(v, -2, sp)
+    if mask is not None:
+        # the key dim is blocked, so it is made whole; a broadcast query dim stays 1
+        mask = jnp.broadcast_to(mask, mask.shape[:-1] + (b.source,))
+        mask = _pad(_pad(mask, -1, sp), -2, lp)
+    return _attention(b, q, k, v, mask, key)[..., :b.length, :]
+
+
+def flops_ratio(b: Blocking) -> float:
+    """Block pairs computed / pairs of the full score matrix."""
+    return b.pairs() / (b.n_q * b.n_k)
+
+
+def default_scale(dim: int) -> float:
+    return 1.0 / math.sqrt(dim)

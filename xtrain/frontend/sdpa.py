@@ -1,0 +1,96 @@
+"""torch's F.scaled_dot_product_attention as xtrain computes it.
+
+Heads stay a batch dim of every product (a tensor-parallel split of the heads stays local;
+torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Grouped-query
+and multi-query attention group the query heads per key/value head instead of repeating keys
+and values. Each call site picks its implementation (`choose`): cuDNN's fused attention on
+CUDA where it applies, else the blockwise kernel (xtrain.frontend.attention), traced inside a
+marker naming the choice (xtrain.ir.attention) for `step.report()`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xtrain.frontend import attention
+from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
+
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _heads(hq: int, hk: int, enable_gqa: bool) -> int:
+    """Query heads per key/value head; torch broadcasts one key/value head (multi-query)."""
+    if hq == hk or hk == 1 or (enable_gqa and hq % hk == 0):
+        return hq // hk
+    fix = (f"{hk} does not divide {hq}: use a key/value head count that divides it" if enable_gqa
+           else f"pass enable_gqa=True (grouped-query attention), or 1 key/value head (torch broadcasts it)")
+    raise ValueError(f"scaled_dot_product_attention: {hq} query heads and {hk} key/value heads; {fix}")
+
+
+def _grouped_mask(mask, hq: int, hk: int, rank: int):
+    """A mask broadcastable to (..., Hq, L, S) as (..., Hk|1, G|1, L, S) of rank `rank`."""
+    if mask.ndim >= 3 and mask.shape[-3] == hq and hq != 1:  # per-query-head: group it like q
+        mask = mask.reshape(*mask.shape[:-3], hk, hq // hk, *mask.shape[-2:])
+    elif mask.ndim >= 3:
+        mask = jnp.expand_dims(mask, -3)  # (..., 1, L, S) -> (..., 1, 1, L, S)
+    return mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+
+
+def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Implementation, str]:
+    """The implementation of one call on `backend` (jax.default_backend()) and, when not the
+    platform's fused kernel, why."""
+    if backend == "neuron":
+        return Implementation.BLOCKWISE, "no Neuron flash-attention kernel is wired in"
+    if backend not in ("gpu", "cuda"):
+        return Implementation.BLOCKWISE, ""
+    dim = query.shape[-1]
+    reasons = [why for bad, why in (
+        (query.ndim != 4, f"query of rank {query.ndim}, not (batch, heads, length, dim)"),
+        (query.dtype not in _CUDNN_DTYPES, f"{jnp.dtype(query.dtype).name} (cuDNN takes bf16 / fp16)"),
+        (dropout_p > 0, "dropout"),
+        (dim % 8 or dim > 128 or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]}"),
+        (attn_mask is not None and attn_mask.ndim != 4, "a mask not of rank 4"),
+    ) if bad]
+    if reasons:
+        return Implementation.BLOCKWISE, "not cuDNN: " + ", ".join(reasons)
+    return Implementation.CUDNN, ""
+
+
+def _cudnn(query, key, value, attn_mask, is_causal: bool, scale: float):
+    """jax.nn.dot_product_attention with cuDNN; it takes (batch, length, heads, dim)."""
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
+    mask = bias = None
+    if attn_mask is not None and attn_mask.dtype == jnp.bool_:
+        mask = attn_mask
+    elif attn_mask is not None:
+        bias = attn_mask.astype(query.dtype)
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+                                       implementation="cudnn")
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _blockwise(b: attention.Blocking, query, key, value, attn_mask, rng):
+    *batch, hq, length, dim = query.shape
+    hk = key.shape[-3]
+    q = query.reshape(*batch, hk, hq // hk, length, dim)  # (..., Hk, G, L, D)
+    mask = None if attn_mask is None else _grouped_mask(attn_mask, hq, hk, q.ndim)
+    return attention.blockwise(q, key, value, mask, rng, b).reshape(*batch, hq, length, value.shape[-1])
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+         enable_gqa=False, env=None):
+    """F.scaled_dot_product_attention on (..., heads, length, dim) arrays."""
+    _heads(query.shape[-3], key.shape[-3], enable_gqa)
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    scale = attention.default_scale(query.shape[-1]) if scale is None else float(scale)
+    rng = env.get_and_rotate_prng_key() if dropout_p > 0 else None
+    kind, why = choose(jax.default_backend(), query, value, attn_mask, dropout_p)
+    if kind is Implementation.CUDNN:
+        with jax.named_scope(scope_name(Site(kind))):
+            return _cudnn(query, key, value, attn_mask, is_causal, scale)
+    block = DEFAULT_BLOCK.get(jax.default_backend(), DEFAULT_BLOCK["cpu"])
+    b = attention.blocking_for(query.shape[-2], key.shape[-2], block, scale=scale, causal=is_causal,
+                               dropout=float(dropout_p))
+    with jax.named_scope(scope_name(attention.site(b, why))):
+        return _blockwise(b, query, key, value, attn_mask, rng)

@@ -1,0 +1,78 @@
+"""Markers on attention call sites: which implementation each got.
+
+The front end computes scaled-dot-product attention one of a few ways (`Implementation`) and
+traces each call inside a `jax.named_scope` whose name says which, with its block size and
+how many key blocks a causal mask let it skip. `sites` reads them back from a program, so
+`step.report()` can name the attention every call site got.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from xtrain.ir import walk
+
+_PREFIX = "xtrain_attention="
+
+
+class Implementation(enum.Enum):
+    """How an attention call is computed."""
+
+    BLOCKWISE = "blockwise"  # key blocks with an online softmax; backward keeps out + log-sum-exp
+    CUDNN = "cudnn"          # jax.nn.dot_product_attention(implementation="cudnn") on CUDA
+
+
+# The key/query block of the blockwise path per JAX backend: big enough for efficient matmuls,
+# small enough that a block's scores (batch x heads x block x block) stay small.
+DEFAULT_BLOCK = {"cpu": 256, "gpu": 128, "cuda": 128, "neuron": 512}
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One attention call as traced.
+
+    Attributes:
+        implementation: what computes it.
+        block: query/key block size (blockwise); 0 for a fused kernel.
+        blocks: (query block, key block) pairs computed.
+        total: pairs a full score matrix would need; blocks < total when a causal mask skips some.
+        why: why a fused kernel was not used ("" when it was).
+    """
+
+    implementation: Implementation
+    block: int = 0
+    blocks: int = 1
+    total: int = 1
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.implementation is Implementation.CUDNN:
+            return "cuDNN fused attention"
+        skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the causal mask" \
+            if self.blocks < self.total else ""
+        return f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}){'; ' + self.why if self.why else ''}"
+
+
+def scope_name(site: Site) -> str:
+    """The named_scope of a call ("/" separates name-stack levels, so none here)."""
+    why = site.why.replace("/", "|").replace(";", ",")
+    return f"{_PREFIX}{site.implementation.value};{site.block};{site.blocks};{site.total};{why}"
+
+
+def marker_in(name_stack: str) -> Site | None:
+    """The site of the outermost attention marker of a name stack."""
+    for part in str(name_stack).split("/"):
+        if part.startswith(_PREFIX):
+            kind, block, blocks, total, why = part[len(_PREFIX):].split(";", 4)
+            return Site(Implementation(kind), int(block), int(blocks), int(total), why.replace("|", "/"))
+    return None
+
+
+def sites(jaxpr, module_paths: frozenset[str]) -> dict[str, Site]:
+    """Module path -> the attention of each call site in a program ("" for top-level code)."""
+    found: dict[str, Site] = {}
+    for eqn, path in walk.equations(jaxpr, module_paths):
+        site = marker_in(eqn.source_info.name_stack)
+        if site is not None:
+            found.setdefault(path, site)
+    return found
