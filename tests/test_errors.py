@@ -112,9 +112,9 @@ def test_the_fix_runs_and_an_axis_that_splits_nothing_is_a_report_note():
     batch = mlp_batches(n=1)[0]
     step = compile_mlp(xtrain.Mesh(dp=8), plan=xtrain.Plan(batch=("dp",)))
     assert step(*batch)["skipped"] is False and step.batch_spec == ("dp",)
-    step = compile_mlp(xtrain.Mesh(data=4, context=2))
+    step = compile_mlp(xtrain.Mesh(data=4, rest=2))  # (an unused `context` axis is an error: test_long_sequence)
     step(*batch)
-    assert ("mesh axis 'context' (size 2) splits nothing: the 2 devices along it hold and compute the same (give "
+    assert ("mesh axis 'rest' (size 2) splits nothing: the 2 devices along it hold and compute the same (give "
             "it to the batch or to parameters to use them)") in step.report().notes
 
 

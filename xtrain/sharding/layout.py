@@ -18,7 +18,7 @@ from typing import Hashable, Iterable, Mapping
 
 from xtrain.ir.stacked import Stacking, family
 from xtrain.sharding import zero
-from xtrain.sharding.mesh import DATA
+from xtrain.sharding.mesh import CONTEXT, DATA
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
@@ -173,7 +173,9 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
     """The default plan on a mesh without a data axis whose axes split nothing is a mistake:
     every device would compute the whole batch with the whole model (`Mesh(dp=8)`: the default
     plan splits the batch over `data`). The batch is never split over an axis guessed from its
-    name. Other unused axes (`Mesh(data=2, rest=4)`, a batch spec given) are the report's note."""
+    name. Other unused axes (`Mesh(data=2, rest=4)`, a batch spec given) are the report's note,
+    but for `context`, whose name promises a split of the sequence xtrain does not make."""
+    _check_context_used(layout, plan)
     if plan.batch is not None or any(a in BATCH_AXES for a in layout.sizes):
         return
     unused = layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None)
@@ -185,6 +187,18 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
                      f"data-parallel axis {DATA!r} (xtrain.Mesh({axes({unused[0]: DATA})})), say which axes split the "
                      f"batch (xtrain.Plan(batch=({unused[0]!r},))), or give a plan that splits parameters over them "
                      "(xtrain.plans.megatron, fsdp)")
+
+
+def _check_context_used(layout: StateLayout, plan: Plan) -> None:
+    if CONTEXT not in layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None):
+        return
+    n = layout.sizes[CONTEXT]
+    others = {a: s for a, s in layout.sizes.items() if a != CONTEXT}
+    without = ", ".join(f"{a}={s}" for a, s in others.items()) or f"{DATA}=1"
+    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): xtrain does not split the sequence (context parallelism "
+                     f"is not implemented), and the plan uses {CONTEXT!r} for nothing else, so its {n} devices "
+                     f"would each compute the whole sequence. Drop the axis (xtrain.Mesh({without})), or split "
+                     f"the batch over it as data parallelism (xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})))")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,9 @@ import numpy as np
 
 # Axis names xtrain's presets and the batch default refer to.
 DATA, TENSOR, PIPE = "data", "tensor", "pipe"
+# The axis context parallelism would split the sequence over; not implemented: a `context` axis
+# no plan uses is refused (xtrain.sharding.layout), never silently left computing the whole sequence.
+CONTEXT = "context"
 
 
 class Mesh:

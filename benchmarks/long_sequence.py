@@ -1,0 +1,143 @@
+"""Step time and temporaries against the sequence length: HF Llama (1 layer, hidden 32, 4 heads,
+2 key/value heads, intermediate 64, vocab 256, batch 8, fp32) on Mesh(data=8) over 8 emulated
+CPU devices, xtrain's blockwise attention against full attention, beside torch's own SDPA
+(eager, one device, its CPU flash kernel) training the same model.
+
+    python benchmarks/long_sequence.py                       # about 10 minutes on 2 loaded cores
+    python benchmarks/long_sequence.py --seqs 512 1024       # fewer sequences
+
+"full" is the same kernel with one block as long as the sequence: the whole L x S score
+matrix, forward and backward (what xtrain computed before the blockwise kernel). "blockwise"
+uses the CPU default block (xtrain.ir.attention.DEFAULT_BLOCK). Each (sequence, attention)
+runs in a fresh process with the compilation cache off and reports XLA's compiled temporaries
+per device, the compile time and the median step time of 3 steps after the first; a full
+attention whose temporaries on all 8 emulated devices would not fit in half of this machine's
+memory is compiled but not run. Writes benchmarks/results/long_sequence.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "long_sequence.md"
+BATCH, VOCAB, STEPS = 8, 256, 3
+
+
+def _model(seq: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                                        bos_token_id=0, eos_token_id=0))
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def measure_xtrain(seq: int, attention: str) -> dict:
+    """Runs in the child process."""
+    import torch
+
+    import xtrain
+    from xtrain.ir import attention as markers
+
+    xtrain.init(cpu_devices=8)
+    if attention == "full":
+        markers.DEFAULT_BLOCK["cpu"] = seq
+    model = _model(seq)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          loss_fn=_loss)
+    ids = torch.randint(0, VOCAB, (BATCH, seq))
+    start = time.perf_counter()
+    compiled = step.compiled(ids)
+    out = {"compile_s": time.perf_counter() - start, "temporaries": compiled.memory_analysis().temp_size_in_bytes}
+    if out["temporaries"] * 8 > _memory_bytes() / 2:
+        return out
+    times = []
+    for _ in range(STEPS + 1):
+        start = time.perf_counter()
+        float(step(ids)["loss"])
+        times.append(time.perf_counter() - start)
+    out["step_s"] = statistics.median(times[1:])
+    return out
+
+
+def measure_torch(seq: int) -> dict:
+    """torch eager on one device: F.scaled_dot_product_attention (flash kernel on CPU)."""
+    import torch
+
+    model = _model(seq)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (BATCH, seq))
+    times = []
+    for _ in range(STEPS + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        _loss(model, ids).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times[1:])}
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _child(seq: int, attention: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "", "XTRAIN_CACHE_DIR": "off", "PYTHONPATH": str(HERE.parent)}
+    cmd = [sys.executable, __file__, "--child", str(seq), attention]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cell(row: dict, key: str, scale: float, fmt: str) -> str:
+    return fmt.format(row[key] * scale) if key in row else "not run"
+
+
+def write(rows: dict) -> None:
+    lines = ["# Long sequences: blockwise vs full attention", "",
+             f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
+             f"({os.cpu_count()} cores, shared), `python benchmarks/long_sequence.py`. HF Llama, 1 layer, hidden 32, "
+             "4 heads (2 kv), vocab 256, batch 8, fp32, Mesh(data=8) over 8 emulated CPU devices (one sample "
+             "per device); torch: eager on one device, its SDPA. Temporaries: XLA's compiled temporaries "
+             "per device. 'not run': full attention's temporaries x 8 devices exceed half this machine's memory.",
+             "", "| seq | full temp MB | blockwise temp MB | full compile s | blockwise compile s "
+             "| full step s | blockwise step s | torch SDPA step s |", "|---|---|---|---|---|---|---|---|"]
+    for seq, r in sorted(rows.items()):
+        full, block, torch_ = r["full"], r["blockwise"], r["torch"]
+        lines.append(f"| {seq} | {full['temporaries'] / 1e6:.1f} | {block['temporaries'] / 1e6:.1f} "
+                     f"| {full['compile_s']:.1f} | {block['compile_s']:.1f} | {_cell(full, 'step_s', 1, '{:.3f}')} "
+                     f"| {_cell(block, 'step_s', 1, '{:.3f}')} | {torch_['step_s']:.3f} |")
+    RESULTS.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--child", nargs=2, metavar=("SEQ", "ATTENTION"))
+    args = parser.parse_args()
+    if args.child:
+        seq, attention = int(args.child[0]), args.child[1]
+        print(json.dumps(measure_torch(seq) if attention == "torch" else measure_xtrain(seq, attention)))
+        return
+    rows = {}
+    for seq in args.seqs:
+        rows[seq] = {kind: _child(seq, kind) for kind in ("blockwise", "full", "torch")}
+        print(seq, rows[seq], flush=True)
+        write(rows)
+
+
+if __name__ == "__main__":
+    main()
