@@ -125,6 +125,14 @@ def test_causal_skips_masked_blocks():
     assert causal <= 0.6 * full, (causal, full)
 
 
+def test_one_block_keeps_its_weights_and_recomputes_nothing():
+    """A sequence within one block: forward + backward matmuls are 3 x the forward's, as for
+    full attention (model FLOPs stay 6N + attention)."""
+    length, heads, dim = 32, 2, 16
+    forward = 2 * (2 * length * length * dim * heads)  # q.k and p.v
+    assert _step_flops(False, length=length, block=32) == 3 * forward
+
+
 def test_backward_keeps_no_score_matrix():
     """The residuals of the derivative rule: inputs, output and log-sum-exp, nothing L x S."""
     length = 64

@@ -63,6 +63,12 @@ class Blocking:
         last_row = min((i + 1) * self.block_q, self.length) - 1
         return range(min(self.n_k, last_row // self.block_k + 1))
 
+    @property
+    def keeps_weights(self) -> bool:
+        """One block: the backward keeps the weights (a block's worth) instead of recomputing
+        them, as full attention would; the program then has no recomputed matmul."""
+        return self.n_q == 1 and self.n_k == 1
+
     def pairs(self) -> int:
         return sum(len(self.key_blocks(i)) for i in range(self.n_q))
 
@@ -131,7 +137,7 @@ def _dropped(b: Blocking, p, key, i: int, j):
 
 
 def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
-    """Output (..., bq, Dv) and log-sum-exp (..., bq) of query block i."""
+    """Output (..., bq, Dv), log-sum-exp (..., bq) and, for one block, the weights of query block i."""
     rows = slice(i * b.block_q, (i + 1) * b.block_q)
     q_i, blocks = q[..., rows, :], b.key_blocks(i)
     start, count = blocks.start, len(blocks)
@@ -151,20 +157,22 @@ def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
         l = l * fade + jnp.sum(p, axis=-1)
         pv = jnp.einsum("...hgqk,...hkd->...hgqd", _dropped(b, p, key, i, j).astype(v_j.dtype), v_j,
                         preferred_element_type=jnp.float32)
-        return (m_new, l, acc * fade[..., None] + pv), None
+        return (m_new, l, acc * fade[..., None] + pv), (p if b.keeps_weights else None)
 
     init = (zero - jnp.inf, zero, _zeros_like_rows(q_i, v.shape[-1], jnp.float32))
-    (m, l, acc), _ = lax.scan(step, init, xs)
+    (m, l, acc), p = lax.scan(step, init, xs)
     seen = l > 0  # a fully masked row gives zeros (as torch's SDPA does), not 0/0
-    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    out = acc * inv[..., None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-    return out.astype(q.dtype), lse
+    return out.astype(q.dtype), lse, (None if p is None else p * inv[..., None])  # p: (1, ..., bq, bk)
 
 
 def _forward(b: Blocking, q, k, v, mask, key):
-    """Padded inputs -> (out (..., Lp, Dv), lse (..., Lp))."""
+    """Padded inputs -> (out (..., Lp, Dv), lse (..., Lp), weights (1, ..., L, S) of one block or None)."""
     parts = [_forward_block(b, q, k, v, mask, key, i) for i in range(b.n_q)]
-    return jnp.concatenate([o for o, _ in parts], axis=-2), jnp.concatenate([s for _, s in parts], axis=-1)
+    return (jnp.concatenate([o for o, _, _ in parts], axis=-2), jnp.concatenate([s for _, s, _ in parts], axis=-1),
+            parts[0][2])
 
 
 def _reduce_to(x, shape):
@@ -175,7 +183,7 @@ def _reduce_to(x, shape):
 
 def _backward_block(b: Blocking, res, d_out, i: int):
     """dq of query block i and, per key block it sees, (dk, dv, dmask) blocks."""
-    q, k, v, mask, key, out, lse = res
+    q, k, v, mask, key, out, lse, weights = res
     rows = slice(i * b.block_q, (i + 1) * b.block_q)
     q_i, do_i, lse_i = q[..., rows, :], d_out[..., rows, :], lse[..., rows]
     delta = jnp.sum(do_i.astype(jnp.float32) * out[..., rows, :].astype(jnp.float32), axis=-1)  # (..., bq)
@@ -183,13 +191,14 @@ def _backward_block(b: Blocking, res, d_out, i: int):
     start, count = blocks.start, len(blocks)
     mask_xs = None if mask is None else _mask_stack(mask, rows, start, count, b.block_k)
     xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k), mask_xs,
-          jnp.arange(start, start + count, dtype=jnp.int32))
+          jnp.arange(start, start + count, dtype=jnp.int32), weights)
     want_dmask = mask is not None and mask.dtype != jnp.bool_
 
     def step(dq, x):
-        k_j, v_j, mask_j, j = x
-        s = _scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k)
-        p = jnp.exp(s - lse_i[..., None])
+        k_j, v_j, mask_j, j, kept = x
+        if kept is None:
+            kept = jnp.exp(_scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k) - lse_i[..., None])
+        p = kept
         dp = jnp.einsum("...hgqd,...hkd->...hgqk", do_i, v_j, preferred_element_type=jnp.float32)
         dv = jnp.einsum("...hgqk,...hgqd->...hkd", _dropped(b, p, key, i, j).astype(do_i.dtype), do_i,
                         preferred_element_type=jnp.float32)
@@ -242,8 +251,8 @@ def _attention(b: Blocking, q, k, v, mask, key):
 
 
 def _attention_fwd(b: Blocking, q, k, v, mask, key):
-    out, lse = _forward(b, q, k, v, mask, key)
-    return out, (q, k, v, mask, key, out, lse)
+    out, lse, weights = _forward(b, q, k, v, mask, key)
+    return out, (q, k, v, mask, key, out, lse, weights)
 
 
 def _attention_bwd(b: Blocking, res, d_out):
