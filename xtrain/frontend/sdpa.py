@@ -16,6 +16,7 @@ from xtrain.frontend import attention
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_backend = jax.default_backend  # the platform the trace is for (tests stand in a GPU's)
 
 
 def _heads(hq: int, hk: int, enable_gqa: bool) -> int:
@@ -49,23 +50,17 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
         (query.dtype not in _CUDNN_DTYPES, f"{jnp.dtype(query.dtype).name} (cuDNN takes bf16 / fp16)"),
         (dropout_p > 0, "dropout"),
         (dim % 8 or dim > 128 or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]}"),
-        (attn_mask is not None and attn_mask.ndim != 4, "a mask not of rank 4"),
+        (attn_mask is not None, "an attention mask (xtrain hands cuDNN causal or unmasked attention)"),
     ) if bad]
     if reasons:
         return Implementation.BLOCKWISE, "not cuDNN: " + ", ".join(reasons)
     return Implementation.CUDNN, ""
 
 
-def _cudnn(query, key, value, attn_mask, is_causal: bool, scale: float):
+def _cudnn(query, key, value, is_causal: bool, scale: float):
     """jax.nn.dot_product_attention with cuDNN; it takes (batch, length, heads, dim)."""
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    mask = bias = None
-    if attn_mask is not None and attn_mask.dtype == jnp.bool_:
-        mask = attn_mask
-    elif attn_mask is not None:
-        bias = attn_mask.astype(query.dtype)
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-                                       implementation="cudnn")
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, implementation="cudnn")
     return jnp.swapaxes(out, 1, 2)
 
 
@@ -85,11 +80,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
     scale = attention.default_scale(query.shape[-1]) if scale is None else float(scale)
     rng = env.get_and_rotate_prng_key() if dropout_p > 0 else None
-    kind, why = choose(jax.default_backend(), query, value, attn_mask, dropout_p)
+    kind, why = choose(_backend(), query, value, attn_mask, dropout_p)
     if kind is Implementation.CUDNN:
         with jax.named_scope(scope_name(Site(kind))):
-            return _cudnn(query, key, value, attn_mask, is_causal, scale)
-    block = DEFAULT_BLOCK.get(jax.default_backend(), DEFAULT_BLOCK["cpu"])
+            return _cudnn(query, key, value, is_causal, scale)
+    block = DEFAULT_BLOCK.get(_backend(), DEFAULT_BLOCK["cpu"])
     b = attention.blocking_for(query.shape[-2], key.shape[-2], block, scale=scale, causal=is_causal,
                                dropout=float(dropout_p))
     with jax.named_scope(scope_name(attention.site(b, why))):

@@ -7,7 +7,8 @@ this package registers them all (xtrain.lowering.explicit.registry).
     contractions.py   dot_general (tensor parallel products), convolutions
     indexing.py       gathers, vocab-parallel embedding lookups
     control.py        calls, custom derivative rules, scan and while loops, replicated ops
+    attention.py      cuDNN's fused attention, on each device's batch and head shard
 """
-from xtrain.lowering.explicit.rules import contractions, control, elementwise, indexing, reductions, shape
+from xtrain.lowering.explicit.rules import attention, contractions, control, elementwise, indexing, reductions, shape
 
-__all__ = ["contractions", "control", "elementwise", "indexing", "reductions", "shape"]
+__all__ = ["attention", "contractions", "control", "elementwise", "indexing", "reductions", "shape"]
