@@ -112,6 +112,14 @@ def _mask_stack(mask, rows: slice, start: int, count: int, bk: int):
     return jnp.moveaxis(part, -2, 0)
 
 
+def _scan(step, init, xs, count: int):
+    """lax.scan over `count` key blocks; one block is one call (no loop in the program)."""
+    if count > 1:
+        return lax.scan(step, init, xs)
+    carry, y = step(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda x: x[None], y)
+
+
 def _scores(b: Blocking, q_i, k_j, mask_j, q_start: int, k_start):
     """One block's masked scores (..., Hk, G, bq, bk), -inf where masked."""
     s = jnp.einsum("...hgqd,...hkd->...hgqk", q_i, k_j, preferred_element_type=jnp.float32) * b.scale
@@ -160,7 +168,7 @@ def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
         return (m_new, l, acc * fade[..., None] + pv), (p if b.keeps_weights else None)
 
     init = (zero - jnp.inf, zero, _zeros_like_rows(q_i, v.shape[-1], jnp.float32))
-    (m, l, acc), p = lax.scan(step, init, xs)
+    (m, l, acc), p = _scan(step, init, xs, count)
     seen = l > 0  # a fully masked row gives zeros (as torch's SDPA does), not 0/0
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     out = acc * inv[..., None]
@@ -208,7 +216,7 @@ def _backward_block(b: Blocking, res, d_out, i: int):
         dmask = _reduce_to(ds, mask_j.shape) if want_dmask else None
         return dq, (dk, dv, dmask)
 
-    dq, (dk, dv, dmask) = lax.scan(step, _zeros_like_rows(q_i, q.shape[-1], jnp.float32), xs)
+    dq, (dk, dv, dmask) = _scan(step, _zeros_like_rows(q_i, q.shape[-1], jnp.float32), xs, count)
     return dq, dk, dv, dmask
 
 
