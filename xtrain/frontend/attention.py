@@ -204,9 +204,8 @@ def _backward_block(b: Blocking, res, d_out, i: int):
 
     def step(dq, x):
         k_j, v_j, mask_j, j, kept = x
-        if kept is None:
-            kept = jnp.exp(_scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k) - lse_i[..., None])
-        p = kept
+        p = kept if kept is not None else \
+            jnp.exp(_scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k) - lse_i[..., None])
         dp = jnp.einsum("...hgqd,...hkd->...hgqk", do_i, v_j, preferred_element_type=jnp.float32)
         dv = jnp.einsum("...hgqk,...hgqd->...hkd", _dropped(b, p, key, i, j).astype(do_i.dtype), do_i,
                         preferred_element_type=jnp.float32)
@@ -283,11 +282,6 @@ def blockwise(q, k, v, mask, key, b: Blocking):
         mask = jnp.broadcast_to(mask, mask.shape[:-1] + (b.source,))
         mask = _pad(_pad(mask, -1, sp), -2, lp)
     return _attention(b, q, k, v, mask, key)[..., :b.length, :]
-
-
-def flops_ratio(b: Blocking) -> float:
-    """Block pairs computed / pairs of the full score matrix."""
-    return b.pairs() / (b.n_q * b.n_k)
 
 
 def default_scale(dim: int) -> float:
