@@ -5,6 +5,8 @@ saves with `save_pretrained` and loads back with `PeftModel.from_pretrained`."""
 import copy
 import functools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import xtrain
+from test_example import EXAMPLE, child_env, final_line
 from xtrain.testing import ParityResult, assert_parity, torch_reference
 
 VOCAB = 128  # divisible by tensor=2: megatron splits the embedding and head as without peft
@@ -144,3 +147,16 @@ def test_trained_adapter_saves_with_peft_and_loads_with_the_same_logits(tmp_path
     reference_model.load_state_dict(reference()[1])
     with torch.no_grad():
         torch.testing.assert_close(got, reference_model.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_finetune_lora_example_trains_saves_and_reloads_its_adapter(tmp_path):
+    script = EXAMPLE.parent / "finetune_lora.py"
+    args = ["--steps", "12", "--layers", "1", "--d-model", "32", "--seq", "32", "--lr", "1e-2",
+            "--layout", "megatron", "--out", str(tmp_path / "adapter")]
+    proc = subprocess.run([sys.executable, str(script), *args], env=child_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    done = final_line(proc.stdout)
+    assert done["steps"] == 12 and done["last_loss"] < done["first_loss"] - 0.1, done
+    assert done["reloaded_eval_loss"] == pytest.approx(done["eval_loss"], abs=2e-4)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
