@@ -68,7 +68,7 @@ def test_search_proposes_offload_when_nothing_else_fits():
 
 
 def test_offload_values_name_what_is_supported():
-    with pytest.raises(ValueError, match=re.escape("Plan(offload='activations') must be one of ['none', 'optimizer'] "
-                                                   "(activation offload is not supported yet")):
-        xtrain.Plan(offload="activations")
+    with pytest.raises(ValueError, match=re.escape("Plan(offload='gradients') must be one of ['none', 'optimizer', "
+                                                   "'activations']")):
+        xtrain.Plan(offload="gradients")
     assert "offload=optimizer" in str(OFFLOAD)

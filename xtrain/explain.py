@@ -6,13 +6,14 @@ HLO. Memory comes from XLA's compiled memory analysis and the placed state's sha
 """
 from __future__ import annotations
 
+import dataclasses
+
 from xtrain.ir import attention
-from xtrain.lowering import accounting
+from xtrain.lowering import accounting, offload
 from xtrain.lowering import report as report_mod
 from xtrain.lowering.state import named
 from xtrain.sharding import layout as layout_mod
 from xtrain.sharding import presets
-from xtrain.sharding.remat import Remat
 
 
 def _remat_note(step, batch: tuple, memory: dict[str, int]) -> str:
@@ -20,8 +21,20 @@ def _remat_note(step, batch: tuple, memory: dict[str, int]) -> str:
     without it."""
     without = report_mod.memory_of(step.compiled(*batch, remat=None))
     saved = without["temporaries"] - memory["temporaries"]
-    return (f"activation checkpointing remat={step.plan.remat.value!r}: temporaries {memory['temporaries']} B "
+    return (f"activation checkpointing {step.plan.layer_remat().setting}: temporaries {memory['temporaries']} B "
             f"per device vs {without['temporaries']} B without (saves {saved} B)")
+
+
+def _offload_note(step, batch: tuple, memory: dict[str, int]) -> str:
+    """Offloaded activations: their host bytes, and this step's device temporaries vs the same
+    checkpointing policy saving them on the device."""
+    remat = step.plan.layer_remat()
+    saved = report_mod.memory_of(step.compiled(*batch, remat=dataclasses.replace(remat, offload=False)))
+    where = (" (XLA:CPU keeps offloaded residuals in device buffers: JAX lowers the copies to host memory "
+             "only for GPU and TPU)" if step.mesh.devices.flat[0].platform == "cpu" else "")
+    return (f"{remat.setting}: {memory['activations_host']} B of saved activations per device go to host memory "
+            f"each step; device temporaries {memory['temporaries']} B vs {saved['temporaries']} B with "
+            f"remat={remat.mode.value!r} saving them on the device{where}")
 
 
 def _layers_note(step) -> str:
@@ -67,9 +80,13 @@ def report(step, *batch) -> report_mod.Report:
     shapes or the last batch trained on."""
     compiled = step.compiled(*batch)
     sizes, layout = dict(step.mesh.shape), step.layout
-    notes = _state_notes(step)
-    if step.plan.remat is not Remat.OFF:
-        notes.append(_remat_note(step, batch, report_mod.memory_of(compiled)))
+    notes, memory = _state_notes(step), report_mod.memory_of(compiled)
+    remat = step.plan.layer_remat()
+    if remat is not None and remat.offload:
+        memory["activations_host"] = offload.offloaded_activation_bytes(step.program(*batch))
+        notes.append(_offload_note(step, batch, memory))
+    if remat is not None:
+        notes.append(_remat_note(step, batch, memory))
     found = collectives(step, *batch, compiled=compiled)
     if step.options.lowering == "explicit":
         notes += [_layers_note(step)] if step.plan.pipeline is None else []
@@ -77,6 +94,6 @@ def report(step, *batch) -> report_mod.Report:
     else:
         notes += step.lowered.inputs.notes()
     shapes = {n: tuple(v.shape) for n, v in {**step.state.params, **step.state.frozen}.items()}
-    return report_mod.Report(step.options.lowering, sizes, found, report_mod.memory_of(compiled), notes,
+    return report_mod.Report(step.options.lowering, sizes, found, memory, notes,
                              report_mod.state_memory(step.state, named(step.mesh, layout.grad_specs)),
                              list(step.plan.notes), presets.largest_replicated(layout.param_specs, shapes))

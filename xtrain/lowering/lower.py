@@ -25,8 +25,11 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
     gradient_sync.check_int8(config.sync, zero=layout.zero, pipeline=pipeline is not None,
                              loss_scale=config.grad_tx.loss_scale is not None, lowering=lowering)
-    if layout.offload_optimizer and isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices to ask
-        offload.check_host_memory(mesh.devices.flat[0])
+    if isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices to ask
+        if layout.offload_optimizer:
+            offload.check_host_memory(mesh.devices.flat[0])
+        if config.remat is not None and config.remat.offload:
+            offload.check_host_memory(mesh.devices.flat[0], "activations")
     specs = jax.tree.map(lambda s: s.spec, shardings)
     if pipeline is not None:
         if lowering != "explicit":

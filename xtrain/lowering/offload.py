@@ -1,4 +1,5 @@
-"""Optimizer state in host memory (`Plan(offload="optimizer")`, xtrain.sharding.offload).
+"""Optimizer state in host memory (`Plan(offload="optimizer")`, xtrain.sharding.offload), and
+the count of offloaded activations (`Plan(offload="activations")`: xtrain.lowering.remat).
 
 Between steps the state's arrays live in the host memory the device addresses (memory kind
 "pinned_host": their shardings say so, xtrain.lowering.state). Inside the step each array is
@@ -8,9 +9,14 @@ schedules around the update; the traffic per step is twice the state's bytes.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from xtrain.lowering import remat
 
 
 def fetch(tree: Any) -> Any:
@@ -23,10 +29,36 @@ def store(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
 
 
-def check_host_memory(device) -> None:
-    """Fails when `device` cannot address pinned host memory (naming what it offers)."""
+def check_host_memory(device, what: str = "optimizer") -> None:
+    """Fails when `device` cannot address pinned host memory (naming what it offers) for
+    Plan(offload=`what`)."""
     kinds = [m.kind for m in device.addressable_memories()]
     if "pinned_host" not in kinds:
-        raise ValueError(f"Plan(offload='optimizer') keeps the optimizer state in host memory the device addresses "
-                         f"('pinned_host'), but {device.device_kind} offers only {kinds}; use offload='none' "
-                         "(ZeRO, zero=1..3, splits the state over the data-parallel devices instead)")
+        instead = ("ZeRO, zero=1..3, splits the state over the data-parallel devices instead" if what == "optimizer"
+                   else "remat='full' recomputes the activations instead")
+        raise ValueError(f"Plan(offload={what!r}) keeps the {what} {'state ' if what == 'optimizer' else ''}in host "
+                         f"memory the device addresses ('pinned_host'), but {device.device_kind} offers only {kinds}; "
+                         f"use offload='none' ({instead})")
+
+
+def offloaded_activation_bytes(closed) -> int:
+    """Bytes per device per step of the activations a program offloads (Plan(offload=
+    "activations")): its copies to host memory of values tagged for offload (xtrain.lowering.remat),
+    a scan body's once per iteration."""
+    return _offloaded(closed.jaxpr, 1)
+
+
+def _offloaded(jaxpr, times: int) -> int:
+    named = {v for e in jaxpr.eqns if str(e.primitive) == "name" and e.params.get("name") in remat.OFFLOADED
+             for v in e.outvars}
+    total = 0
+    for eqn in jaxpr.eqns:
+        if str(eqn.primitive) == "device_put" and jax.memory.Space.Host in eqn.params.get("devices", ()):
+            total += times * sum(_nbytes(v.aval) for v in eqn.invars if v in named)
+        repeat = times * eqn.params["length"] if str(eqn.primitive) == "scan" else times
+        total += sum(_offloaded(sub, repeat) for sub in jcore.jaxprs_in_params(eqn.params))
+    return total
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize

@@ -25,8 +25,8 @@ class XlaStrategy:
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         if config.remat is not None:
-            raise ValueError(f"Plan(remat={config.remat.mode.value!r}) checkpoints each layer of the explicit "
-                             "lowering's repeated blocks; use lowering='explicit' or remat='off'")
+            raise ValueError(f"Plan({config.remat.setting}) checkpoints each layer of the explicit "
+                             "lowering's repeated blocks; use lowering='explicit' (or remat='off', offload='none')")
         self.model, self.mesh, self.config = model, mesh, config
         self.runner = GlobalView()
         self.update = Update.global_view(layout.param_specs, config.tx, config.grad_tx)

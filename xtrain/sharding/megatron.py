@@ -12,6 +12,12 @@ not divide (q, out and the MLP are still split). A fused qkv projection is split
 (correct, not head-aligned). The token embedding and an untied LM head are split on the
 vocabulary when it divides. Everything else (norms, row-parallel biases, position embeddings)
 is replicated. The notes record each choice.
+
+Adapters (peft's LoRA): a module whose child `base_layer` is a linear layer stands for that
+layer, and the other linear layers inside it are its low-rank adapters, pairs A (in -> r) then
+B (r -> out). They are split to match the base so they add no collective of their own: where
+the base is column-parallel B is split on its output (A whole), where it is row-parallel A is
+split on its input (B whole), and its partial sums join the base layer's one all-reduce.
 """
 from __future__ import annotations
 
@@ -36,13 +42,20 @@ class _Proj:
     out_dim: int           # weight dimension of the outputs: 0 for Linear, 1 for Conv1D
     weight: str
     bias: str | None
+    adapters: tuple[tuple["_Proj", "_Proj"], ...] = ()   # (A, B) low-rank pairs wrapped around it
 
     def column(self, axis: str) -> dict[str, Spec]:
         split = (axis, None) if self.out_dim == 0 else (None, axis)
-        return {self.weight: split, **({self.bias: (axis,)} if self.bias else {})}
+        specs = {self.weight: split, **({self.bias: (axis,)} if self.bias else {})}
+        for _, b in self.adapters:   # x A^T stays whole (r wide); B makes this device's outputs
+            specs.update(b.column(axis))
+        return specs
 
     def row(self, axis: str) -> dict[str, Spec]:
-        return {self.weight: (None, axis) if self.out_dim == 0 else (axis, None)}
+        specs = {self.weight: (None, axis) if self.out_dim == 0 else (axis, None)}
+        for a, _ in self.adapters:   # the device's input slice through A's matching columns: partial sums
+            specs.update(a.row(axis))
+        return specs
 
 
 def _proj(structure: Structure, module: Module) -> _Proj | None:
@@ -53,6 +66,41 @@ def _proj(structure: Structure, module: Module) -> _Proj | None:
     if module.kind is Kind.CONV1D:
         return _Proj(module.path, rows, cols, 1, module.params["weight"], bias)  # weight (in, out)
     return _Proj(module.path, cols, rows, 0, module.params["weight"], bias)
+
+
+def _adapted(structure: Structure, module: Module) -> tuple[_Proj | None, str | None]:
+    """(the projection, None) of a module that wraps a linear `base_layer` with adapters;
+    (None, why) when its adapters do not pair up; (None, None) for any other module."""
+    base_module = structure.modules.get(f"{module.path}.base_layer")
+    base = None if base_module is None else _proj(structure, base_module)
+    if base is None:
+        return None, None
+    others = [p for m in structure.subtree(module.path) if m is not base_module
+              for p in [_proj(structure, m)] if p is not None]
+    a_side = [p for p in others if p.d_in == base.d_in and p.d_out != base.d_out]
+    b_side = [p for p in others if p.d_out == base.d_out and p.d_in != base.d_in]
+    pairs = tuple(zip(a_side, b_side))
+    if len(a_side) != len(b_side) or len(others) != 2 * len(pairs) or any(a.d_out != b.d_in for a, b in pairs):
+        return None, (f"{module.path}: linear layers around base_layer are not low-rank (A: {base.d_in} -> r, "
+                      f"B: r -> {base.d_out}) pairs; kept whole")
+    return dataclasses.replace(base, path=module.path, adapters=pairs), None
+
+
+def _linears(structure: Structure, modules: list[Module], notes: list[str]) -> list[_Proj]:
+    """The linear layers among `modules`, an adapter wrapper standing for its base layer (the
+    modules inside a wrapper are its parts, not layers of their own)."""
+    found, wrapped = [], []
+    for module in modules:
+        if any(module.path.startswith(w + ".") for w in wrapped):
+            continue
+        proj, why = _adapted(structure, module)
+        if proj is not None or why is not None:
+            wrapped.append(module.path)
+            notes.extend([why] if why else [])
+            found.extend([proj] if proj else [])
+        elif (plain := _proj(structure, module)) is not None:
+            found.append(plain)
+    return found
 
 
 def _blocks(structure: Structure) -> list[tuple[str, list[str]]]:
@@ -102,13 +150,12 @@ class _Choices:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def _mixer_groups(structure: Structure, block: str) -> list[tuple[str, Module, list[_Proj]]]:
+def _mixer_groups(structure: Structure, block: str, notes: list[str] | None = None
+                  ) -> list[tuple[str, Module, list[_Proj]]]:
     """The block's linear layers grouped by parent module (attention, MLP), in order."""
     groups: dict[str, list[_Proj]] = {}
-    for module in structure.subtree(block):
-        proj = _proj(structure, module)
-        if proj is not None:
-            groups.setdefault(module.path.rpartition(".")[0], []).append(proj)
+    for proj in _linears(structure, structure.subtree(block), [] if notes is None else notes):
+        groups.setdefault(proj.path.rpartition(".")[0], []).append(proj)
     return [(parent, structure.modules[parent], projs) for parent, projs in groups.items()]
 
 
@@ -184,7 +231,7 @@ def _vocab(c: _Choices, structure: Structure, in_blocks: set[str], d: int) -> No
     """Vocab-parallel token embedding and LM head where the vocabulary divides."""
     outside = [m for p, m in structure.modules.items() if not any(p == b or p.startswith(b + ".") for b in in_blocks)]
     embeddings = [m for m in outside if m.kind is Kind.EMBEDDING and structure.shape(m, "weight")[1] == d]
-    heads = [h for h in (_proj(structure, m) for m in outside) if h is not None and h.d_in == d]
+    heads = [h for h in _linears(structure, outside, c.notes) if h.d_in == d]
     vocab_sizes = {h.d_out for h in heads}
     rows = lambda m: structure.shape(m, "weight")[0]
     tokens = [m for m in embeddings if rows(m) in vocab_sizes] or sorted(embeddings, key=lambda m: -rows(m))[:1]
@@ -223,7 +270,7 @@ def megatron_specs(structure: Structure, axis: str, tp: int, *, vocab_parallel: 
     for prefix, blocks in stacks:
         for block in blocks:
             d = _width(structure, block)
-            for where, module, projs in _mixer_groups(structure, block):
+            for where, module, projs in _mixer_groups(structure, block, c.notes):
                 _mixer(c, f"{prefix}.*{where[len(block):]}", module, projs, d)
     if vocab_parallel:
         _vocab(c, structure, {b for _, bs in stacks for b in bs}, _width(structure, stacks[0][1][0]))

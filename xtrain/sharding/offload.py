@@ -6,8 +6,11 @@
                it to the device for the update and back (xtrain.lowering.offload). Parameters
                stay on the device: xtrain keeps them in float32 (bf16/fp16 plans cast matmul
                operands, they hold no second, master copy to offload).
-
-Activations are not offloaded yet (`remat` trades them for recomputation instead).
+    activations  what each layer of the layer scan saves for the backward pass (its input, and
+               under remat='dots' / 'selective' the values that remat keeps) goes to that host
+               memory instead of device memory, and comes back when the backward pass reaches
+               the layer (a jax.checkpoint policy with offload: xtrain.lowering.remat). The rest
+               of the layer is recomputed, as under remat='full'.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ HOST_MEMORY = "pinned_host"  # the JAX memory kind of host memory a device reads
 class Offload(enum.Enum):
     NONE = "none"
     OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
 
     @classmethod
     def of(cls, value: "Offload | str | None") -> "Offload":
@@ -27,6 +31,4 @@ class Offload(enum.Enum):
         try:
             return cls("none" if value is None else value)
         except ValueError:
-            hint = " (activation offload is not supported yet: use remat='full' to save activations)" \
-                if value == "activations" else ""
-            raise ValueError(f"Plan(offload={value!r}) must be one of {[o.value for o in cls]}{hint}") from None
+            raise ValueError(f"Plan(offload={value!r}) must be one of {[o.value for o in cls]}") from None

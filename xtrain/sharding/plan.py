@@ -58,8 +58,10 @@ class Plan:
         remat_keep: remat="selective": fnmatch patterns over module paths, e.g. ("blocks.*.attn",).
         pipeline: pipeline parallelism (stages, microbatches, schedule, split); set it with
             `plan.with_pipeline(...)`. None: no pipeline.
-        offload: "optimizer" keeps the optimizer state in host memory between steps
-            (xtrain.sharding.offload); "none" (default) keeps everything on the device.
+        offload: "optimizer" keeps the optimizer state in host memory between steps,
+            "activations" what each layer of the layer scan saves for the backward pass (its
+            input; with remat="dots"/"selective" also what those keep) (xtrain.sharding.offload);
+            "none" (default) keeps everything on the device.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -103,7 +105,11 @@ class Plan:
                              "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
 
     def layer_remat(self) -> LayerRemat | None:
-        """What the layer scan checkpoints, or None."""
+        """What the layer scan checkpoints, or None. Offloaded activations checkpoint each
+        layer (remat='off' then means 'full': only the layer's input is saved, on the host)."""
+        if self.offload is Offload.ACTIVATIONS:
+            mode = Remat.FULL if self.remat is Remat.OFF else self.remat
+            return LayerRemat(mode, self.remat_keep, offload=True)
         return None if self.remat is Remat.OFF else LayerRemat(self.remat, self.remat_keep)
 
     def __str__(self) -> str:

@@ -30,6 +30,20 @@ class LayerRemat:
 
     mode: Remat
     keep: tuple[str, ...] = ()
+    offload: bool = False   # what the layer saves goes to host memory (Plan(offload="activations"))
+
+    @property
+    def setting(self) -> str:
+        """The plan's words for it, for messages."""
+        remat = f"remat={self.mode.value!r}"
+        if not self.offload:
+            return remat
+        return "offload='activations'" + ("" if self.mode is Remat.FULL else f", {remat}")
+
+    @property
+    def tags_dots(self) -> bool:
+        """Whether matmul outputs are tagged as kept: remat='dots' offloads them by name."""
+        return self.offload and self.mode is Remat.DOTS
 
     def keeps(self, path: str) -> bool:
         """Whether values computed in module `path` (or a module inside a kept one) are kept."""

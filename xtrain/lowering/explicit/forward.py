@@ -91,8 +91,9 @@ class Program:
         self.repeated = find_repeated_blocks(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
         if self.remat is not None and not self.repeated:
             raise ValueError(
-                f"remat={self.remat.mode.value!r} checkpoints each layer of the model's repeated blocks, but "
-                f"{self.model.name} has none (no run of identical blocks.0, blocks.1, ...); use remat='off'")
+                f"{self.remat.setting} checkpoints each layer of the model's repeated blocks, but "
+                f"{self.model.name} has none (no run of identical blocks.0, blocks.1, ...); use remat='off'"
+                + (" and offload='none'" if self.remat.offload else ""))
         return self.repeated
 
 

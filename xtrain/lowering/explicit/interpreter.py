@@ -11,6 +11,7 @@ import dataclasses
 from typing import Mapping
 
 import numpy as np
+from jax import lax
 from jax._src import source_info_util  # name stacks: no public name in jax 0.10
 from jax.ad_checkpoint import checkpoint_name
 
@@ -27,8 +28,13 @@ def literal(var) -> Sharded:
     return Sharded(value, Layout.replicated(len(shape)), shape, var.aval.dtype)
 
 
+def _is_dot(eqn) -> bool:
+    return eqn.primitive is lax.dot_general_p
+
+
 def _kept(x: Sharded) -> Sharded:
-    """Tags a value remat='selective' keeps (its module matched remat_keep)."""
+    """Tags a value remat keeps: its module matched remat='selective''s remat_keep, or it is a
+    matmul output that remat='dots' offloads."""
     return dataclasses.replace(x, value=checkpoint_name(x.value, KEPT))
 
 
@@ -70,7 +76,7 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
     def bind(eqn, values, path):
         ctx.path = path
         outs = rule_for(eqn.primitive)(ctx, eqn, values)
-        if ctx.remat is not None and ctx.remat.keeps(path):
+        if ctx.remat is not None and (ctx.remat.keeps(path) or ctx.remat.tags_dots and _is_dot(eqn)):
             outs = [_kept(o) for o in outs]
         ctx.path = outer
         return outs

@@ -53,7 +53,8 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
 def _remat(body, remat, regather: zero.RegatherPolicy | None):
     """One layer's body with activation checkpointing (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
-    values the interpreter tagged in the kept modules. Without it, ZeRO-3's re-gather
+    values the interpreter tagged in the kept modules; offloaded, these go to host memory
+    (xtrain.lowering.remat). Without it, ZeRO-3's re-gather
     (`regather`; None = off) saves all but the gathered weights: the backward pass gathers
     each layer's weights again where it reaches that layer, so no layer's gathered weights
     outlive it (remat's policies never keep them either)."""
@@ -103,6 +104,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             # alive to the end of the step; apart, only the small vectors' buffer stays
             params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
                                    vectors_apart=unrolled)
+        carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params
         outs = interpret(ctx, blocks.body, [], ins)
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]

@@ -98,7 +98,7 @@ def _check_options(options: StepOptions, grad_tx: GradTransforms, remat: LayerRe
         raise ValueError("precision='fp16' (dynamic loss scaling) is not supported with a pipeline yet; "
                          "use precision='bf16' or 'fp32'")
     if remat is not None:
-        raise ValueError(f"Plan(remat={remat.mode.value!r}) with a pipeline: use "
+        raise ValueError(f"Plan({remat.setting}) with a pipeline: use "
                          "with_pipeline(..., checkpoint=True), which recomputes each stage from its input")
 
 
