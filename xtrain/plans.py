@@ -10,14 +10,17 @@ torch-free (xtrain.sharding.presets). `assert_sharded` is the check to run on th
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir.structure import Structure
 from xtrain.sharding import presets
 from xtrain.sharding.mesh import DATA, TENSOR, Mesh, job_devices
-from xtrain.sharding.plan import Plan, Spec
+from xtrain.sharding.plan import PendingPlan, Plan, Spec
 from xtrain.sharding.presets import MIN_SIZE, ddp
 
 Shapes = dict[str, tuple[int, ...]]
@@ -95,9 +98,14 @@ def hybrid(model: Any, mesh: Mesh | Mapping[str, int], *, shard_axis: str = DATA
                           min_size=min_size)
 
 
-def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab_parallel: bool = True) -> Plan:
-    """Megatron-LM tensor parallel for standard transformer blocks, found by structure
-    (xtrain.sharding.megatron says how).
+def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab_parallel: bool = True,
+             example: tuple | None = None, loss_fn: Callable | None = None) -> Plan:
+    """Megatron-LM tensor parallel derived from the model's traced program: each matmul whose
+    output dimension reaches a matmul that contracts it (through elementwise ops, heads,
+    attention, gated products, slices of fused projections) is a column -> row pair split over
+    `axis`; the token embedding and LM head are split on the vocabulary where the graph reads
+    them as a lookup table and logits (xtrain.sharding.tensor_parallel says how). Module names
+    and containers play no part; they only name what was found in `plan.notes`.
 
     Args:
         model: a torch.nn.Module.
@@ -105,11 +113,25 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
         axis: the tensor-parallel mesh axis.
         vocab_parallel: split the token embedding and LM head on the vocabulary; False keeps
             them whole (the logits then stay whole too).
+        example: one batch as `step(*batch)` takes it (only shapes are read), to trace now.
+            Without it the plan is pending: `xtrain.compile` derives its rules at the step's
+            first call, and `print(plan)` says so; rules added to it before then win.
+        loss_fn: the `loss_fn` given to `xtrain.compile`, when the forward does not return the loss.
 
     Returns:
-        A Plan with one rule per parameter group (batch: the default, the "data" axis).
+        A Plan with one rule per parameter group and notes (batch: the default, the "data" axis).
     """
-    return presets.megatron(_structure(model), _sizes(mesh), axis=axis, vocab_parallel=vocab_parallel)
+    if not _is_torch(model):
+        raise ValueError(f"xtrain.plans.megatron traces a torch module; got {type(model).__name__}. "
+                         "Write the rules yourself with xtrain.Plan(params={...})")
+    sizes = _sizes(mesh)
+    presets.require_axes((axis,), sizes, "megatron")
+    derive = lambda wrapped, batch: presets.megatron_of(wrapped, batch, sizes, axis=axis,
+                                                        vocab_parallel=vocab_parallel)
+    if example is None:
+        return PendingPlan(derive=derive)
+    batch = tuple(np.asarray(x.detach().cpu()) if hasattr(x, "detach") else np.asarray(x) for x in example)
+    return derive(TorchModel(model, loss_fn), batch)
 
 
 # -- checks ---------------------------------------------------------------------------------
