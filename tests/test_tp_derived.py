@@ -1,0 +1,125 @@
+"""Tensor-parallel plans derived from the traced program (xtrain.plans.megatron): the structures
+the module-name rules got wrong get a Megatron plan, train with parity on Mesh(data=4, tensor=2)
+against single-device torch (SGD), pass plans.assert_sharded, and communicate as Megatron does:
+per block, one all-reduce over `tensor` after attention and one after the MLP in the forward pass,
+and no gather over `tensor` inside a block."""
+import collections
+import functools
+
+import pytest
+import torch
+
+import xtrain
+from tp_models import DictLlama, batches, hf, lm_loss
+from xtrain import plans
+from xtrain.testing import assert_parity, run_parity, torch_reference
+
+MESH = dict(data=4, tensor=2)
+COL, ROW = ("tensor", None), (None, "tensor")
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+MODELS = {
+    "gpt_neox": (lambda: hf("gpt_neox"), lm_loss),
+    "phi3": (lambda: hf("phi3"), lm_loss),
+    "bert": (lambda: hf("bert"), lm_loss),
+    "dict_llama": (DictLlama, None),
+    "mqa": (lambda: DictLlama(kv=1), None),
+}
+
+
+@functools.cache
+def case(name):
+    make, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    model, data = make(), batches()
+    return model, loss_fn, data, plans.megatron(model, MESH, example=data[0], loss_fn=loss_fn)
+
+
+# -- what the graph finds (no compile) ------------------------------------------------------
+def test_gpt_neox_fused_qkv_is_split_by_heads():
+    _, _, _, plan = case("gpt_neox")
+    layer = "gpt_neox.layers.*."
+    assert plan.params[layer + "attention.query_key_value.weight"] == COL
+    assert plan.params[layer + "attention.query_key_value.bias"] == ("tensor",)
+    assert plan.params[layer + "attention.dense.weight"] == ROW
+    assert plan.params[layer + "mlp.dense_h_to_4h.weight"] == COL and plan.params[layer + "mlp.dense_4h_to_h.weight"] == ROW
+    assert ("gpt_neox.layers.*.attention.dense contracts the 4 heads of gpt_neox.layers.*.attention.query_key_value's "
+            "output: gpt_neox.layers.*.attention.query_key_value column-parallel, gpt_neox.layers.*.attention.dense "
+            "row-parallel over tensor=2 (2 of 4 heads per device)") in plan.notes
+    # NeoX interleaves q, k, v per head: the heads are the outer factor, no segments to respect
+    assert not any("segments" in n for n in plan.notes)
+
+
+def test_phi3_fused_gate_up_and_qkv_are_segments():
+    _, _, _, plan = case("phi3")
+    layer = "model.layers.*."
+    assert plan.params[layer + "mlp.gate_up_proj.weight"] == COL and plan.params[layer + "mlp.down_proj.weight"] == ROW
+    assert plan.params[layer + "self_attn.qkv_proj.weight"] == COL and plan.params[layer + "self_attn.o_proj.weight"] == ROW
+    assert any(n.startswith("model.layers.*.mlp.gate_up_proj: fused output sliced into 2 segments [128, 128]")
+               for n in plan.notes)
+
+
+def test_bert_sibling_output_modules_pair_by_dataflow():
+    _, _, _, plan = case("bert")
+    layer = "bert.encoder.layer.*."
+    for name in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+        assert plan.params[layer + name + ".weight"] == COL, name
+    assert plan.params["bert.encoder.layer.0.output.dense.weight"] == ROW  # the MLP's, a sibling module
+    assert plan.params[layer + "attention.output.dense.weight"] == ROW
+    # the MLM transform (64x64, then LayerNorm) is no LM head; the tied decoder is
+    assert not any(p.startswith("cls.predictions.transform") for p in plan.params)
+    assert plan.params["bert.embeddings.word_embeddings.weight"] == COL
+    assert plan.params["cls.predictions.bias"] == ("tensor",)
+
+
+def test_a_meaningless_twin_gets_the_same_plan():
+    named, _, data, plan = case("dict_llama")
+    torch.manual_seed(0)
+    twin = DictLlama(meaningless=True)
+    twin_plan = plans.megatron(twin, MESH, example=data[0])
+    shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}
+    ours, theirs = plan.param_specs(shapes(named), MESH), twin_plan.param_specs(shapes(twin), MESH)
+    assert list(ours.values()) == list(theirs.values())  # parameter by parameter, in definition order
+    assert ours["layers.1.wq.weight"] == COL
+    assert ours["layers.0.w2.weight"] == ROW and ours["embed.weight"] == COL and ours["out.weight"] == COL
+
+
+def test_gqa_with_fewer_kv_heads_than_tensor_keeps_kv_whole():
+    model, _, _, plan = case("mqa")  # one kv head, tensor=2
+    specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, MESH)
+    assert specs["layers.0.wq.weight"] == COL and specs["layers.0.wo.weight"] == ROW
+    assert specs["layers.0.wk.weight"] == () and specs["layers.0.wv.weight"] == ()
+    assert any(n.startswith("layers.*.wk kept whole") for n in plan.notes)
+
+
+# -- parity, sharding and communication ------------------------------------------------------
+@pytest.mark.parametrize("name", list(MODELS))
+def test_derived_plan_parity_and_sharded(name):
+    model, loss_fn, data, plan = case(name)
+    plans.assert_sharded(plan, model, MESH)
+    reference = torch_reference(model, sgd, data, loss_fn)
+    result = run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=plan, loss_fn=loss_fn, reference=reference)
+    assert_parity(result)
+
+
+def tensor_collectives(name):
+    """{(block, kind): count} of the forward pass's collectives over `tensor` inside blocks."""
+    model, loss_fn, data, plan = case(name)
+    step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan,
+                          loss_fn=loss_fn, scan_layers=False)
+    counts = collections.Counter()
+    for c in step.report(*data[0]).collectives:
+        path = c.source.split(" ")[0].split(".")
+        layer = next((p for p in path if p.isdigit()), None)
+        if "tensor" in c.axes and layer is not None and "transpose(" not in c.source:
+            counts[(int(layer), c.kind)] += 1
+    return dict(counts)
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "dict_llama"])
+def test_one_all_reduce_after_attention_and_one_after_the_mlp(name):
+    assert tensor_collectives(name) == {(0, "all-reduce"): 2, (1, "all-reduce"): 2}
