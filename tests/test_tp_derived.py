@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xtrain
-from tp_models import DictLlama, batches, hf, lm_loss
+from tp_models import DictLlama, MoE, batches, hf, lm_loss
 from xtrain import plans
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
@@ -28,6 +28,7 @@ MODELS = {
     "bert": (lambda: hf("bert"), lm_loss),
     "dict_llama": (DictLlama, None),
     "mqa": (lambda: DictLlama(kv=1), None),
+    "moe": (MoE, None),
 }
 
 
@@ -94,6 +95,14 @@ def test_gqa_with_fewer_kv_heads_than_tensor_keeps_kv_whole():
     assert specs["layers.0.wq.weight"] == COL and specs["layers.0.wo.weight"] == ROW
     assert specs["layers.0.wk.weight"] == () and specs["layers.0.wv.weight"] == ()
     assert any(n.startswith("layers.*.wk kept whole") for n in plan.notes)
+
+
+def test_expert_weights_split_on_the_expert_ffn_dimension():
+    model, _, _, plan = case("moe")
+    specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, MESH)
+    assert specs["moe.0.w_in"] == (None, None, "tensor")   # (experts, d, ffn): column
+    assert specs["moe.0.w_out"] == (None, "tensor", None)  # (experts, ffn, d): row
+    assert specs["moe.1.gate.weight"] == ()  # its output meets the gate's softmax: no pair
 
 
 # -- parity, sharding and communication ------------------------------------------------------

@@ -124,3 +124,40 @@ class DictLlama(nn.Module):
             x = self.layers(x)
         logits = self.out(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class Experts(nn.Module):
+    """A mixture of experts with 3-D expert weights (experts, in, out), run as batched matmuls
+    over every expert and combined by a softmax gate (dense routing: every token visits every
+    expert, weighted)."""
+
+    def __init__(self, d, ffn, experts):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d, ffn) * d ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, ffn, d) * ffn ** -0.5)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        tokens = x.reshape(1, b * t, d).expand(self.w_in.shape[0], b * t, d)   # (E, N, d)
+        hidden = F.gelu(torch.bmm(tokens, self.w_in))                           # (E, N, ffn)
+        out = torch.bmm(hidden, self.w_out)                                     # (E, N, d)
+        weights = self.gate(x).softmax(-1).reshape(b * t, -1).T.unsqueeze(-1)   # (E, N, 1)
+        return (out * weights).sum(0).reshape(b, t, d)
+
+
+class MoE(nn.Module):
+    """Embedding, blocks of (norm, experts) with residuals, a head."""
+
+    def __init__(self, d=32, ffn=64, experts=4, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.norms = nn.ModuleList(RMSNorm(d) for _ in range(layers))
+        self.moe = nn.ModuleList(Experts(d, ffn, experts) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for norm, moe in zip(self.norms, self.moe):
+            x = x + moe(norm(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
