@@ -140,3 +140,16 @@ def derive(flow: Flow, shapes: Mapping[str, tuple[int, ...]], axis: str, tp: int
                          "yourself with xtrain.Plan(params={...})")
     specs = d.specs()
     return specs, list(dict.fromkeys(d.notes))
+
+
+def block_paths(flow: Flow) -> list[str]:
+    """The module path of each layer's block: the numbered module (`model.layers.3`) holding a
+    split group's sink (attention's and the MLP's row-parallel matmuls), in program order."""
+    out = []
+    for g in flow.groups:
+        for use in g.rows if g.splittable else ():
+            parts = use.path.split(".")
+            layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+            if layer is not None:
+                out.append(".".join(parts[:layer + 1]))
+    return list(dict.fromkeys(out))
