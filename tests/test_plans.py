@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xtrain
-from models import GPT, MLP, token_batches
+from models import GPT, token_batches
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 from xtrain import plans
 from xtrain.testing import assert_parity, run_parity, torch_reference

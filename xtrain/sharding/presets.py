@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from typing import Mapping
 
 from xtrain.ir import dimflow
