@@ -166,3 +166,23 @@ def test_sequence_parallel_parity_and_collectives(name):
         if c.axes == ("tensor",) and layer is not None and "transpose(" not in c.source:
             counts[(int(layer), c.kind)] += 1
     assert counts == {(b, k): 2 for b in range(2) for k in ("reduce-scatter", "all-gather")}, counts
+
+
+# -- checkpoints keep torch's order under fused splits ------------------------------------------
+def test_a_fused_split_checkpoint_at_tensor2_loads_at_tensor1_and_4(tmp_path):
+    model, loss_fn, data, plan = case("phi3")  # fused qkv_proj and gate_up_proj, split over tensor
+    step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan, loss_fn=loss_fn)
+    step(*data[0])
+    step.save(tmp_path / "tp2")
+    saved = step.state_dict()
+    # torch's order: the fused weights equal torch's own after the same step
+    reference = torch_reference(model, sgd, data[:1], loss_fn)[1]
+    for name in ("model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"):
+        torch.testing.assert_close(torch.as_tensor(saved[name]), reference[name], atol=1e-5, rtol=0)
+    for sizes in (dict(data=8), dict(data=2, tensor=4)):
+        other = plans.megatron(model, sizes, example=data[0], loss_fn=loss_fn) if "tensor" in sizes else None
+        restored = xtrain.compile(model, xtrain.Mesh(**sizes), optimizer=sgd(model.parameters()), plan=other,
+                                  loss_fn=loss_fn)
+        restored.load(tmp_path / "tp2")
+        state = restored.state_dict()
+        assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(saved[k])) for k in saved), sizes
