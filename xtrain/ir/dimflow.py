@@ -263,6 +263,9 @@ class _Analysis:
                     self.brk([lab[d]], "op", prim, f"{path}: {in_shape} -> {out_shape} mixes the split dimension")
                     continue
                 first = big_out[0]
+                if _one_head(in_shape, out_shape, first):
+                    self.brk([lab[d]], "heads", prim, f"{path}: 1 ({in_shape} -> {out_shape})")
+                    continue
                 if out_shape[first] % self.tp:
                     self.brk([lab[d]], "heads", prim, f"{path}: {out_shape[first]} ({in_shape} -> {out_shape})")
                     continue
@@ -328,6 +331,13 @@ def _body(eqn):
             if hasattr(body, "invars") and len(body.invars) == len(eqn.invars):
                 return body
     return None
+
+
+def _one_head(in_shape, out_shape, first: int) -> bool:
+    """A reshape of the last dimension into (1 head, head_dim): one key/value head (MQA), which
+    the axis cannot split (an unsqueeze of the same shape is read the same way)."""
+    return (len(out_shape) == len(in_shape) + 1 and first == len(out_shape) - 1 and out_shape[first - 1] == 1
+            and out_shape[first] == in_shape[-1])
 
 
 def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
