@@ -295,3 +295,18 @@ def test_random_plans_parity(seed):
     plan = random_plan(rng, shapes, sizes)
     assert plan.params, "drew an all-replicated plan"
     parity("gpt", sizes, plan)
+
+
+def test_a_pending_plan_is_derived_at_the_first_step_and_user_rules_win():
+    model, batches, _, _ = case("gpt")
+    pending = plans.megatron(model, TP2)
+    edited = dataclasses.replace(pending, params={"blocks.*.attn.q.weight": (None, "tensor")}, zero=1)
+    assert "pending" in str(edited) and "blocks.*.attn.q.weight  (None, 'tensor')" in str(edited)
+    step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()), plan=edited)
+    with pytest.raises(RuntimeError, match="plans.megatron derives its rules at the first step"):
+        step.param_specs
+    step(*batches[0])
+    assert step.plan.zero == 1 and not isinstance(step.plan, type(pending))
+    assert step.layout.layer_specs["blocks.0.attn.q.weight"][1] == "tensor"  # the user's rule, not the derived column
+    assert step.layout.layer_specs["blocks.0.attn.k.weight"][0] == "tensor"  # derived
+    assert "user rule 'blocks.*.attn.q.weight': (None, 'tensor') wins over the derived rules" in step.plan.notes
