@@ -160,13 +160,18 @@ def test_sequence_parallel_parity_and_collectives(name):
         return
     step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan,
                           loss_fn=loss_fn, scan_layers=False)
-    counts = collections.Counter()
-    for c in step.report(*data[0]).collectives:
+    counts, report = collections.Counter(), step.report(*data[0])
+    for c in report.collectives:
         path = c.source.split(" ")[0].split(".")
         layer = next((p for p in path if p.isdigit()), None)
         if c.axes == ("tensor",) and layer is not None and "transpose(" not in c.source:
             counts[(int(layer), c.kind)] += 1
     assert counts == {(b, k): 2 for b in range(2) for k in ("reduce-scatter", "all-gather")}, counts
+    # the activations between the blocks are a tensor-th of the sequence: less temporary memory
+    plain_model, _, plain_plan, _ = sp_case(name, False)
+    plain = xtrain.compile(plain_model, xtrain.Mesh(**MESH), optimizer=sgd(plain_model.parameters()),
+                           plan=plain_plan, loss_fn=loss_fn, scan_layers=False)
+    assert report.memory["temporaries"] < plain.report(*data[0]).memory["temporaries"]
 
 
 # -- checkpoints keep torch's order under fused splits ------------------------------------------
