@@ -130,7 +130,7 @@ def tensor_collectives(name):
     return dict(counts)
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "dict_llama"])
+@pytest.mark.parametrize("name", ["gpt_neox", "bert", "dict_llama", "mqa"])
 def test_one_all_reduce_after_attention_and_one_after_the_mlp(name):
     assert tensor_collectives(name) == {(0, "all-reduce"): 2, (1, "all-reduce"): 2}
 
