@@ -134,7 +134,7 @@ def derive(flow: Flow, shapes: Mapping[str, tuple[int, ...]], axis: str, tp: int
         elif g.breaks:
             d.broken(g)
     _vocab(d, flow, logits, vocab_parallel)
-    if not any(g.splittable for g in flow.groups):
+    if not any(g.rows for g in flow.groups):  # (pairs that exist but cannot split are noted, not an error)
         raise ValueError("xtrain.plans.megatron found no column -> row matmul pairs in the traced program (a "
                          "matmul whose output dimension reaches a matmul that contracts it); write the rules "
                          "yourself with xtrain.Plan(params={...})")
