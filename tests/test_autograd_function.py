@@ -177,7 +177,7 @@ def test_a_function_under_megatron_tensor_parallelism_matches_torch():
     torch.manual_seed(0)
     model = Deep(layers=2)
     mesh = {"data": 4, "tensor": 2}
-    plan = xtrain.plans.megatron(model, mesh)
+    plan = xtrain.plans.megatron(model, mesh, example=mlp_batches(n=1)[0])
     assert plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, mesh)["blocks.0.up.weight"]
     assert_parity(run_parity(model, sgd, mlp_batches(n=4), xtrain.Mesh(**mesh), plan=plan))
 

@@ -104,7 +104,11 @@ def fsdp(model, mesh):
     return plans.fsdp(model, mesh)
 
 
-@pytest.mark.parametrize("mesh,plan", [({"data": 4, "tensor": 2}, plans.megatron), ({"data": 8}, fsdp)],
+def megatron(model, mesh):
+    return plans.megatron(model, mesh, example=token_batches(n=1)[0])
+
+
+@pytest.mark.parametrize("mesh,plan", [({"data": 4, "tensor": 2}, megatron), ({"data": 8}, fsdp)],
                          ids=["tp2xdp4", "zero3"])
 def test_restore_under_another_mesh_and_plan_continues_under_parity(saved, mesh, plan):
     path, _, losses, _ = saved

@@ -22,7 +22,8 @@ LAYOUTS = {
     "dp8_scan": ({"data": 8}, lambda model, mesh: None, {"scan_layers": True}),
     "zero2_unrolled": ({"data": 8}, lambda model, mesh: xtrain.Plan(zero=2), {"scan_layers": False}),
     "tp2_fsdp4_scan": ({"data": 4, "tensor": 2},
-                       lambda model, mesh: plans.fsdp(model, mesh, base=plans.megatron(model, mesh)),
+                       lambda model, mesh: plans.fsdp(model, mesh, base=plans.megatron(
+                           model, mesh, example=token_batches(n=1)[0])),
                        {"scan_layers": True}),
 }
 

@@ -37,6 +37,7 @@ def test_half_precision_parameters_round_trip_exactly(dtype, tmp_path):
     other = gpt2().to(dtype)
     restored = xtrain.compile(other, xtrain.Mesh(data=4, tensor=2), loss_fn=lm_loss,
                               optimizer=torch.optim.SGD(other.parameters(), lr=0.05),
-                              plan=xtrain.plans.megatron(other, {"data": 4, "tensor": 2}))
+                              plan=xtrain.plans.megatron(other, {"data": 4, "tensor": 2}, example=lm_batches(n=1)[0],
+                                                         loss_fn=lm_loss))
     restored.load(tmp_path / "ckpt")
     assert same(restored.state_dict(), trained) == []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xtrain
-from models import GPT, MLP, token_batches
+from models import GPT, token_batches
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 from xtrain import plans
 from xtrain.testing import assert_parity, run_parity, torch_reference
@@ -31,6 +31,13 @@ def case(name):
     return model, batches, loss_fn, torch_reference(model, sgd, batches, loss_fn)
 
 
+def tp(model, mesh, **kwargs):
+    """plans.megatron traced on an example batch of `model` (the test GPT or an HF LM)."""
+    if isinstance(model, GPT):
+        return plans.megatron(model, mesh, example=token_batches(n=1)[0], **kwargs)
+    return plans.megatron(model, mesh, example=lm_batches(n=1)[0], loss_fn=lm_loss, **kwargs)
+
+
 def parity(name, mesh, plan, **kwargs):
     model, batches, loss_fn, reference = case(name)
     result = run_parity(model, sgd, batches, xtrain.Mesh(**mesh), plan=plan, loss_fn=loss_fn,
@@ -46,7 +53,7 @@ def test_ddp_is_the_default_plan():
 
 
 def test_megatron_on_test_gpt_splits_attention_mlp_and_vocab():
-    plan = plans.megatron(GPT(), TP2)
+    plan = tp(GPT(), TP2)
     assert plan.params == {
         "blocks.*.attn.q.weight": ("tensor", None), "blocks.*.attn.q.bias": ("tensor",),
         "blocks.*.attn.k.weight": ("tensor", None),
@@ -55,12 +62,12 @@ def test_megatron_on_test_gpt_splits_attention_mlp_and_vocab():
         "blocks.*.mlp.0.weight": ("tensor", None), "blocks.*.mlp.0.bias": ("tensor",),
         "blocks.*.mlp.2.weight": (None, "tensor"),
         "tok.weight": ("tensor", None)}
-    assert any("lm_head is tied to tok.weight" in n for n in plan.notes)
-    assert any(n.startswith("pos.weight (16, 32): position") for n in plan.notes)
+    assert any("lm_head computes the logits with the embedding table tok.weight (tied)" in n for n in plan.notes)
+    assert any(n.startswith("pos.weight (16, 32): a lookup table whose rows are no logits'") for n in plan.notes)
 
 
 def test_megatron_on_gpt2_conv1d_fused_qkv_and_odd_vocab():
-    plan = plans.megatron(gpt2(), TP2)
+    plan = tp(gpt2(), TP2)
     h = "transformer.h.*."
     # Conv1D weights are (in, out): column-parallel splits dim 1, row-parallel dim 0.
     assert plan.params[h + "mlp.c_fc.weight"] == (None, "tensor")
@@ -70,12 +77,13 @@ def test_megatron_on_gpt2_conv1d_fused_qkv_and_odd_vocab():
     assert plan.params[h + "attn.c_proj.weight"] == ("tensor", None)
     assert h + "mlp.c_proj.bias" not in plan.params  # added once, after the all-reduce
     assert "transformer.wte.weight" not in plan.params
-    assert any("fused qkv c_attn (32 -> 96) split contiguously" in n for n in plan.notes)
+    assert "transformer.h.*.attn.c_attn: fused output sliced into 3 segments [32, 32, 32]; split contiguously " \
+        "over tensor=2 (correct: the lowering gathers where a segment crosses shards)" in plan.notes
     assert any("vocab 101 not divisible by tensor=2" in n for n in plan.notes)
 
 
 def test_megatron_on_llama_swiglu_and_gqa():
-    plan = plans.megatron(llama(), TP2)
+    plan = tp(llama(), TP2)
     layer = "model.layers.*."
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
         assert plan.params[f"{layer}{name}.weight"] == ("tensor", None), name
@@ -84,28 +92,42 @@ def test_megatron_on_llama_swiglu_and_gqa():
     assert "lm_head.weight" not in plan.params  # vocab 101
 
 
-def test_megatron_keeps_kv_whole_when_kv_heads_do_not_divide():
-    plan = plans.megatron(llama(), TP4)  # 2 kv heads, tensor=4
-    layer = "model.layers.*.self_attn."
-    assert plan.params[layer + "q_proj.weight"] == ("tensor", None)
-    assert plan.params[layer + "o_proj.weight"] == (None, "tensor")
-    assert layer + "k_proj.weight" not in plan.params and layer + "v_proj.weight" not in plan.params
-    assert ("model.layers.*.self_attn: 2 key/value heads not divisible by tensor=4; k_proj, v_proj kept "
-            "whole (GQA: every device holds all kv heads)") in plan.notes
+def test_megatron_keeps_attention_whole_when_kv_groups_do_not_divide():
+    plan = tp(llama(), TP4)  # 2 kv heads, tensor=4: the queries reshape into 2 kv groups
+    layer = "model.layers.*."
+    assert not any(".self_attn." in p for p in plan.params)
+    assert plan.params[layer + "mlp.down_proj.weight"] == (None, "tensor")
+    assert ("model.layers.*.self_attn.k_proj kept whole: at model.layers.*.self_attn: 2 ((8, 16, 16) -> (8, 16, 2, "
+            "8)) its output splits into heads (or key/value groups) not divisible by tensor=4 (GQA/MQA: every device "
+            "holds all of them)") in plan.notes
 
 
 def test_megatron_keeps_attention_whole_when_heads_do_not_divide():
-    plan = plans.megatron(GPT(heads=2), TP4)
+    plan = tp(GPT(heads=2), TP4)
     assert not any(".attn." in p for p in plan.params)
     assert plan.params["blocks.*.mlp.0.weight"] == ("tensor", None)
-    assert "blocks.*.attn: 2 heads not divisible by tensor=4; attention kept whole" in plan.notes
+    assert any(n.startswith("blocks.*.attn.q kept whole: at blocks.*.attn: 2 ") for n in plan.notes)
+
+
+class Probe(torch.nn.Module):
+    """One linear layer: nothing contracts its output (no column -> row pair)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y)
 
 
 def test_megatron_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"mesh \(data=8\) has no axis 'tensor'"):
         plans.megatron(GPT(), dict(data=8))
-    with pytest.raises(ValueError, match="found no transformer blocks in MLP"):
-        plans.megatron(MLP(), TP2)
+    with pytest.raises(ValueError, match="found no column -> row matmul pairs in the traced program"):
+        plans.megatron(Probe(), TP2, example=(torch.zeros(8, 12), torch.zeros(8, dtype=torch.long)))
+    assert "pending" in str(plans.megatron(GPT(), TP2)).splitlines()[1]
+    with pytest.raises(ValueError, match="pass example=<a batch> to plans.megatron to derive them now"):
+        plans.assert_sharded(plans.megatron(GPT(), TP2), GPT(), TP2)
 
 
 def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
@@ -137,7 +159,7 @@ def test_hybrid_shards_within_a_group_and_batches_over_both():
 
 def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
     model = GPT()
-    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))
+    plan = plans.fsdp(model, TP2, base=tp(model, TP2))
     assert plan.params["blocks.*.attn.q.weight"] == ("tensor", "data")
     assert plan.params["blocks.*.mlp.2.weight"] == (None, ("tensor", "data"))
     assert plan.params["blocks.*.attn.q.bias"] == ("tensor",)  # small: tensor only
@@ -145,15 +167,15 @@ def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
 
 
 def test_printed_plan_lists_rules_and_notes():
-    text = str(plans.megatron(llama(), TP4))
+    text = str(tp(llama(), TP4))
     assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis), zero=0)"
-    assert "  model.layers.*.mlp.down_proj.weight     (None, 'tensor')" in text
-    assert "  note: model.layers.*.self_attn: 2 key/value heads" in text
+    assert "  model.layers.*.mlp.down_proj.weight  (None, 'tensor')" in text
+    assert "  note: model.layers.*.self_attn.q_proj kept whole: at model.layers.*.self_attn: 2 " in text
     assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis), zero=0)\n  (every parameter replicated)"
 
 
 def test_a_preset_plan_is_an_editable_plan():
-    plan = plans.megatron(GPT(), TP2)
+    plan = tp(GPT(), TP2)
     edited = dataclasses.replace(plan, params={**plan.params, "pos.weight": (None, "tensor")})
     specs = edited.param_specs({n: tuple(p.shape) for n, p in GPT().named_parameters()}, TP2)
     assert specs["pos.weight"] == (None, "tensor") and specs["blocks.1.attn.q.weight"] == ("tensor", None)
@@ -162,12 +184,12 @@ def test_a_preset_plan_is_an_editable_plan():
 # -- the plan after sharding (STYLE.md point 9) ---------------------------------------------
 def test_assert_sharded_names_the_largest_replicated_tensors():
     model = gpt2()
-    tp = plans.megatron(model, TP2)
-    assert plans.largest_replicated(tp, model, TP2, top=2) == [
+    derived = tp(model, TP2)
+    assert plans.largest_replicated(derived, model, TP2, top=2) == [
         ("transformer.wte.weight", (101, 32)), ("transformer.wpe.weight", (32, 32))]
     with pytest.raises(ValueError, match=r"replicated on every device .*largest: transformer.wte.weight \(101, 32\)"):
-        plans.assert_sharded(tp, model, TP2)
-    assert plans.assert_sharded(plans.fsdp(model, TP2, base=tp), model, TP2) < 0.05
+        plans.assert_sharded(derived, model, TP2)
+    assert plans.assert_sharded(plans.fsdp(model, TP2, base=derived), model, TP2) < 0.05
     with pytest.raises(ValueError, match="100.0% of the parameter elements"):
         plans.assert_sharded(plans.ddp(), model, dict(data=8))
 
@@ -175,7 +197,7 @@ def test_assert_sharded_names_the_largest_replicated_tensors():
 def test_largest_replicated_of_a_compiled_step():
     model = GPT()
     step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()),
-                          plan=plans.megatron(model, TP2))
+                          plan=tp(model, TP2))
     assert plans.largest_replicated(step, top=1) == [("pos.weight", (16, 32))]
     assert plans.assert_sharded(step, max_replicated=0.1) < 0.1
 
@@ -187,11 +209,11 @@ def test_megatron_gpt_parity(mesh):
 
 
 def test_megatron_gpt_vocab_parallel_parity_xla():
-    parity("gpt", TP2, plans.megatron(case("gpt")[0], TP2), lowering="xla")
+    parity("gpt", TP2, tp(case("gpt")[0], TP2), lowering="xla")
 
 
 def test_megatron_gpt_without_vocab_parallel_parity():
-    parity("gpt", TP2, plans.megatron(case("gpt")[0], TP2, vocab_parallel=False))
+    parity("gpt", TP2, tp(case("gpt")[0], TP2, vocab_parallel=False))
 
 
 @pytest.mark.parametrize("name,mesh", [("gpt2", TP2), ("llama", TP2), ("llama", TP4)],
@@ -211,7 +233,7 @@ def test_hybrid_parity_replica2_data4():
 
 def test_tp2_fsdp4_parity_and_lowerings_agree():
     model = case("gpt")[0]
-    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))  # vocab split over tensor x data
+    plan = plans.fsdp(model, TP2, base=tp(model, TP2))  # vocab split over tensor x data
     explicit = parity("gpt", TP2, plan)
     unrolled = parity("gpt", TP2, plan, scan_layers=False)  # the blocks one after another
     xla = parity("gpt", TP2, plan, lowering="xla")
@@ -224,7 +246,7 @@ def test_vocab_parallel_moves_activations_not_the_table():
     masked lookup whose partial sum is all-reduced); FSDP's data split of the table is gathered
     alone, not the whole table. The only tensor-axis all-gather left is the softmax's shard maxima."""
     model, batches, _, _ = case("gpt")
-    plan = plans.fsdp(model, TP2, base=plans.megatron(model, TP2))
+    plan = plans.fsdp(model, TP2, base=tp(model, TP2))
     step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()), plan=plan)
     found = step.report(*batches[0]).collectives
     table = model.tok.weight.numel() * 4
@@ -273,3 +295,18 @@ def test_random_plans_parity(seed):
     plan = random_plan(rng, shapes, sizes)
     assert plan.params, "drew an all-replicated plan"
     parity("gpt", sizes, plan)
+
+
+def test_a_pending_plan_is_derived_at_the_first_step_and_user_rules_win():
+    model, batches, _, _ = case("gpt")
+    pending = plans.megatron(model, TP2)
+    edited = dataclasses.replace(pending, params={"blocks.*.attn.q.weight": (None, "tensor")}, zero=1)
+    assert "pending" in str(edited) and "blocks.*.attn.q.weight  (None, 'tensor')" in str(edited)
+    step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()), plan=edited)
+    with pytest.raises(RuntimeError, match="plans.megatron derives its rules at the first step"):
+        step.param_specs
+    step(*batches[0])
+    assert step.plan.zero == 1 and not isinstance(step.plan, type(pending))
+    assert step.layout.layer_specs["blocks.0.attn.q.weight"][1] == "tensor"  # the user's rule, not the derived column
+    assert step.layout.layer_specs["blocks.0.attn.k.weight"][0] == "tensor"  # derived
+    assert "user rule 'blocks.*.attn.q.weight': (None, 'tensor') wins over the derived rules" in step.plan.notes

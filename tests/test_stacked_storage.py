@@ -92,7 +92,7 @@ def test_checkpoints_load_across_layouts(tmp_path, saved_stacked):
     torch.manual_seed(1)  # other initial weights: the load must replace them all
     other = GPT(layers=2)
     target = xtrain.compile(other, xtrain.Mesh(data=4, tensor=2), optimizer=sgd(other.parameters()),
-                            plan=plans.megatron(other, xtrain.Mesh(data=4, tensor=2)),
+                            plan=plans.megatron(other, xtrain.Mesh(data=4, tensor=2), example=batches[0]),
                             scan_layers=not saved_stacked)
     assert any(is_stacked(n) for n in (target.state.params if not saved_stacked
                                                                 else reference.state.params))

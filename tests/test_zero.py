@@ -33,7 +33,7 @@ def test_zero_stage_matches_torch(stage):
 def test_tensor_parallel_with_zero3_matches_torch_in_both_lowerings():
     model, batches, reference = gpt_case()
     mesh = dict(data=4, tensor=2)
-    plan = xtrain.Plan(params=plans.megatron(model, mesh).params, zero=3)
+    plan = xtrain.Plan(params=plans.megatron(model, mesh, example=batches[0]).params, zero=3)
     explicit = run_parity(model, adamw, batches, xtrain.Mesh(**mesh), plan=plan, reference=reference)
     xla = run_parity(model, adamw, batches, xtrain.Mesh(**mesh), plan=plan, reference=reference, lowering="xla")
     assert_parity(explicit)
@@ -55,7 +55,7 @@ def test_tensor_parallel_with_zero1_and_zero2_matches_torch(stage):
     # on whichever dimension is left: the bucketed collectives reassemble blocks of any dim
     model, batches, reference = gpt_case()
     mesh = dict(data=4, tensor=2)
-    plan = xtrain.Plan(params=plans.megatron(model, mesh).params, zero=stage)
+    plan = xtrain.Plan(params=plans.megatron(model, mesh, example=batches[0]).params, zero=stage)
     assert_parity(run_parity(model, adamw, batches, xtrain.Mesh(**mesh), plan=plan, reference=reference))
 
 

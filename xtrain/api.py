@@ -32,7 +32,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             current devices, chosen at the first step call (it needs the batch shapes; until
             then `step.mesh` is unknown, `step.load` is applied at that call and
             `step.state_dict()` is the initial state); the mesh then comes from the pick, so
-            `mesh` may only fix the device count. `step.search` keeps the search.
+            `mesh` may only fix the device count. `step.search` keeps the search. A pending
+            `xtrain.plans.megatron(model, mesh)` plan (no `example=`) is derived from the
+            program traced on the first batch, at the first step call, likewise.
         loss_fn: `loss_fn(model, *batch) -> scalar tensor` for torch models whose forward does
             not return the loss.
         params: initial parameters (pytree) of a JAX function.

@@ -10,14 +10,19 @@ torch-free (xtrain.sharding.presets). `assert_sharded` is the check to run on th
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir.structure import Structure
-from xtrain.sharding import presets
+from xtrain.ir import dimflow
+from xtrain.sharding import annotate, presets, tensor_parallel
 from xtrain.sharding.mesh import DATA, TENSOR, Mesh, job_devices
-from xtrain.sharding.plan import Plan, Spec
+from xtrain.sharding.plan import PendingPlan, Plan, Spec
 from xtrain.sharding.presets import MIN_SIZE, ddp
 
 Shapes = dict[str, tuple[int, ...]]
@@ -95,9 +100,14 @@ def hybrid(model: Any, mesh: Mesh | Mapping[str, int], *, shard_axis: str = DATA
                           min_size=min_size)
 
 
-def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab_parallel: bool = True) -> Plan:
-    """Megatron-LM tensor parallel for standard transformer blocks, found by structure
-    (xtrain.sharding.megatron says how).
+def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab_parallel: bool = True,
+             sequence_parallel: bool = False, example: tuple | None = None, loss_fn: Callable | None = None) -> Plan:
+    """Megatron-LM tensor parallel derived from the model's traced program: each matmul whose
+    output dimension reaches a matmul that contracts it (through elementwise ops, heads,
+    attention, gated products, slices of fused projections) is a column -> row pair split over
+    `axis`; the token embedding and LM head are split on the vocabulary where the graph reads
+    them as a lookup table and logits (xtrain.sharding.tensor_parallel says how). Module names
+    and containers play no part; they only name what was found in `plan.notes`.
 
     Args:
         model: a torch.nn.Module.
@@ -105,11 +115,66 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
         axis: the tensor-parallel mesh axis.
         vocab_parallel: split the token embedding and LM head on the vocabulary; False keeps
             them whole (the logits then stay whole too).
+        sequence_parallel: also split the residual stream between the blocks' tensor-parallel
+            regions over the sequence on `axis` (Megatron-SP: each all-reduce becomes a
+            reduce-scatter and an all-gather). The blocks are found in the graph (the modules
+            holding each layer's row-parallel matmuls); their inputs and outputs are annotated
+            as `xtrain.shard(x, (batch axis, axis, None))` would, by forward hooks that do nothing
+            outside xtrain (torch eager runs unchanged). The activations must be (batch, sequence, ...).
+        example: one batch as `step(*batch)` takes it (only shapes are read), to trace now.
+            Without it the plan is pending: `xtrain.compile` derives its rules at the step's
+            first call, and `print(plan)` says so; rules added to it before then win.
+        loss_fn: the `loss_fn` given to `xtrain.compile`, when the forward does not return the loss.
 
     Returns:
-        A Plan with one rule per parameter group (batch: the default, the "data" axis).
+        A Plan with one rule per parameter group and notes (batch: the default, the "data" axis).
     """
-    return presets.megatron(_structure(model), _sizes(mesh), axis=axis, vocab_parallel=vocab_parallel)
+    if not _is_torch(model):
+        raise ValueError(f"xtrain.plans.megatron traces a torch module; got {type(model).__name__}. "
+                         "Write the rules yourself with xtrain.Plan(params={...})")
+    sizes = _sizes(mesh)
+    presets.require_axes((axis,), sizes, "megatron")
+
+    def derive(wrapped, batch: tuple) -> Plan:
+        flow = dimflow.of_model(wrapped, batch, sizes[axis])
+        shapes = {n: tuple(s.shape) for n, s in wrapped.param_shapes().items()}
+        plan = presets.megatron(flow, shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
+        if not sequence_parallel:
+            return plan
+        spec = (DATA if DATA in sizes else None, axis, None)
+        blocks = tensor_parallel.block_paths(flow)
+        _annotate_blocks(getattr(wrapped, "module", model), blocks, spec)
+        note = (f"sequence parallel: the inputs and outputs of {presets.listing(blocks)} split {spec} (batch, "
+                f"sequence over {axis}, width): each block's all-reduces become reduce-scatter + all-gather")
+        return dataclasses.replace(plan, notes=plan.notes + (note,))
+
+    if example is None:
+        return PendingPlan(derive=derive)
+    batch = tuple(np.asarray(x.detach().cpu()) if hasattr(x, "detach") else np.asarray(x) for x in example)
+    return derive(TorchModel(model, loss_fn), batch)
+
+
+def _annotate_blocks(module, paths: list[str], spec: tuple) -> None:
+    """Forward hooks on the blocks at `paths` that mark their hidden-state input and output
+    with `spec` (xtrain.shard: the identity outside xtrain's traces). Installed once per block."""
+    first = lambda value: value[0] if isinstance(value, tuple) else value
+    swap = lambda value, x: (x, *value[1:]) if isinstance(value, tuple) else x
+    mark = lambda value: swap(value, annotate.shard(first(value), spec)) if getattr(first(value), "ndim", 0) == len(
+        spec) else value
+
+    def before(_module, args, kwargs):
+        if args:
+            return (mark(args[0]), *args[1:]), kwargs
+        key = next(iter(kwargs), None)
+        return args, ({**kwargs, key: mark(kwargs[key])} if key is not None else kwargs)
+
+    for path in paths:
+        block = module.get_submodule(path)
+        if getattr(block, "_xtrain_sequence_parallel", None) == spec:
+            continue
+        block._xtrain_sequence_parallel = spec
+        block.register_forward_pre_hook(before, with_kwargs=True)
+        block.register_forward_hook(lambda _m, _args, out: mark(out))
 
 
 # -- checks ---------------------------------------------------------------------------------

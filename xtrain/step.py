@@ -38,7 +38,7 @@ from xtrain.runtime import devices as runtime_devices
 from xtrain.sharding import layout as layout_mod
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.mesh import Mesh
-from xtrain.sharding.plan import Plan
+from xtrain.sharding.plan import PendingPlan, Plan
 
 AUTO = "auto"
 RESIDUAL = "grad_residual/"  # checkpoint names of the TrainState's per-device leaves (int8 error feedback)
@@ -76,7 +76,9 @@ class TrainStep:
         self._pending_load: str | os.PathLike | None = None
         self._built, self._mesh = False, None
         self._request, self.plan = (mesh, plan), plan
-        if plan == AUTO:
+        if isinstance(plan, PendingPlan):  # its rules come from the program traced on the first batch
+            self._mesh = mesh.build()
+        elif plan == AUTO:
             devices = len(jax.devices())
             if np.prod(list(mesh.resolve(devices).values())) != devices:
                 raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
@@ -163,7 +165,9 @@ class TrainStep:
         (xtrain.autoplan); `self.search` keeps the search."""
         self.search = autoplan.search_plans(self.trainable, host_batch(batch), pipelines=self._searches_pipelines)
         best = autoplan.agreed_pick(self.search)
-        self._build(Mesh(**best.mesh).build(), best.plan(self.trainable.structure))
+        tensor = autoplan.search.tensor_plan(self.trainable.model, host_batch(batch)) \
+            if self.trainable.structure is not None else None
+        self._build(Mesh(**best.mesh).build(), best.plan(tensor))
 
     @property
     def _searches_pipelines(self) -> bool:
@@ -172,11 +176,15 @@ class TrainStep:
     def _ensure_built(self, batch: tuple) -> None:
         if not self._built:
             mesh, plan = self._request
-            self._choose_plan(batch) if plan == AUTO else self._build(mesh.build(), plan)
+            if isinstance(plan, PendingPlan):
+                self._build(self._mesh, plan.resolved(self.trainable.model, host_batch(batch)))
+            else:
+                self._choose_plan(batch) if plan == AUTO else self._build(mesh.build(), plan)
 
     def _require_built(self, what: str) -> None:
         if not self._built:
-            raise RuntimeError(f"plan='auto' chooses the plan at the first step(*batch) (it needs the batch shapes); "
+            which = "plan='auto' chooses the plan" if self.plan == AUTO else "plans.megatron derives its rules"
+            raise RuntimeError(f"{which} at the first step(*batch) (it needs the batch shapes); "
                                f"call the step once before {what}")
 
     # -- running ---------------------------------------------------------------------------

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from neuron_support import topology
 from xtrain.cost.hardware import HardwareProfile
-from xtrain.ir.structure import Structure
-from xtrain.sharding import presets
 from xtrain.sharding.plan import Plan
+
+# the Megatron plan of the model for a mesh's {axis: size} (xtrain.sharding.presets.megatron_of)
+TensorPlan = Callable[[Mapping[str, int]], Plan]
 
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
@@ -87,16 +88,15 @@ class Candidate:
         name += " offload" if self.offload else ""
         return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
-    def plan(self, structure: Structure | None = None) -> Plan:
-        """The Plan: Megatron rules for tensor > 1 (from the model's module structure), the ZeRO
-        stage, remat, the pipeline."""
+    def plan(self, tensor: TensorPlan | None = None) -> Plan:
+        """The Plan: Megatron rules for tensor > 1 (`tensor(mesh sizes)`: derived from the model's
+        traced program), the ZeRO stage, remat, the pipeline."""
         base = Plan(precision=self.precision, offload="optimizer" if self.offload else "none")
         if self.tensor > 1:
-            if structure is None:
+            if tensor is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
-            base = dataclasses.replace(presets.megatron(structure, self.mesh), precision=base.precision,
-                                       offload=base.offload)
+            base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload)
         if self.pipe == 1:
             return dataclasses.replace(base, zero=self.zero, remat=self.remat)
         return dataclasses.replace(base, zero=self.zero).with_pipeline(

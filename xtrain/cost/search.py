@@ -2,7 +2,7 @@
 
     result = search(model, tx, batch, profile, devices=128)
     print(result)                      # one row per candidate; `*` marks the pick
-    result.best.candidate.plan(structure)  # the Plan, result.best.candidate.mesh the Mesh sizes
+    result.best.candidate.plan(search.tensor_plan(model, batch))  # the Plan, result.best.candidate.mesh the Mesh sizes
 
 Candidates (xtrain.cost.candidates; in the fixed order of torchtitan's parallelize: tensor,
 pipeline, activation checkpointing, data/ZeRO): tensor degree t over the "tensor" axis (Megatron
@@ -35,8 +35,11 @@ its host transfers (twice the state per step) and needs no device memory for the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
+
+import jax
 
 from xtrain.ir import flops as flops_mod
 from xtrain.cost import model as cost_model
@@ -47,6 +50,8 @@ from xtrain.cost.candidates import SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, c
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
 from xtrain.lowering import accounting
+from xtrain.sharding import presets
+from xtrain.sharding.plan import Plan
 
 # Candidates within this share of the fastest count as tied; the simplest of them is picked
 # (less tensor parallelism, lower ZeRO stage, no recomputation): the margin is about the
@@ -159,6 +164,18 @@ def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=8)
+def _megatron(model, shapes: tuple, sizes: tuple) -> Plan:
+    return presets.megatron_of(model, shapes, dict(sizes))
+
+
+def tensor_plan(model, batch: tuple) -> Callable[[Mapping[str, int]], Plan]:
+    """The Megatron plan of `model` for a mesh, derived from its program traced on `batch`'s
+    shapes (one trace per mesh, shared by the candidates)."""
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
+    return lambda sizes: _megatron(model, shapes, tuple(sizes.items()))
+
+
 def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch: tuple, profile: HardwareProfile,
              *, regather: bool = True, layers: int | None = None, model_flops: float | None = None) -> Row:
     """Lowers `candidate` for an abstract mesh and predicts it on `profile`. On Trainium the
@@ -175,7 +192,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     target = placement.neuron_target(profile)
     try:
         profile.check_precision(candidate.precision)
-        plan = candidate.plan(structure)
+        plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None)
         traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
                                            platform="neuron" if target else None)
     except ValueError as err:

@@ -1,4 +1,5 @@
-"""A torch module's tree described as plain data (xtrain.ir.structure.Structure), for the presets."""
+"""A torch module's tree described as plain data (xtrain.ir.structure.Structure): parameter
+shapes under canonical names for the presets, and the module tree."""
 from __future__ import annotations
 
 import sys
@@ -6,10 +7,6 @@ import sys
 from torch import nn
 
 from xtrain.ir.structure import Kind, Module, Structure
-
-# integer attributes that tell attention modules apart and give their head counts
-ATTRS = ("num_heads", "n_head", "n_heads", "heads", "num_attention_heads", "num_key_value_heads",
-         "num_kv_heads", "n_kv_heads", "head_dim", "num_key_value_groups")
 
 
 def _is_conv1d(module) -> bool:
@@ -28,24 +25,14 @@ def _kind(module: nn.Module) -> Kind:
     return Kind.LIST if isinstance(module, nn.ModuleList) else Kind.OTHER
 
 
-def _ints(owner) -> dict[str, int]:
-    out = {}
-    for name in ATTRS:
-        value = getattr(owner, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[name] = value
-    return out
-
-
 def describe(model: nn.Module) -> Structure:
     """The module tree of `model`: kinds, parameters under their canonical names (a tied tensor
-    under the first name torch gives it), head attributes, children."""
+    under the first name torch gives it), children."""
     names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     modules = {}
     for path, module in model.named_modules():
         params = {local: names[id(p)] for local, p in module.named_parameters(recurse=False)}
         children = tuple(f"{path}.{c}" if path else c for c, _ in module.named_children())
         modules[path] = Module(path=path, kind=_kind(module), type_name=type(module).__name__, params=params,
-                               attrs=_ints(module), config_attrs=_ints(getattr(module, "config", None)),
                                children=children)
     return Structure(modules, {n: tuple(p.shape) for n, p in model.named_parameters()})

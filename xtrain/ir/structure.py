@@ -1,6 +1,6 @@
-"""A model's module tree as plain data: what the presets read of a model's structure
-(xtrain.sharding.presets), described once by the front end (xtrain.frontend.structure) so that
-the presets never see torch.
+"""A model's module tree as plain data (kinds, parameters' canonical names and shapes, children),
+described once by the front end (xtrain.frontend.structure) so that the compiler never sees torch.
+Tensor-parallel plans do not read it: they come from the traced program (xtrain.ir.dimflow).
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ class Module:
         type_name: its class name (children of one class hold the same structure).
         params: its own parameters: local name ("weight", "bias") -> canonical parameter name
             (tied tensors have one canonical name).
-        attrs: integer attributes that describe it (head counts, head_dim), its own.
-        config_attrs: the same read from its `config` (HF modules hold the model config).
         children: the paths of its direct children, in order.
     """
 
@@ -38,8 +36,6 @@ class Module:
     kind: Kind
     type_name: str
     params: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    attrs: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    config_attrs: Mapping[str, int] = dataclasses.field(default_factory=dict)
     children: tuple[str, ...] = ()
 
 

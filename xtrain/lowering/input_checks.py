@@ -146,8 +146,9 @@ def _is_int(aval) -> bool:
 def _follow(eqn, ins: list) -> list:
     """Abstract values of an equation's outputs from its inputs' (None: not from the batch)."""
     name = str(eqn.primitive)
-    if name == "concatenate" and _is_columns(eqn):
-        return [_Columns(tuple(v if _batch(v) else None for v in ins))]
+    parts = tuple(v if _batch(v) else None for v in ins)
+    if name == "concatenate" and _is_columns(eqn) and any(p is not None for p in parts):
+        return [_Columns(parts)]  # (a concatenation of columns none of which is from the batch is no index)
     tests = _tests(name, eqn, ins)
     src = next((v for v in ins if _batch(v)), None)
     if src is None and name in ("convert_element_type", "copy") and _const(ins[0]) is not None:

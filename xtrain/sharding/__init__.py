@@ -6,7 +6,8 @@
                  remat.py, offload.py)
     zero.py      which dimension ZeRO splits over the data axes (shared with the presets)
     layout.py    layout resolution: plan + mesh sizes + shapes -> the state layout
-    presets.py   ddp, fsdp/zero, hybrid, megatron (megatron.py) as ordinary Plans
+    presets.py   ddp, fsdp/zero, hybrid, megatron (tensor_parallel.py: from the traced
+                 program's dimension flow) as ordinary Plans; PendingPlan (plan.py) until traced
     annotate.py  xtrain.shard: activation layouts written in model code
 """
 from xtrain.sharding.mesh import Mesh

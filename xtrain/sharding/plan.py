@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.pipeline import Pipeline, pipeline
@@ -151,6 +151,40 @@ class Plan:
                 f"Plan rule(s) {unused} match no parameter; parameter names look like: {sample}, ... "
                 "(patterns are fnmatch globs over torch parameter names)")
         return specs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingPlan(Plan):
+    """A plan whose parameter rules are derived from the traced program (xtrain.plans.megatron
+    without `example=`): the step derives them at its first call, from the first batch's shapes.
+    Rules in `params` (a user's, added with dataclasses.replace) win over the derived ones.
+
+    Attributes:
+        derive: (model, batch) -> the derived Plan (its params and notes are taken).
+    """
+
+    derive: Callable[[Any, tuple], Plan] | None = None
+
+    def resolved(self, model, batch: tuple) -> Plan:
+        """The plan for `model` (xtrain.ir.Model) traced on `batch`: the derived rules after this
+        plan's own, which win."""
+        derived = self.derive(model, batch)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Plan)}
+        notes = [f"user rule {p!r}: {tuple(s)} wins over the derived rules" for p, s in self.params.items()]
+        return Plan(**{**fields, "params": {**self.params, **{k: v for k, v in derived.params.items()
+                                                                 if k not in self.params}},
+                       "notes": tuple(notes) + derived.notes + self.notes})
+
+    def param_specs(self, shapes, mesh_axes) -> dict[str, Spec]:
+        raise ValueError("this plan's tensor-parallel rules are derived from the program traced on the first batch "
+                         "(xtrain.plans.megatron without example=): they exist after the step's first call; pass "
+                         "example=<a batch> to plans.megatron to derive them now")
+
+    def __str__(self) -> str:
+        first, *rest = Plan.__str__(self).replace("  (every parameter replicated)\n", "").split("\n")
+        rest = [r for r in rest if r != "  (every parameter replicated)"]
+        return "\n".join([first, "  pending: the tensor-parallel rules are derived from the program traced at the "
+                           "step's first call (plans.megatron(..., example=batch) derives them now)", *rest])
 
 
 def _check_axes(what: str, spec: Spec, mesh_axes: Mapping[str, int], rule: str) -> None:

@@ -1,7 +1,7 @@
 """Presets: the usual parallel layouts as ordinary, printable, editable Plans.
 
-Every preset reads the parameters' names and shapes (and, for `megatron`, the module structure:
-xtrain.ir.structure) and the mesh's axis sizes, and writes one rule per parameter (layers with
+Every preset reads the parameters' names and shapes (and, for `megatron`, the traced program's
+dimension flow: xtrain.ir.dimflow) and the mesh's axis sizes, and writes one rule per parameter (layers with
 the same choice collapse to one `blocks.*.` glob). What a preset kept whole, and why, is in
 `plan.notes`. Users call them through `xtrain.plans`, which describes a torch module or a JAX
 parameter tree first.
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from typing import Mapping
 
-from xtrain.ir.structure import Structure
+from xtrain.ir import dimflow
+from xtrain.ir.model import Model
+from xtrain.sharding import tensor_parallel
 from xtrain.sharding import zero as zero_mod
-from xtrain.sharding.megatron import megatron_specs
+from xtrain.sharding.tensor_parallel import escape as _escape
+from xtrain.sharding.tensor_parallel import layer_glob
 from xtrain.sharding.mesh import DATA, TENSOR
-from xtrain.sharding.plan import Plan, Spec, axes_of
+from xtrain.sharding.plan import PendingPlan, Plan, Spec, axes_of
 
 Shapes = Mapping[str, tuple[int, ...]]
 # Tensors below this many elements (biases, norm scales of small models) are not worth a
@@ -34,15 +36,6 @@ def require_axes(axes: tuple[str, ...], sizes: Mapping[str, int], preset: str) -
 
 
 # -- outputs: compact rules and readable notes ---------------------------------------------
-def _escape(name: str) -> str:
-    return re.sub(r"([\[\]*?])", r"[\1]", name)
-
-
-def layer_glob(name: str) -> str:
-    """`blocks.3.mlp.0.weight` -> `blocks.*.mlp.0.weight` (the first numeric segment)."""
-    return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", _escape(name), count=1)
-
-
 def compact(specs: Mapping[str, Spec], names: list[str]) -> dict[str, Spec]:
     """Rules for the split parameters in `specs`, one glob per layer group where every layer
     made the same choice and the glob matches nothing else."""
@@ -81,6 +74,10 @@ def fsdp(shapes: Shapes, sizes: Mapping[str, int], *, axis: str | tuple[str, ...
     dimension ZeRO's own rule picks: xtrain.sharding.zero.shard_dim); `base`'s splits kept."""
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
     require_axes(axes, sizes, "fsdp")
+    if isinstance(base, PendingPlan):  # FSDP on top of rules derived at the step's first call
+        pending = base
+        return PendingPlan(derive=lambda model, batch: fsdp(shapes, sizes, axis=axis, min_size=min_size,
+                                                            base=pending.resolved(model, batch)))
     n = math.prod(sizes[a] for a in axes)
     base = base or Plan()
     base_specs = base.param_specs(shapes, sizes)
@@ -132,14 +129,23 @@ def hybrid(shapes: Shapes, sizes: Mapping[str, int], *, shard_axis: str = DATA,
 
 
 # -- Megatron tensor parallel ---------------------------------------------------------------
-def megatron(structure: Structure, sizes: Mapping[str, int], *, axis: str = TENSOR,
+def megatron(flow: dimflow.Flow, shapes: Shapes, sizes: Mapping[str, int], *, axis: str = TENSOR,
              vocab_parallel: bool = True) -> Plan:
-    """Megatron-LM tensor parallel for standard transformer blocks (xtrain.sharding.megatron)."""
+    """Megatron-LM tensor parallel from the traced program's dimension flow
+    (xtrain.sharding.tensor_parallel)."""
     require_axes((axis,), sizes, "megatron")
-    specs, notes = megatron_specs(structure, axis, sizes[axis], vocab_parallel=vocab_parallel)
-    shapes = structure.shapes
+    specs, notes = tensor_parallel.derive(flow, shapes, axis, sizes[axis], vocab_parallel=vocab_parallel)
     notes.append(f"replicated: {listing([n for n in shapes if n not in specs])}")
     return Plan(params=compact(specs, list(shapes)), notes=_dedup(notes))
+
+
+def megatron_of(model: Model, batch: tuple, sizes: Mapping[str, int], *, axis: str = TENSOR,
+                vocab_parallel: bool = True) -> Plan:
+    """`megatron` for a model traced on `batch` (only its shapes are read)."""
+    require_axes((axis,), sizes, "megatron")
+    shapes = {n: tuple(s.shape) for n, s in model.param_shapes().items()}
+    return megatron(dimflow.of_model(model, batch, sizes[axis]), shapes, sizes, axis=axis,
+                    vocab_parallel=vocab_parallel)
 
 
 # -- checks ---------------------------------------------------------------------------------

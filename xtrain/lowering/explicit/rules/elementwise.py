@@ -32,17 +32,20 @@ def _target_dims(args, out_shape: tuple) -> tuple:
     return tuple(dims)
 
 
-def _align(ctx: Context, args, out_shape: tuple, keep: tuple | None = None) -> tuple[list[Sharded], tuple]:
+def _align(ctx: Context, args, out_shape: tuple, keep: tuple | None = None,
+           addends: bool = False) -> tuple[list[Sharded], tuple]:
     """Brings operands to one dims layout (`_target_dims`). Pending sums are kept if in
     `keep` (default: all) and the result is not split over their axis (an addend's slice is
     not a slice's addend); the others are resolved, by reduce-scatter where the result splits
-    a dim over them."""
+    a dim over them. `addends`: every operand becomes addends over `keep` (a whole one all on
+    device 0), for a sum that stays pending."""
     dims = _target_dims(args, out_shape)
     split = {a for d in dims for a in d}
     out = []
     for a in args:
         want = tuple(dims[d] if a.shape[d] == out_shape[d] else () for d in range(a.ndim))
         partial = tuple(p for p in a.layout.partial if p not in split and (keep is None or p in keep))
+        partial = tuple(keep) if addends else partial
         out.append(C.relayout(ctx, a, Layout(want, partial)))
     return out, tuple(dims)
 
@@ -56,11 +59,23 @@ def _partial_after(prim: str, args) -> tuple | None:
         return partials[0]
     if prim in ADDITIVE and len(set(partials)) == 1:
         return partials[0]
+    if prim in ADDITIVE and _bias(args):
+        return next(p for p in partials if p)
     if prim == "mul" and sum(bool(p) for p in partials) == 1:
         return next(p for p in partials if p)
     if prim == "div" and partials[0] and not partials[1]:
         return partials[0]
     return None
+
+
+def _bias(args) -> bool:
+    """A pending sum plus broadcast operands (a bias added to a row-parallel matmul's output):
+    the sum stays pending, each broadcast operand added on one device (Megatron adds the bias
+    after the reduction; keeping the sum pending lets a sequence split reduce-scatter it)."""
+    partials = {a.layout.partial for a in args if a.layout.partial}
+    full = max((a.shape for a in args), key=lambda shape: (len(shape), np.prod(shape)))
+    return len(partials) == 1 and all(a.shape == full for a in args if a.layout.partial) and all(
+        a.ndim < len(full) or any(s == 1 < f for s, f in zip(a.shape, full)) for a in args if not a.layout.partial)
 
 
 def elementwise(ctx: Context, eqn, args):
@@ -69,7 +84,8 @@ def elementwise(ctx: Context, eqn, args):
     out_shape = tuple(out_avals(eqn)[0].shape)
     if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
         keep = ()
-    args, dims = _align(ctx, args, out_shape, keep)
+    addends = bool(keep) and str(eqn.primitive) in ADDITIVE and _bias(args)
+    args, dims = _align(ctx, args, out_shape, keep, addends)
     outs = bind(ctx, eqn, [a.value for a in args])
     return wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in out_avals(eqn)])
 

@@ -1,0 +1,373 @@
+"""Dimension flow: which matmul output dimensions can be split over a tensor-parallel axis, found
+by following them through the traced program (Megatron's column -> row pairs, from the graph).
+
+Every dot_general of an activation with a parameter starts a *source*: the parameter's output
+dimension (column-parallel if split). The analysis follows that dimension, as a label on the
+dimensions of the variables that carry it, through ops that keep a contiguous split local:
+elementwise ops, broadcasts, transposes, reshapes into heads (the split goes to the head
+dimension when the axis divides the heads) and back, the batch dimensions of attention's
+dot_generals, slices of a fused output (the slice bounds become the source's *segments*), and
+call bodies (pjit, custom_jvp). It ends well at a dot_general that contracts it with a
+parameter: the *sink*, row-parallel (its output is a partial sum: one all-reduce). Sources
+that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
+split together or not at all. A group breaks at anything else (a reduction over the split
+dimension, a reshape that mixes it, a gather), and the first break is kept, with its op and
+module path, to explain why it stays whole. A group without a sink whose breaks are all
+reductions and lookups over the split dimension is a *logits* group (an LM head: softmax and
+cross entropy over the vocabulary). Parameters read by `gather` are embedding tables.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import operator
+
+import jax
+from jax.extend import core as jcore
+
+from xtrain.ir import graph as graph_mod
+from xtrain.ir import provenance, walk
+from xtrain.ir.model import Model
+
+# Bodies the analysis enters: they run inline, their inputs are the caller's operands.
+_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and",
+                     "reduce_or", "reduce_logsumexp"})
+_LOOKUP = frozenset({"gather", "dynamic_slice", "take_along_axis"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One parameter dimension that a group splits."""
+
+    name: str
+    dim: int
+    size: int
+    path: str      # the module path of the equation that reads it
+
+
+@dataclasses.dataclass
+class Group:
+    """Sources split together: their columns, the sinks that contract them, the parameters read
+    elementwise with them (biases) and what, if anything, stops the split."""
+
+    columns: list[Use] = dataclasses.field(default_factory=list)
+    rows: list[Use] = dataclasses.field(default_factory=list)
+    followers: list[Use] = dataclasses.field(default_factory=list)
+    segments: dict[str, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    heads: dict[str, int] = dataclasses.field(default_factory=dict)   # column name -> heads it reshapes into
+    breaks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (kind, op, where)
+
+    @property
+    def logits(self) -> bool:
+        return not self.rows and bool(self.breaks) and all(k in ("reduce", "lookup") for k, _, _ in self.breaks)
+
+    @property
+    def splittable(self) -> bool:
+        return bool(self.rows) and not self.breaks
+
+
+@dataclasses.dataclass(frozen=True)
+class Flow:
+    """The result: groups in program order and the embedding tables (gathered parameters)."""
+
+    groups: tuple[Group, ...]
+    tables: tuple[Use, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label:
+    source: int
+    identity: bool   # the dimension still indexes the source's output directly (slices are segments)
+
+
+class _Analysis:
+    def __init__(self, tp: int, module_paths: frozenset[str]):
+        self.tp, self.paths = tp, module_paths
+        self.parent: list[int] = []
+        self.groups: list[Group] = []
+        self.tables: dict[str, Use] = {}
+
+    # -- union-find over sources ------------------------------------------------------------
+    def find(self, s: int) -> int:
+        while self.parent[s] != s:
+            self.parent[s] = self.parent[self.parent[s]]
+            s = self.parent[s]
+        return s
+
+    def group(self, label: _Label) -> Group:
+        return self.groups[self.find(label.source)]
+
+    def union(self, a: _Label, b: _Label) -> None:
+        ra, rb = self.find(a.source), self.find(b.source)
+        if ra == rb:
+            return
+        self.parent[rb] = ra
+        ga, gb = self.groups[ra], self.groups[rb]
+        ga.columns += gb.columns
+        ga.rows += gb.rows
+        ga.followers += gb.followers
+        ga.breaks += gb.breaks
+        ga.heads.update(gb.heads)
+        for k, v in gb.segments.items():
+            ga.segments.setdefault(k, set()).update(v)
+
+    def new_source(self, use: Use) -> _Label:
+        self.parent.append(len(self.parent))
+        self.groups.append(Group(columns=[use]))
+        if use.size % self.tp:
+            self.groups[-1].breaks.append(("indivisible", "dot_general", f"{use.path}: output {use.size}"))
+        return _Label(len(self.parent) - 1, True)
+
+    def brk(self, labels, kind: str, op: str, where: str) -> None:
+        for label in labels:
+            if label is not None:
+                self.group(label).breaks.append((kind, op, where))
+
+    # -- the walk ----------------------------------------------------------------------------
+    def run(self, jaxpr, labels: dict, views: dict, outer: str = "") -> None:
+        for eqn in jaxpr.eqns:
+            path = walk.eqn_path(eqn, self.paths, outer)
+            ins = [None if isinstance(v, jcore.Literal) else self.live(labels.get(v)) for v in eqn.invars]
+            vws = [None if isinstance(v, jcore.Literal) else views.get(v) for v in eqn.invars]
+            body = _body(eqn)
+            if body is not None:
+                self.call(body, eqn, ins, vws, labels, views, path)
+                continue
+            held = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jcore.Literal)]
+            if len(held) == 1 and vws[held[0]] is not None and (view := vws[held[0]].through(eqn)) is not None:
+                views[eqn.outvars[0]] = view
+            outs = self.op(eqn, ins, vws, path)
+            for var, out in zip(eqn.outvars, outs):
+                if out is not None and any(d is not None for d in out) and not isinstance(var, jcore.DropVar):
+                    labels[var] = out
+
+    def live(self, label):
+        """`label` without the dimensions whose group broke: a split stops where it broke."""
+        if label is None:
+            return None
+        out = tuple(None if x is None or self.group(x).breaks else x for x in label)
+        return out if any(x is not None for x in out) else None
+
+    def call(self, body, eqn, ins, vws, labels, views, path) -> None:
+        inner_labels = {v: lab for v, lab in zip(body.invars, ins) if lab is not None}
+        inner_views = {v: vw for v, vw in zip(body.invars, vws) if vw is not None}
+        self.run(body, inner_labels, inner_views, path)
+        for var, out in zip(eqn.outvars, body.outvars):
+            if isinstance(out, jcore.Literal) or isinstance(var, jcore.DropVar):
+                continue
+            if out in inner_labels:
+                labels[var] = inner_labels[out]
+            if out in inner_views:
+                views[var] = inner_views[out]
+
+    def op(self, eqn, ins, vws, path) -> list:
+        prim = eqn.primitive.name
+        shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+        labeled = [i for i, lab in enumerate(ins) if lab is not None]
+        if prim == "dot_general":
+            return [self.dot(eqn, ins, vws, shapes, path)]
+        if prim in _LOOKUP and vws and vws[0] is not None and prim == "gather":
+            self.tables.setdefault(vws[0].name, Use(vws[0].name, vws[0].dims[0], shapes[0][0], path))
+        if not labeled:
+            return [None] * len(eqn.outvars)
+        if prim == "broadcast_in_dim":
+            out = [None] * len(out_shape)
+            for d, o in enumerate(eqn.params["broadcast_dimensions"]):
+                out[o] = ins[0][d] if shapes[0][d] == out_shape[o] else None
+            return [tuple(out)]
+        if prim == "transpose":
+            return [tuple(ins[0][p] for p in eqn.params["permutation"])]
+        if prim in ("reshape", "squeeze", "expand_dims"):
+            return [self.reshape(ins[0], shapes[0], out_shape, prim, path)]
+        if prim == "slice":
+            return [self.slice(ins[0], shapes[0], eqn.params["start_indices"], eqn.params["limit_indices"],
+                               eqn.params.get("strides"), path)]
+        if prim == "split":
+            return self.split(eqn, ins[0], shapes[0], path)
+        if prim == "concatenate":
+            return [self.elementwise(ins, vws, shapes, out_shape, path, skip=eqn.params["dimension"])]
+        if prim in _REDUCE or (prim.startswith("cum") and "axis" in eqn.params):
+            return [self.reduce(eqn, ins[0], prim, path)]
+        if len(eqn.outvars) == 1 and all(s in ((), out_shape) or len(s) == len(out_shape) and all(
+                a in (1, b) for a, b in zip(s, out_shape)) for s in shapes):
+            return [self.elementwise(ins, vws, shapes, out_shape, path)]
+        kind = "lookup" if prim in _LOOKUP else "op"
+        self.brk([lab for i in labeled for lab in ins[i]], kind, prim, path)
+        return [None] * len(eqn.outvars)
+
+    def elementwise(self, ins, vws, shapes, out_shape, path, skip: int | None = None) -> tuple:
+        out: list = [None] * len(out_shape)
+        for d in range(len(out_shape)):
+            here = [lab[d] for lab in ins if lab is not None and lab[d] is not None]
+            if not here:
+                continue
+            if d == skip:
+                self.brk(here, "op", "concatenate", f"{path}: along the split dimension")
+                continue
+            for other in here[1:]:
+                self.union(here[0], other)
+            out[d] = here[0]
+            for lab, vw, shape in zip(ins, vws, shapes):
+                if vw is not None and vw.dims[d] is not None and (lab is None or lab[d] is None) \
+                        and len(shape) == len(out_shape) and shape[d] == out_shape[d]:
+                    self.group(here[0]).followers.append(Use(vw.name, vw.dims[d], shape[d], path))
+        return tuple(out)
+
+    def reduce(self, eqn, lab, prim, path) -> tuple:
+        axes = eqn.params.get("axes", (eqn.params.get("axis"),))
+        hit = [lab[a] for a in axes if a is not None and lab[a] is not None]
+        self.brk(hit, "reduce", prim, path)
+        if prim.startswith("cum"):
+            return tuple(None if d in axes else x for d, x in enumerate(lab))
+        return tuple(x for d, x in enumerate(lab) if d not in axes)
+
+    def slice(self, lab, shape, starts, limits, strides, path) -> tuple:
+        out = list(lab)
+        for d, x in enumerate(lab):
+            if x is None or (starts[d] == 0 and limits[d] == shape[d]):
+                continue
+            if strides and strides[d] not in (None, 1) or not x.identity:
+                self.brk([x], "op", "slice", f"{path}: a strided or nested slice of the split dimension")
+                out[d] = None
+                continue
+            group = self.group(x)
+            group.segments.setdefault(group.columns[0].name if len(group.columns) == 1 else str(x.source),
+                                      set()).add((starts[d], limits[d]))
+            if (limits[d] - starts[d]) % self.tp:
+                self.brk([x], "indivisible", "slice", f"{path}: a segment of {limits[d] - starts[d]}")
+            out[d] = _Label(x.source, False)
+        return tuple(out)
+
+    def split(self, eqn, lab, shape, path) -> list:
+        axis, outs, start = eqn.params["axis"], [], 0
+        for size in eqn.params["sizes"]:
+            starts = [0] * len(shape)
+            limits = list(shape)
+            starts[axis], limits[axis] = start, start + size
+            outs.append(self.slice(lab, shape, starts, limits, None, path))
+            start += size
+        return outs
+
+    def reshape(self, lab, in_shape, out_shape, prim, path) -> tuple:
+        out: list = [None] * len(out_shape)
+        for ins, outs in _blocks(in_shape, out_shape):
+            big_in = [d for d in ins if in_shape[d] > 1]
+            big_out = [d for d in outs if out_shape[d] > 1]
+            for d in ins:
+                if lab[d] is None:
+                    continue
+                if d != big_in[0] or not big_out:
+                    self.brk([lab[d]], "op", prim, f"{path}: {in_shape} -> {out_shape} mixes the split dimension")
+                    continue
+                first = big_out[0]
+                if _one_head(in_shape, out_shape, first):
+                    self.brk([lab[d]], "heads", prim, f"{path}: 1 ({in_shape} -> {out_shape})")
+                    continue
+                if out_shape[first] % self.tp:
+                    self.brk([lab[d]], "heads", prim, f"{path}: {out_shape[first]} ({in_shape} -> {out_shape})")
+                    continue
+                same = len(big_in) == 1 and len(big_out) == 1
+                out[first] = _Label(lab[d].source, lab[d].identity and same)
+                if len(big_in) == 1 and len(big_out) > 1:
+                    group = self.group(lab[d])
+                    for use in group.columns:
+                        group.heads.setdefault(use.name, out_shape[first])
+        return tuple(out)
+
+    def dot(self, eqn, ins, vws, shapes, path):
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lab = [ins[0] or (None,) * len(shapes[0]), ins[1] or (None,) * len(shapes[1])]
+        contracted = False
+        for a, b in zip(lc, rc):
+            x, y = lab[0][a], lab[1][b]
+            if x is None and y is None:
+                continue
+            contracted = True
+            hit, other, side, dim = (x, 1, 1, b) if x is not None else (y, 0, 0, a)
+            if y is not None and x is not None:
+                self.union(x, y)
+                self.brk([x], "op", "dot_general", f"{path}: contracts two split activations")
+            elif vws[side] is not None and vws[side].dims[dim] is not None:
+                self.group(hit).rows.append(Use(vws[side].name, vws[side].dims[dim], shapes[side][dim], path))
+            else:
+                self.brk([hit], "op", "dot_general", f"{path}: contracts the split dimension with an unsplit "
+                         "activation")
+        batch = []
+        for a, b in zip(lb, rb):
+            x, y = lab[0][a], lab[1][b]
+            if x is not None and y is not None:
+                self.union(x, y)
+            elif (x or y) is not None and vws[0 if x is None else 1] is not None:
+                vw, dim = (vws[0], a) if x is None else (vws[1], b)
+                if vw.dims[dim] is not None:
+                    self.group(x or y).followers.append(Use(vw.name, vw.dims[dim], shapes[0][a], path))
+            batch.append(x or y)
+        free = []
+        for side, (c, bd) in enumerate(((lc, lb), (rc, rb))):
+            for d in range(len(shapes[side])):
+                if d in c or d in bd:
+                    continue
+                label = lab[side][d]
+                other = 1 - side
+                starts = vws[side] is not None and vws[other] is None and not contracted and not ins[side] \
+                    and vws[side].dims[d] is not None
+                if starts and label is None:
+                    label = self.new_source(Use(vws[side].name, vws[side].dims[d], shapes[side][d], path))
+                free.append(label)
+        return tuple(batch + free)
+
+
+def _body(eqn):
+    """The inline body of a call-like equation (pjit, custom_jvp/vjp, remat), else None."""
+    if eqn.primitive.name in walk.CALLS:
+        return walk.call_body(eqn)[0]
+    for key in _BODIES:
+        body = eqn.params.get(key)
+        if body is not None:
+            body = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+            if hasattr(body, "invars") and len(body.invars) == len(eqn.invars):
+                return body
+    return None
+
+
+def _one_head(in_shape, out_shape, first: int) -> bool:
+    """A reshape of the last dimension into (1 head, head_dim): one key/value head (MQA), which
+    the axis cannot split (an unsqueeze of the same shape is read the same way)."""
+    return (len(out_shape) == len(in_shape) + 1 and first == len(out_shape) - 1 and out_shape[first - 1] == 1
+            and out_shape[first] == in_shape[-1])
+
+
+def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """A reshape's dimensions grouped into blocks of equal element count: ([in dims], [out dims])
+    (a block ends where the running products of both shapes meet)."""
+    pa, pb = list(itertools.accumulate(a, operator.mul)), list(itertools.accumulate(b, operator.mul))
+    common = sorted(set(pa) & set(pb))
+    blocks: list[tuple[list[int], list[int]]] = [([], []) for _ in common]
+    for side, running in ((0, pa), (1, pb)):
+        for d, p in enumerate(running):
+            blocks[min(bisect.bisect_left(common, p), len(common) - 1)][side].append(d)
+    return blocks
+
+
+def analyze(closed, names: list[str], tp: int, module_paths: frozenset[str] = frozenset()) -> Flow:
+    """The dimension flow of a traced program whose first inputs are the parameters `names`
+    (in flattening order), for a tensor-parallel axis of size `tp`."""
+    jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
+    analysis = _Analysis(tp, module_paths)
+    analysis.run(jaxpr, {}, provenance.inputs(names, jaxpr.invars))
+    roots = sorted({analysis.find(s) for s in range(len(analysis.parent))})
+    return Flow(tuple(analysis.groups[r] for r in roots), tuple(analysis.tables.values()))
+
+
+def of_model(model: Model, batch: tuple, tp: int) -> Flow:
+    """The dimension flow of `model`'s loss on `batch` (arrays or ShapeDtypeStructs: only shapes
+    are read), traced at global shapes."""
+    params = model.param_shapes()
+    buffers = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in model.initial_buffers().items()}
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(batch))
+    traced = graph_mod.trace(model, params, buffers, jax.random.key(0), shapes)
+    names = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return analyze(traced.jaxpr, names, tp, traced.module_paths)
