@@ -105,7 +105,7 @@ def test_lora_matches_torch_and_keeps_state_for_the_adapters_only(name):
 
 def test_megatron_sees_through_peft_wrappers_and_splits_adapters_with_their_base():
     model = lora_llama()
-    plan = xtrain.plans.megatron(model, xtrain.Mesh(data=4, tensor=2))
+    plan = xtrain.plans.megatron(model, xtrain.Mesh(data=4, tensor=2), example=lm_batches()[0], loss_fn=lm_loss)
     specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, {"data": 4, "tensor": 2})
     layer = "base_model.model.model.layers.0"
     column = [f"{layer}.self_attn.q_proj", f"{layer}.self_attn.v_proj", f"{layer}.mlp.up_proj"]
@@ -119,6 +119,9 @@ def test_megatron_sees_through_peft_wrappers_and_splits_adapters_with_their_base
         assert specs[f"{proj}.lora_A.default.weight"] == (None, "tensor")
         assert not any(specs[f"{proj}.lora_B.default.weight"])
     assert specs[f"{layer}.self_attn.k_proj.weight"] == ("tensor", None)  # unwrapped layers as before
+    # found in the graph: B's output is added to the column-parallel base's (a low-rank detour)
+    assert any("q_proj.lora_B.default adds its output to" in n and "q_proj.lora_A.default kept whole" in n
+               for n in plan.notes), plan.notes
 
     # the adapters' own tensor-axis collectives are r wide (the backward sums the gradient of
     # the rank-r activation over the tensor axis); every d-wide one serves the base model; the

@@ -27,7 +27,7 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
-from xtrain.ir import provenance, walk
+from xtrain.ir import detour, provenance, walk
 from xtrain.ir.model import Model
 
 # Bodies the analysis enters: they run inline, their inputs are the caller's operands.
@@ -58,6 +58,7 @@ class Group:
     segments: dict[str, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     heads: dict[str, int] = dataclasses.field(default_factory=dict)   # column name -> heads it reshapes into
     breaks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (kind, op, where)
+    detours: list[tuple[detour.Ghost, list[str]]] = dataclasses.field(default_factory=list)  # LoRA's B, its A
 
     @property
     def logits(self) -> bool:
@@ -88,6 +89,9 @@ class _Analysis:
         self.parent: list[int] = []
         self.groups: list[Group] = []
         self.tables: dict[str, Use] = {}
+        self.ghosts: dict = {}      # var -> per-dimension detour.Ghost (row-parallel products' outputs)
+        self.links: list = []       # (label, ghost) met at an add
+        self.row_out = None         # the ghosts of the last dot_general's output
 
     # -- union-find over sources ------------------------------------------------------------
     def find(self, s: int) -> int:
@@ -110,6 +114,7 @@ class _Analysis:
         ga.followers += gb.followers
         ga.breaks += gb.breaks
         ga.heads.update(gb.heads)
+        ga.detours += gb.detours
         for k, v in gb.segments.items():
             ga.segments.setdefault(k, set()).update(v)
 
@@ -130,6 +135,7 @@ class _Analysis:
         for eqn in jaxpr.eqns:
             path = walk.eqn_path(eqn, self.paths, outer)
             ins = [None if isinstance(v, jcore.Literal) else self.live(labels.get(v)) for v in eqn.invars]
+            gins = [None if isinstance(v, jcore.Literal) else self.ghosts.get(v) for v in eqn.invars]
             vws = [None if isinstance(v, jcore.Literal) else views.get(v) for v in eqn.invars]
             body = _body(eqn)
             if body is not None:
@@ -138,7 +144,12 @@ class _Analysis:
             held = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jcore.Literal)]
             if len(held) == 1 and vws[held[0]] is not None and (view := vws[held[0]].through(eqn)) is not None:
                 views[eqn.outvars[0]] = view
+            self.row_out = None
             outs = self.op(eqn, ins, vws, path)
+            ghosts = [self.row_out] if eqn.primitive.name == "dot_general" else detour.carry(eqn, ins, gins, self.links)
+            for var, ghost in zip(eqn.outvars, ghosts):
+                if ghost is not None and not isinstance(var, jcore.DropVar):
+                    self.ghosts[var] = ghost
             for var, out in zip(eqn.outvars, outs):
                 if out is not None and any(d is not None for d in out) and not isinstance(var, jcore.DropVar):
                     labels[var] = out
@@ -153,10 +164,15 @@ class _Analysis:
     def call(self, body, eqn, ins, vws, labels, views, path) -> None:
         inner_labels = {v: lab for v, lab in zip(body.invars, ins) if lab is not None}
         inner_views = {v: vw for v, vw in zip(body.invars, vws) if vw is not None}
+        for v, outer in zip(body.invars, eqn.invars):
+            if not isinstance(outer, jcore.Literal) and outer in self.ghosts:
+                self.ghosts[v] = self.ghosts[outer]
         self.run(body, inner_labels, inner_views, path)
         for var, out in zip(eqn.outvars, body.outvars):
             if isinstance(out, jcore.Literal) or isinstance(var, jcore.DropVar):
                 continue
+            if out in self.ghosts:
+                self.ghosts[var] = self.ghosts[out]
             if out in inner_labels:
                 labels[var] = inner_labels[out]
             if out in inner_views:
@@ -280,7 +296,7 @@ class _Analysis:
     def dot(self, eqn, ins, vws, shapes, path):
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lab = [ins[0] or (None,) * len(shapes[0]), ins[1] or (None,) * len(shapes[1])]
-        contracted = False
+        contracted, row_of = False, None
         for a, b in zip(lc, rc):
             x, y = lab[0][a], lab[1][b]
             if x is None and y is None:
@@ -292,6 +308,7 @@ class _Analysis:
                 self.brk([x], "op", "dot_general", f"{path}: contracts two split activations")
             elif vws[side] is not None and vws[side].dims[dim] is not None:
                 self.group(hit).rows.append(Use(vws[side].name, vws[side].dims[dim], shapes[side][dim], path))
+                row_of = hit.source
             else:
                 self.brk([hit], "op", "dot_general", f"{path}: contracts the split dimension with an unsplit "
                          "activation")
@@ -305,7 +322,7 @@ class _Analysis:
                 if vw.dims[dim] is not None:
                     self.group(x or y).followers.append(Use(vw.name, vw.dims[dim], shapes[0][a], path))
             batch.append(x or y)
-        free = []
+        free, ghosts = [], []
         for side, (c, bd) in enumerate(((lc, lb), (rc, rb))):
             for d in range(len(shapes[side])):
                 if d in c or d in bd:
@@ -317,6 +334,11 @@ class _Analysis:
                 if starts and label is None:
                     label = self.new_source(Use(vws[side].name, vws[side].dims[d], shapes[side][d], path))
                 free.append(label)
+                ghosts.append(detour.Ghost(vws[side].name, vws[side].dims[d], shapes[side][d], path, row_of)
+                              if row_of is not None and vws[side] is not None and vws[side].dims[d] is not None
+                              and label is None else None)
+        if any(g is not None for g in ghosts):
+            self.row_out = (None,) * len(batch) + tuple(ghosts)
         return tuple(batch + free)
 
 
@@ -358,7 +380,11 @@ def analyze(closed, names: list[str], tp: int, module_paths: frozenset[str] = fr
     jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
     analysis = _Analysis(tp, module_paths)
     analysis.run(jaxpr, {}, provenance.inputs(names, jaxpr.invars))
-    roots = sorted({analysis.find(s) for s in range(len(analysis.parent))})
+    dropped = detour.absorb(analysis.groups, analysis.find, analysis.links, tp)
+    for group in analysis.groups:
+        group.columns += [Use(g.name, g.dim, g.size, g.path) for g, _ in group.detours
+                          if Use(g.name, g.dim, g.size, g.path) not in group.columns]
+    roots = sorted({analysis.find(s) for s in range(len(analysis.parent))} - dropped)
     return Flow(tuple(analysis.groups[r] for r in roots), tuple(analysis.tables.values()))
 
 

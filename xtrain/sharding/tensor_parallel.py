@@ -74,6 +74,12 @@ class _Derivation:
             self.notes.append(f"{_module(name)}: fused output sliced into {len(bounds)} segments "
                               f"{[b - a for a, b in bounds]}; split contiguously over {self.where()} (correct: the "
                               "lowering gathers where a segment crosses shards)")
+        detoured = {ghost.name for ghost, _ in g.detours}
+        base = _names([u for u in g.columns if u.name not in detoured])
+        for ghost, low_rank in g.detours:
+            self.notes.append(f"{_module(ghost.name)} adds its output to {base}'s (a low-rank detour): "
+                              f"column-parallel with it; {', '.join(dict.fromkeys(map(_module, low_rank)))} "
+                              "kept whole (its rank-r output is cheaper to keep than to reduce)")
         self.split(g.columns + g.followers + g.rows)
 
     def broken(self, g: Group) -> None:
