@@ -6,8 +6,9 @@ this package registers them all (xtrain.lowering.explicit.registry).
     reductions.py     sums (pending partial sums), max/min (combined over shards), the rest whole
     contractions.py   dot_general (tensor parallel products), convolutions
     indexing.py       gathers, vocab-parallel embedding lookups
+    routing.py        mixture-of-experts routing: top-k, sorts, grouped matmuls, routed-experts calls
     control.py        calls, custom derivative rules, scan and while loops, replicated ops
 """
-from xtrain.lowering.explicit.rules import contractions, control, elementwise, indexing, reductions, shape
+from xtrain.lowering.explicit.rules import contractions, control, elementwise, indexing, reductions, routing, shape
 
-__all__ = ["contractions", "control", "elementwise", "indexing", "reductions", "shape"]
+__all__ = ["contractions", "control", "elementwise", "indexing", "reductions", "routing", "shape"]
