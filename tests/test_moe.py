@@ -1,0 +1,217 @@
+"""Mixture-of-experts layers: HF Mixtral and Qwen3-MoE (tiny configs, transformers 5 defaults,
+random init) and an MoE written here (top-2 of 4 experts plus a shared expert, with its own
+load-balancing loss) train on 8 emulated devices as single-device torch does (the parity
+standard), with the same token-to-expert assignments, and run each device's own tokens through
+the experts: no op of an MoE layer replicated, no collective in it beyond the loss's reductions."""
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.integrations.moe import use_experts_implementation
+
+import xtrain
+from xtrain.ir.model import TraceError
+from xtrain.testing import assert_parity, run_parity, torch_reference
+
+VOCAB = 101
+TOP_K, EXPERTS = 2, 4
+
+
+def lm_loss(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
+
+
+def lm_batches(n=4, batch=8, seq=8, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(ids, ids) for ids in (torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n))]
+
+
+def mixtral(**kw):
+    # output_router_logits: the model's own load-balancing loss joins the LM loss
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=32,
+        output_router_logits=True, router_aux_loss_coef=0.1, bos_token_id=0, eos_token_id=0, **kw))
+
+
+def qwen3_moe():
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        norm_topk_prob=True, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+
+
+# -- an MoE written here ------------------------------------------------------------------------
+@dataclasses.dataclass
+class MoEConfig:
+    d: int = 32
+    ffn: int = 48
+    experts: int = EXPERTS
+    top_k: int = TOP_K
+    aux: float = 0.1
+    _experts_implementation: str = "grouped_mm"  # HF's experts switch (its default)
+
+
+@use_experts_implementation
+class Experts(nn.Module):
+    """SwiGLU experts stored as (experts, out, in) like HF's; the decorator dispatches forward
+    to HF's grouped_mm implementation (its own forward below is the "eager" one)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.num_experts = config.experts
+        self.gate_up_proj = nn.Parameter(torch.randn(config.experts, 2 * config.ffn, config.d) / config.d ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(config.experts, config.d, config.ffn) / config.ffn ** 0.5)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            hit = (top_k_index == e)  # (N, k)
+            gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out = out + y * (top_k_weights * hit).sum(-1, keepdim=True)
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.top_k = config.top_k
+        self.weight = nn.Parameter(torch.randn(config.experts, config.d))  # large logits: a routing margin
+
+    def forward(self, x):  # (N, d) -> logits (N, E), weights (N, k), indices (N, k)
+        logits = nn.functional.linear(x, self.weight)
+        top, idx = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), idx
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(config.d)
+        self.gate, self.experts = Router(config), Experts(config)
+        self.shared = nn.Sequential(nn.Linear(config.d, config.ffn), nn.SiLU(), nn.Linear(config.ffn, config.d))
+
+    def forward(self, x):  # (B, T, d)
+        h = self.norm(x).reshape(-1, x.shape[-1])
+        logits, weights, idx = self.gate(h)
+        out = self.experts(h, idx, weights) + self.shared(h)
+        return x + out.reshape(x.shape), logits
+
+
+class MoELM(nn.Module):
+    """Embedding, 2 MoE blocks, head; loss = cross-entropy + aux x Switch load balancing."""
+
+    def __init__(self, config: MoEConfig = MoEConfig()):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(VOCAB, config.d)
+        self.blocks = nn.ModuleList([MoEBlock(config) for _ in range(2)])
+        self.head = nn.Linear(config.d, VOCAB)
+
+    def forward(self, ids, labels):
+        x, balance = self.embed(ids), 0.0
+        for block in self.blocks:
+            x, logits = block(x)
+            probs = logits.softmax(-1)  # (N, E)
+            chosen = nn.functional.one_hot(probs.topk(self.config.top_k, -1).indices, self.config.experts)
+            share = chosen.float().sum(1).mean(0) / self.config.top_k  # fraction routed to each expert
+            balance = balance + self.config.experts * (share * probs.mean(0)).sum()
+        loss = nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
+        return loss + self.config.aux * balance
+
+
+def moe_loss(model, ids, labels):
+    return model(ids, labels)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+# SGD: differences stay proportional to gradient errors (AdamW moves router weights by lr x sign
+# of rounding noise, which moves router logits by ~1e-4: within reach of a routing tie)
+CASES = {"mixtral": (mixtral, sgd, lm_loss), "qwen3_moe": (qwen3_moe, sgd, lm_loss),
+         "moe": (MoELM, sgd, moe_loss)}
+
+
+def with_routing_margin(model):
+    """Routers initialised at std 1 instead of HF's 0.02: near-uniform router probabilities put
+    tokens within rounding of a tie between experts, where a discontinuous pick is not a fair test."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    return model
+
+
+@functools.cache
+def case(name):
+    make_model, make_opt, loss_fn = CASES[name]
+    torch.manual_seed(0)
+    model, batches = with_routing_margin(make_model()), lm_batches()
+    return model, make_opt, loss_fn, batches, torch_reference(model, make_opt, batches, loss_fn)
+
+
+def routing(model, loss_fn, batches):
+    """Per batch and router: its logits (N, E) and top-k expert indices (N, k)."""
+    picks = []
+    hooks = [m.register_forward_hook(lambda _m, _a, out: picks.append(out)) for name, m in model.named_modules()
+             if name.endswith("mlp.gate") or isinstance(m, Router)]
+    with torch.no_grad():
+        for batch in batches:
+            loss_fn(model, *batch)
+    for h in hooks:
+        h.remove()
+    return [(logits.float(), idx) for logits, _, idx in picks]
+
+
+def assert_same_routing(model, result, loss_fn, batches):
+    """The trained models (torch's, xtrain's) send every token to the same experts, and every
+    token is 10x further from a tie between its k-th and next expert (in router logits; softmax
+    keeps the order) than the two models' logits are apart."""
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    ours.load_state_dict(result.state)
+    theirs.load_state_dict(result.reference_state)
+    mine, ref = routing(ours, loss_fn, batches), routing(theirs, loss_fn, batches)
+    assert len(mine) == len(ref) == 2 * len(batches)
+    for (logits, idx), (ref_logits, ref_idx) in zip(mine, ref):
+        top = ref_logits.topk(TOP_K + 1, -1).values
+        margin = float((top[:, TOP_K - 1] - top[:, TOP_K]).min())
+        apart = float((logits - ref_logits).abs().max())
+        assert margin > 10 * apart, f"routing margin {margin:.2g} vs logits {apart:.2g} apart: a near tie"
+        assert torch.equal(idx, ref_idx), "token-to-expert assignments differ from torch's"
+
+
+def assert_moe_local(step, moe_paths=(".mlp", "blocks.")):
+    """No partition-rule fallback, and no all-reduce inside an MoE layer (FSDP's parameter
+    all-gathers and reduce-scatters are its own)."""
+    report = step.report()
+    assert not [n for n in report.notes if "no partition rule" in n], report.notes
+    inside = [c for c in report.collectives if c.kind == "all-reduce" and "grad_sync" not in c.source
+              and any(p in c.source for p in moe_paths)]
+    assert not inside, f"collectives inside MoE layers: {inside}"
+
+
+@pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
+                                         ("moe", "fsdp")])
+def test_moe_parity(name, layout):
+    model, make_opt, loss_fn, batches, reference = case(name)
+    mesh = xtrain.Mesh(data=8)
+    plan = xtrain.plans.fsdp(model, mesh) if layout == "fsdp" else None
+    result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
+    assert_parity(result)
+    assert_same_routing(model, result, loss_fn, batches)
+
+
+def test_moe_layers_run_on_local_tokens():
+    model, make_opt, loss_fn, batches, _ = case("mixtral")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    step(*batches[0])
+    assert_moe_local(step)
