@@ -8,6 +8,7 @@
   Qwen3-MoE, ...) are traced as one call of `xtrain.ir.moe.routed_experts`, the same arithmetic
   (tokens sorted by expert into a fixed, drop-free buffer, grouped matmuls, weighted sum), so the
   explicit lowering sees one token-local call it can run on each device's own tokens.
+- `aten::histc` (HF's count of tokens per expert) is a compare-and-sum, no sort or scatter.
 - Ops whose output shape depends on tensor values (`nonzero`, ...) get an error naming the op,
   the module and, for HF experts, the `experts_implementation` switch.
 """
@@ -62,11 +63,28 @@ def _grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
     return out if out_dtype is None else out.astype(mappings.t2j_dtype(out_dtype))
 
 
+def _histc(input, bins=100, min=0, max=0):
+    """aten.histc (HF counts tokens per expert with it) as a compare against each bin and a sum
+    over the elements: no sort and no scatter, so elements split over devices are counted where
+    they are (torchax's histogram sorts them all together)."""
+    x = input.reshape(-1)  # (n,)
+    lo, hi = (x.min(), x.max()) if min == max else (jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype))
+    lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    index = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int32)
+    index = jnp.where(x == hi, bins - 1, index)  # the upper edge belongs to the last bin, as in torch
+    inside = (x >= lo) & (x <= hi)
+    hits = (index[:, None] == jnp.arange(bins, dtype=jnp.int32)) & inside[:, None]  # (n, bins)
+    return jnp.sum(hits, axis=0, dtype=input.dtype)
+
+
+_LOWERINGS = {aten._grouped_mm.default: _grouped_mm, aten.histc.default: _histc}
+
+
 def install(env: torchax.tensor.Environment) -> None:
     """Registers the MoE op lowerings on a torchax environment (idempotent)."""
-    env._ops[aten._grouped_mm.default] = ops_registry.Operator(
-        aten._grouped_mm.default, _grouped_mm, is_jax_function=True, is_user_defined=True, needs_env=False,
-        is_view_op=False)
+    for op, impl in _LOWERINGS.items():
+        env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,
+                                             needs_env=False, is_view_op=False)
 
 
 def _activation(module: torch.nn.Module) -> str | None:

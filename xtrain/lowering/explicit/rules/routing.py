@@ -1,5 +1,6 @@
 """Partition rules of mixture-of-experts routing: the router's top-k and sorts (the sorted
-dimension whole, every other dimension keeps its split), grouped matmuls (`ragged_dot`: rows and
+dimension whole, every other dimension keeps its split), histograms of assignments
+(scatter-add: local counts, summed where they are read), grouped matmuls (`ragged_dot`: rows and
 group sizes whole, the experts' output features may stay split), and the routed-experts call
 (xtrain.ir.moe), run on each device's own tokens: no token moves, no collective (parameters
 split by ZeRO-3/FSDP are gathered as for any other use)."""
@@ -8,8 +9,8 @@ from __future__ import annotations
 from xtrain.ir import moe
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import (bind, register, register_call, same_vma, whole_dims_where,
-                                               wrap)
+from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
+                                               whole_dims_where, wrap)
 from xtrain.lowering.sharded import Context
 
 
@@ -47,6 +48,26 @@ def ragged_dot(ctx: Context, eqn, args):
                 [Layout(out_dims)])
 
 
+def scatter_add(ctx: Context, eqn, args):
+    """Scatter-add of many updates into a small whole operand (counts per expert, a histogram):
+    each device adds its own updates, the result a pending sum over the axes that split them
+    (the operand itself counted once, on the first device). Updates split elsewhere than
+    along the index rows are gathered; so is an operand split at all."""
+    operand, indices, updates = (C.resolve(ctx, a) for a in args)
+    dn = eqn.params["dimension_numbers"]
+    if dn.operand_batching_dims:
+        return fallback(ctx, eqn, args)
+    rows = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
+    indices = whole_dims_where(ctx, indices, lambda d: d == indices.ndim - 1)
+    row_split = Layout(tuple(indices.layout.dims[:-1]))  # index rows keep their split
+    updates = C.relayout(ctx, updates, Layout(tuple(
+        row_split.dims[rows.index(d)] if d in rows else () for d in range(updates.ndim))))
+    axes = row_split.split_axes()
+    operand = C.relayout(ctx, C.replicate(ctx, operand), Layout(((),) * operand.ndim, axes))
+    return wrap(eqn, bind(ctx, eqn, [operand.value, indices.value, updates.value]),
+                [Layout(((),) * operand.ndim, axes)])
+
+
 def routed_experts(ctx: Context, eqn, args):
     """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
     split, every other dim is whole (the experts' weights gathered if split)."""
@@ -63,4 +84,5 @@ def routed_experts(ctx: Context, eqn, args):
 register(top_k, "top_k")
 register(sort, "sort")
 register(ragged_dot, "ragged_dot_general")
+register(scatter_add, "scatter-add", "scatter_add")
 register_call(lambda name: moe.spec_of(name) is not None, routed_experts)
