@@ -215,3 +215,43 @@ def test_moe_layers_run_on_local_tokens():
     step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
     step(*batches[0])
     assert_moe_local(step)
+
+
+class OwnGateExperts(Experts):
+    """Experts with a gate of their own (same arithmetic): not recognised as HF's default
+    experts, so HF's grouped_mm code runs op by op (sort, histc, cumsum, aten::_grouped_mm)."""
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+def test_grouped_mm_op_traced_op_by_op_matches_torch():
+    torch.manual_seed(1)
+    model = MoELM()
+    for block in model.blocks:
+        own = OwnGateExperts(model.config)
+        own.load_state_dict(block.experts.state_dict())
+        block.experts = own
+    batches = lm_batches(seed=7)
+    result = run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=moe_loss)
+    assert_parity(result)
+    assert_same_routing(model, result, moe_loss, batches)
+
+
+def test_eager_experts_error_names_op_module_and_switch():
+    torch.manual_seed(0)
+    model = mixtral(experts_implementation="eager")
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), loss_fn=lm_loss)
+    with pytest.raises(TraceError, match=r"aten::nonzero in module 'model\.layers\.0\.mlp\.experts'.*"
+                                         r"experts_implementation='eager'.*'grouped_mm'"):
+        step(*lm_batches(n=1)[0])
+
+
+def test_expert_axis_is_an_error_until_expert_parallelism_exists():
+    model = MoELM()
+    with pytest.raises(ValueError, match=r"mesh axis 'expert' \(size 4\) asks for expert parallelism.*"
+                                         r"xtrain\.Mesh\(data=8\)"):
+        step = xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
+                              loss_fn=moe_loss)
+        step(*lm_batches(n=1)[0])
