@@ -255,3 +255,16 @@ def test_expert_axis_is_an_error_until_expert_parallelism_exists():
         step = xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
                               loss_fn=moe_loss)
         step(*lm_batches(n=1)[0])
+
+
+def test_bf16_plan_keeps_experts_one_local_call():
+    """Under a bf16 policy the grouped matmuls run in bf16 and the routed-experts call stays one
+    call (the policy would otherwise inline it and the sort by expert would gather tokens)."""
+    model, _, loss_fn, batches, (reference_losses, _) = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=sgd(m.parameters()), loss_fn=loss_fn,
+                          plan=xtrain.Plan(precision="bf16"))
+    losses = [float(step(*b)["loss"]) for b in batches]
+    assert max(abs(a - b) / b for a, b in zip(losses, reference_losses)) < 1e-2
+    assert losses != pytest.approx(reference_losses, rel=1e-6), "bf16 changed nothing: did the policy apply?"
+    assert_moe_local(step)

@@ -40,12 +40,15 @@ class ExpertsSpec:
         gated: act(gate) * up from one projection of 2 x intermediate features (SwiGLU), else act(up).
         concatenated: the gated projection's features are [gate; up], else interleaved g0, u0, g1, ...
         transposed: weights stored (experts, in, out), else (experts, out, in) like nn.Linear.
+        compute: the grouped matmuls' operand and product dtype ("bfloat16", "float16"), as a
+            precision policy sets it for every matmul; None: the operands' own.
     """
 
     activation: str
     gated: bool = True
     concatenated: bool = True
     transposed: bool = False
+    compute: str | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -55,16 +58,17 @@ class ExpertsSpec:
 def call_name(spec: ExpertsSpec) -> str:
     """The name of the traced call of `routed_experts` with `spec` (parsed back by `spec_of`)."""
     flags = "".join("1" if f else "0" for f in (spec.gated, spec.concatenated, spec.transposed))
-    return f"{_PREFIX}__{spec.activation}__{flags}"
+    return f"{_PREFIX}__{spec.activation}__{flags}__{spec.compute or 'same'}"
 
 
 def spec_of(name: str) -> ExpertsSpec | None:
     """The spec of a call named by `call_name`, else None."""
     parts = name.split("__")
-    if len(parts) != 3 or parts[0] != _PREFIX:
+    if len(parts) != 4 or parts[0] != _PREFIX:
         return None
     gated, concatenated, transposed = (c == "1" for c in parts[2])
-    return ExpertsSpec(activation=parts[1], gated=gated, concatenated=concatenated, transposed=transposed)
+    return ExpertsSpec(activation=parts[1], gated=gated, concatenated=concatenated, transposed=transposed,
+                       compute=None if parts[3] == "same" else parts[3])
 
 
 def _as_in_out(w, spec: ExpertsSpec):
@@ -72,9 +76,16 @@ def _as_in_out(w, spec: ExpertsSpec):
     return w if spec.transposed else jnp.swapaxes(w, 1, 2)
 
 
+def _grouped(rows, w, sizes, spec: ExpertsSpec):
+    """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype."""
+    dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
+    out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
+    return out.astype(rows.dtype)
+
+
 def _ffn(rows, sizes, up, down, spec: ExpertsSpec):
     """Each expert's FFN over its contiguous rows: (S, H) -> (S, H)."""
-    h = lax.ragged_dot(rows, _as_in_out(up, spec).astype(rows.dtype), sizes)  # (S, I) or (S, 2I)
+    h = _grouped(rows, _as_in_out(up, spec), sizes, spec)  # (S, I) or (S, 2I)
     act = ACTIVATIONS[spec.activation]
     if spec.gated:
         if spec.concatenated:
@@ -84,7 +95,7 @@ def _ffn(rows, sizes, up, down, spec: ExpertsSpec):
         h = act(gate) * lin
     else:
         h = act(h)
-    return lax.ragged_dot(h, _as_in_out(down, spec).astype(h.dtype), sizes)  # (S, H)
+    return _grouped(h, _as_in_out(down, spec), sizes, spec)  # (S, H)
 
 
 def group_sizes(expert_ids, experts: int):
