@@ -7,13 +7,17 @@ import copy
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
+from jax import lax
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.moe import use_experts_implementation
 
 import xtrain
+from xtrain.ir import flops
 from xtrain.ir.model import TraceError
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
@@ -268,3 +272,12 @@ def test_bf16_plan_keeps_experts_one_local_call():
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses)) < 1e-2
     assert losses != pytest.approx(reference_losses, rel=1e-6), "bf16 changed nothing: did the policy apply?"
     assert_moe_local(step)
+
+
+def test_grouped_matmul_flops_count_active_experts():
+    """Model FLOPs (MFU) count each routed row once, through one expert, forward and backward."""
+    rows, k, n, experts = 12, 6, 5, 4
+    sizes = jnp.array([3, 0, 7, 2], jnp.int32)
+    loss = lambda a, b: jnp.sum(lax.ragged_dot(a, b, sizes) ** 2)
+    grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((rows, k)), jnp.ones((experts, k, n)))
+    assert flops.count(grads).dot == 3 * 2 * rows * k * n

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -129,7 +130,7 @@ def module_rules(root: torch.nn.Module):
     for module in root.modules():
         spec = experts_spec(module)
         if spec is not None and "forward" not in vars(module):
-            module.forward = lambda *a, _m=module, _s=spec: _routed_forward(_m, _s, *a)
+            module.forward = functools.partial(_routed_forward, module, spec)
             patched.append(module)
     try:
         yield patched
