@@ -85,8 +85,9 @@ class StateLayout:
         return tuple(a for a in self.batch_axes if a not in self.split_axes(name))
 
     def zero_axes(self, name: str) -> tuple[str, ...]:
-        """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use."""
-        return tuple(a for a in self.split_axes(name) if a in self.batch_axes)
+        """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use.
+        Not `expert`: experts split over it are used where they are (tokens travel to them)."""
+        return tuple(a for a in self.split_axes(name) if a in self.batch_axes and a != EXPERT)
 
     def replicated(self) -> list[str]:
         """Stored parameters whole on every device."""

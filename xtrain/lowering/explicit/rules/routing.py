@@ -9,6 +9,7 @@ from __future__ import annotations
 from xtrain.ir import moe
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.rules import experts
 from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
                                                whole_dims_where, wrap)
 from xtrain.lowering.sharded import Context
@@ -76,6 +77,13 @@ def routed_experts(ctx: Context, eqn, args):
     x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
     tokens = Layout((x.layout.dims[0], ()))
     ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
+    if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
+        split = Layout(((experts.EXPERT,),) + ((),) * (up.ndim - 1))
+        up, down = C.relayout(ctx, C.resolve(ctx, up), split), C.relayout(ctx, C.resolve(ctx, down), split)
+        peers = ctx.sizes[experts.EXPERT]
+        experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
+        values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
+        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [tokens])
     up, down = C.replicate(ctx, up), C.replicate(ctx, down)
     values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
     return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [tokens])
