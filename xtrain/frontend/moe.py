@@ -116,6 +116,18 @@ def experts_spec(module: torch.nn.Module) -> moe.ExpertsSpec | None:
                            concatenated=bool(module.is_concatenated), transposed=bool(module.is_transposed))
 
 
+def expert_params(root: torch.nn.Module, name_of) -> frozenset[str]:
+    """Names (by `name_of`) of the expert weights of every HF experts module traced as one
+    routed-experts call: stored (experts, ...), what an `expert` mesh axis splits."""
+    out = set()
+    for module in root.modules():
+        spec = experts_spec(module)
+        if spec is not None:
+            up = module.gate_up_proj if spec.gated else module.up_proj
+            out.update(name_of(p) for p in (up, module.down_proj))
+    return frozenset(n for n in out if n is not None)
+
+
 def _routed_forward(module, spec: moe.ExpertsSpec, hidden_states, top_k_index, top_k_weights):
     """The experts' forward as one traced call of xtrain.ir.moe.routed_experts."""
     up = module.gate_up_proj if spec.gated else module.up_proj

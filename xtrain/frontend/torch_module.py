@@ -283,7 +283,8 @@ def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_
     model = TorchModel(module, loss_fn=loss_fn)
     tx, groups = optim.from_torch(optimizer, model.name_of, model.trainable())
     return Trainable(model=model, tx=tx, optimized=frozenset(groups),
-                     learning_rates=optim.LearningRates(optimizer, groups), structure=structure.describe(module))
+                     learning_rates=optim.LearningRates(optimizer, groups), structure=structure.describe(module),
+                     experts=moe.expert_params(module, model.name_of))
 
 
 def is_module(x) -> bool:
