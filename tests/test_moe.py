@@ -203,10 +203,10 @@ def assert_moe_local(step):
 
 
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
-                                         ("moe", "fsdp")])
+                                         ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
-    mesh = xtrain.Mesh(data=8)
+    mesh = xtrain.Mesh(data=2, expert=4) if layout == "expert" else xtrain.Mesh(data=8)
     plan = xtrain.plans.fsdp(model, mesh) if layout == "fsdp" else None
     result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
     assert_parity(result)
@@ -252,13 +252,20 @@ def test_eager_experts_error_names_op_module_and_switch():
         step(*lm_batches(n=1)[0])
 
 
-def test_expert_axis_is_an_error_until_expert_parallelism_exists():
+def test_expert_axis_on_a_model_without_moe_is_an_error():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"mesh axis 'expert' \(size 4\) splits the experts of MoE layers, but "
+                                         r"Sequential has none"):
+        xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
+                       loss_fn=lambda m, x: m(x).sum())(torch.ones(8, 4))
+
+
+def test_experts_not_divisible_by_expert_axis_is_an_error():
     model = MoELM()
-    with pytest.raises(ValueError, match=r"mesh axis 'expert' \(size 4\) asks for expert parallelism.*"
-                                         r"xtrain\.Mesh\(data=8\)"):
-        step = xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
-                              loss_fn=moe_loss)
-        step(*lm_batches(n=1)[0])
+    with pytest.raises(ValueError, match=r"expert weight 'blocks\.0\.experts\.down_proj' of shape \(4, 32, 48\) "
+                                         r"holds 4 experts, not divisible by the mesh axis 'expert' of size 8"):
+        xtrain.compile(model, xtrain.Mesh(expert=8), optimizer=sgd(model.parameters()),
+                       loss_fn=moe_loss)(*lm_batches(n=1)[0])
 
 
 def test_bf16_plan_keeps_experts_one_local_call():
@@ -272,6 +279,39 @@ def test_bf16_plan_keeps_experts_one_local_call():
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses)) < 1e-2
     assert losses != pytest.approx(reference_losses, rel=1e-6), "bf16 changed nothing: did the policy apply?"
     assert_moe_local(step)
+
+
+def test_expert_parallel_moves_tokens_by_two_all_to_alls_per_layer_each_way():
+    """Mesh(data=2, expert=4): experts split over `expert` (assert_sharded), per MoE layer one
+    dispatch and one combine all-to-all over `expert` in the forward pass and their two
+    transposes in the backward, each of capacity (tokens x top_k per device) rows per peer;
+    expert gradients summed over `data` only, the rest over data x expert."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    step(*batches[0])
+    xtrain.plans.assert_sharded(step, max_replicated=0.3)  # the experts: 3/4 of the parameters
+    stored = [n for n in step.layout.param_specs if ".experts." in n]
+    assert len(stored) == 2 and all(step.layout.split_axes(n) == ("expert",) for n in stored), stored
+    report = step.report()
+    tokens = batches[0][0].numel() // 8  # per device
+    for layer in ("blocks.0.experts", "blocks.1.experts"):
+        moved = [c for c in report.collectives if c.kind == "all-to-all" and layer in c.source]
+        assert len(moved) == 4 and all(c.axes == ("expert",) for c in moved), moved
+        forward = [c for c in moved if "transpose" not in c.source]
+        assert sorted(c.payload_bytes for c in forward) == [4 * tokens * TOP_K * 32 * 4,
+                                                            4 * tokens * TOP_K * 33 * 4]  # + the expert id column
+    assert [c.kind for c in report.collectives].count("all-to-all") == 8
+    expert_sync = [c for c in report.collectives if "experts.gate_up_proj" in c.source and "grad_sync" in c.source]
+    assert expert_sync and all(c.axes == ("data",) for c in expert_sync), expert_sync
+    assert_moe_local_router(report)
+
+
+def assert_moe_local_router(report):
+    assert not [n for n in report.notes if "no partition rule" in n], report.notes
+    routed = [c for c in report.collectives if "grad_sync" not in c.source and c.kind != "all-to-all"
+              and (c.kind != "all-reduce" or c.payload_bytes > 4 * EXPERTS)]
+    assert not routed, f"collectives beyond the loss's reductions and the dispatch: {routed}"
 
 
 def test_grouped_matmul_flops_count_active_experts():
