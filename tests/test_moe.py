@@ -302,6 +302,8 @@ def test_expert_parallel_moves_tokens_by_two_all_to_alls_per_layer_each_way():
         assert sorted(c.payload_bytes for c in forward) == [4 * tokens * TOP_K * 32 * 4,
                                                             4 * tokens * TOP_K * 33 * 4]  # + the expert id column
     assert [c.kind for c in report.collectives].count("all-to-all") == 8
+    capacity = f"capacity of {tokens * TOP_K} rows per peer"
+    assert len([n for n in report.notes if capacity in n and "blocks." in n]) == 2, report.notes  # one per layer
     expert_sync = [c for c in report.collectives if "experts.gate_up_proj" in c.source and "grad_sync" in c.source]
     assert expert_sync and all(c.axes == ("data",) for c in expert_sync), expert_sync
     assert_moe_local_router(report)

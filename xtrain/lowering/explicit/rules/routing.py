@@ -82,6 +82,10 @@ def routed_experts(ctx: Context, eqn, args):
         up, down = C.relayout(ctx, C.resolve(ctx, up), split), C.relayout(ctx, C.resolve(ctx, down), split)
         peers = ctx.sizes[experts.EXPERT]
         experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
+        cap = experts.capacity(x.value.shape[0], ids.shape[1])
+        ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
+                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer (this device's tokens x top_k: "
+                 f"drop-free), {cap * peers} x {x.shape[1]} features each way per device")
         values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
         return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [tokens])
     up, down = C.replicate(ctx, up), C.replicate(ctx, down)
