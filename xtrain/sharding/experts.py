@@ -10,10 +10,8 @@ import dataclasses
 import fnmatch
 from typing import Iterable, Mapping
 
-from xtrain.sharding.mesh import DATA
+from xtrain.sharding.mesh import DATA, EXPERT
 from xtrain.sharding.plan import Plan
-
-EXPERT = "expert"
 
 
 def expert_parallel(plan: Plan, experts: Iterable[str], sizes: Mapping[str, int],

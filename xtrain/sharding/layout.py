@@ -18,7 +18,7 @@ from typing import Hashable, Iterable, Mapping
 
 from xtrain.ir.stacked import Stacking, family
 from xtrain.sharding import zero
-from xtrain.sharding.mesh import DATA
+from xtrain.sharding.mesh import DATA, EXPERT
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
@@ -26,7 +26,6 @@ UNROLL_MAX_LAYERS = 8  # scan_layers="auto" unrolls up to this many layers (why:
 # Mesh axes with data meaning: by default the batch is split over those the mesh has, in mesh
 # order (model axes, such as `tensor` and `pipe`, never split it).
 BATCH_AXES = (DATA,)
-EXPERT = "expert"  # the mesh axis name reserved for expert parallelism
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,25 +166,8 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
                       scan_layers=scan_layers, agreement=agreement,
                       offload_optimizer=plan.offload is Offload.OPTIMIZER)
-    _check_no_expert_axis(out, plan)
     _check_mesh_used(out, plan)
     return out
-
-
-def _check_no_expert_axis(layout: StateLayout, plan: Plan) -> None:
-    """A mesh axis named `expert` asks for expert parallelism, which is not implemented: left to
-    the generic "axis splits nothing" note, its devices would silently duplicate the work."""
-    pipe = plan.pipeline.axis if plan.pipeline is not None else None
-    if layout.sizes.get(EXPERT, 1) > 1 and EXPERT in layout.unused_axes(pipe):
-        folded = {a: n for a, n in layout.sizes.items() if a != EXPERT}
-        folded[DATA] = folded.get(DATA, 1) * layout.sizes[EXPERT]
-        mesh = ", ".join(f"{a}={n}" for a, n in folded.items())
-        raise ValueError(
-            f"mesh axis {EXPERT!r} (size {layout.sizes[EXPERT]}) asks for expert parallelism, which xtrain does "
-            "not implement yet (experts split over it, tokens moved by all-to-all): no plan splits anything over "
-            f"it, so its devices would repeat the same work. Fold it into the data axis (xtrain.Mesh({mesh}): MoE "
-            "layers run on each device's own tokens), shard the experts' parameters with xtrain.plans.fsdp, or "
-            "name the axis in your Plan")
 
 
 def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 
 # Axis names xtrain's presets and the batch default refer to.
 DATA, TENSOR, PIPE = "data", "tensor", "pipe"
+EXPERT = "expert"  # the expert-parallel axis: one more data axis, and MoE layers' experts split over it
 
 
 class Mesh:

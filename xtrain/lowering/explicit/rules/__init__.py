@@ -7,6 +7,7 @@ this package registers them all (xtrain.lowering.explicit.registry).
     contractions.py   dot_general (tensor parallel products), convolutions
     indexing.py       gathers, vocab-parallel embedding lookups
     routing.py        mixture-of-experts routing: top-k, sorts, grouped matmuls, routed-experts calls
+    experts.py        expert parallel: a routed-experts call's all-to-all dispatch and combine
     control.py        calls, custom derivative rules, scan and while loops, replicated ops
 """
 from xtrain.lowering.explicit.rules import contractions, control, elementwise, indexing, reductions, routing, shape

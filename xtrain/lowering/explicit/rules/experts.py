@@ -14,8 +14,7 @@ from jax import lax
 
 from xtrain.ir import moe
 from xtrain.lowering import collectives
-
-EXPERT = "expert"
+from xtrain.sharding.mesh import EXPERT
 
 
 def capacity(tokens: int, top_k: int) -> int:
@@ -65,11 +64,6 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     back = collectives.all_to_all(done, (EXPERT,), 0)  # block j: my pairs, computed on device j
     out = back[dest, slot] * weights.reshape(-1)[order][:, None].astype(x.dtype)  # (S, H)
     return out[jnp.argsort(order)].reshape(n, k, -1).sum(axis=1).astype(x.dtype)
-
-
-def payload_bytes(tokens: int, top_k: int, hidden: int, peers: int, itemsize: int) -> int:
-    """Bytes one dispatch all-to-all moves per device (the combine moves one column less)."""
-    return peers * capacity(tokens, top_k) * (hidden + 1) * itemsize
 
 
 def check(experts: int, top_k: int, peers: int, where: str) -> None:
