@@ -203,11 +203,12 @@ def assert_moe_local(step):
 
 
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
-                                         ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert")])
+                                         ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
+                                         ("moe", "fsdp_expert")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
-    mesh = xtrain.Mesh(data=2, expert=4) if layout == "expert" else xtrain.Mesh(data=8)
-    plan = xtrain.plans.fsdp(model, mesh) if layout == "fsdp" else None
+    mesh = xtrain.Mesh(data=2, expert=4) if "expert" in layout else xtrain.Mesh(data=8)
+    plan = xtrain.plans.fsdp(model, mesh) if "fsdp" in layout else None
     result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
     assert_parity(result)
     assert_same_routing(model, result, loss_fn, batches)
@@ -307,6 +308,19 @@ def test_expert_parallel_moves_tokens_by_two_all_to_alls_per_layer_each_way():
     expert_sync = [c for c in report.collectives if "experts.gate_up_proj" in c.source and "grad_sync" in c.source]
     assert expert_sync and all(c.axes == ("data",) for c in expert_sync), expert_sync
     assert_moe_local_router(report)
+
+
+def test_fsdp_with_expert_axis_splits_experts_over_both():
+    """plans.fsdp on Mesh(data=2, expert=4): expert weights split over `expert` (experts dim) and
+    `data` (FSDP's dim, gathered per use); tokens still move by all-to-all."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m, mesh = copy.deepcopy(model), xtrain.Mesh(data=2, expert=4)
+    step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), plan=xtrain.plans.fsdp(m, mesh),
+                          loss_fn=loss_fn)
+    step(*batches[0])
+    stored = [n for n in step.layout.param_specs if ".experts." in n]
+    assert stored and all(set(step.layout.split_axes(n)) == {"expert", "data"} for n in stored)
+    assert [c.kind for c in step.report().collectives].count("all-to-all") == 8
 
 
 def assert_moe_local_router(report):
