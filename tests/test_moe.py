@@ -204,7 +204,7 @@ def assert_moe_local(step):
 
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
                                          ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
-                                         ("moe", "fsdp_expert")])
+                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
     mesh = xtrain.Mesh(data=2, expert=4) if "expert" in layout else xtrain.Mesh(data=8)

@@ -3,7 +3,8 @@ dimension whole, every other dimension keeps its split), histograms of assignmen
 (scatter-add: local counts, summed where they are read), grouped matmuls (`ragged_dot`: rows and
 group sizes whole, the experts' output features may stay split), and the routed-experts call
 (xtrain.ir.moe), run on each device's own tokens: no token moves, no collective (parameters
-split by ZeRO-3/FSDP are gathered as for any other use)."""
+split by ZeRO-3/FSDP are gathered as for any other use), unless its experts are split over the
+`expert` axis: then tokens go to their experts and back by all-to-all (experts.py)."""
 from __future__ import annotations
 
 from xtrain.ir import moe
@@ -71,7 +72,8 @@ def scatter_add(ctx: Context, eqn, args):
 
 def routed_experts(ctx: Context, eqn, args):
     """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
-    split, every other dim is whole (the experts' weights gathered if split)."""
+    split, every other dim is whole; the experts' weights are gathered if split, except over
+    `expert` (expert parallel: experts.routed_experts)."""
     spec = moe.spec_of(str(eqn.params["name"]))
     x, ids, weights, up, down = args
     x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
