@@ -36,6 +36,7 @@ from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import StepConfig, StepProgram
 from xtrain.runtime import devices as runtime_devices
 from xtrain.sharding import layout as layout_mod
+from xtrain.sharding.experts import expert_parallel
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import PendingPlan, Plan
@@ -90,9 +91,12 @@ class TrainStep:
         runtime_devices.check_plan_precision(plan.precision.compute.value)  # Neuron reads its flags at start
         emulated = getattr(runtime.emulated_cluster(), "instance", None)  # bf16 on V100s (or emulated p3s): an error
         hardware.check_device_precision(mesh.devices.flat[0].device_kind, plan.precision.compute.value, emulated)
-        self._mesh, self.plan = mesh, plan
         model = precision.apply_policy(self.trainable.model, plan.precision)
         shapes = model.param_shapes()
+        plan = expert_parallel(plan, self.trainable.experts, dict(mesh.shape),
+                               {n: tuple(s.shape) for n, s in shapes.items()},
+                               getattr(self.trainable.model, "name", "the model"))
+        self._mesh, self.plan = mesh, plan
         scan = layout_mod.scan_layers_for(self.options.scan_layers, shapes, mesh.devices.flat[0].platform,
                                           jax.local_device_count())
         self.layout = layout_mod.resolve(plan, dict(mesh.shape), shapes, optimized=self.trainable.optimized,

@@ -13,7 +13,7 @@ import torchax
 from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
-from xtrain.frontend import autograd_function, optim, structure, torch_ops
+from xtrain.frontend import autograd_function, moe, optim, structure, torch_ops
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
 
@@ -35,6 +35,7 @@ def torchax_env() -> torchax.tensor.Environment:
     with jax.ensure_compile_time_eval():
         env = torchax.default_env()
     torch_ops.install(env)
+    moe.install(env)
     return env
 
 
@@ -216,6 +217,7 @@ class TorchModel(Model):
         # arrays, not host tensors: make "jax" the default device while tracing.
         with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
                 _training_mode(self.module, training), torch_ops.module_rules(self.module), \
+                moe.module_rules(self.module), \
                 autograd_function.honoured(env, scopes.current):
             t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
             full = {**t_params, **t_buffers}
@@ -239,6 +241,10 @@ class TorchModel(Model):
             raise self._untranslatable(_dispatched_op(err), scopes) from err
         except jax.errors.ConcretizationTypeError as err:
             where = scopes.current() or f"{self.name}.forward (top level)"
+            op = _dispatched_op(err)
+            if op in moe.DATA_DEPENDENT_SHAPE_OPS:
+                owner = self.module.get_submodule(scopes.current()) if scopes.current() else self.module
+                raise TraceError(moe.data_dependent_shape_error(op, where, owner, self.name)) from err
             raise TraceError(
                 f"module {where!r} of {self.name} branches on tensor values (data-dependent "
                 "Python control flow), which cannot be compiled; use torch.where or fixed "
@@ -277,7 +283,8 @@ def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_
     model = TorchModel(module, loss_fn=loss_fn)
     tx, groups = optim.from_torch(optimizer, model.name_of, model.trainable())
     return Trainable(model=model, tx=tx, optimized=frozenset(groups),
-                     learning_rates=optim.LearningRates(optimizer, groups), structure=structure.describe(module))
+                     learning_rates=optim.LearningRates(optimizer, groups), structure=structure.describe(module),
+                     experts=moe.expert_params(module, model.name_of))
 
 
 def is_module(x) -> bool:

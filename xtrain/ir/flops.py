@@ -2,6 +2,8 @@
 
 Counts the operations an op must do, not what a backend fuses away:
   dot_general     2 x output elements x contracted size (one multiply, one add per term)
+  ragged_dot      2 x lhs elements x the rhs's free size: each row meets one group's matrix
+                  (a routed token one expert's), so counted FLOPs are those of the active experts
   conv            2 x output elements x (kernel window x input features per group)
   elementwise     one per output element (add, mul, exp, select, ...); transcendentals also
                   counted apart, as XLA's cost analysis does
@@ -98,6 +100,14 @@ def _dot(eqn) -> float:
     return 2.0 * _size(eqn.outvars[0].aval) * math.prod(lhs[d] for d in contract)
 
 
+def _ragged_dot(eqn) -> float:
+    dn = eqn.params["ragged_dot_dimension_numbers"]
+    (_, r_contract), (_, r_batch) = dn.dot_dimension_numbers
+    rhs = eqn.invars[1].aval.shape
+    skip = set(r_contract) | set(r_batch) | set(dn.rhs_group_dimensions)
+    return 2.0 * _size(eqn.invars[0].aval) * math.prod(n for d, n in enumerate(rhs) if d not in skip)
+
+
 def _conv(eqn) -> float:
     rhs = eqn.invars[1].aval.shape
     out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
@@ -118,9 +128,9 @@ def _trip_count(eqn) -> tuple[float, bool]:
 
 def _op(eqn, acc: Flops) -> None:
     name = str(eqn.primitive)
-    if name in ("dot_general", "conv_general_dilated"):
-        value = _dot(eqn) if name == "dot_general" else _conv(eqn)
-        if name == "dot_general":
+    if name in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
+        value = {"dot_general": _dot, "ragged_dot_general": _ragged_dot}.get(name, _conv)(eqn)
+        if name != "conv_general_dilated":
             acc.dot += value
         else:
             acc.conv += value

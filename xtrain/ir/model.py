@@ -87,6 +87,8 @@ class Trainable:
             an optax transformation, whose lr is inside it.
         structure: the module tree (for presets, e.g. plan="auto"'s megatron candidates);
             None for a JAX function.
+        experts: parameters of MoE layers' experts, stored (experts, ...): what a mesh axis
+            named `expert` splits (on dim 0).
     """
 
     model: Model
@@ -94,6 +96,7 @@ class Trainable:
     optimized: frozenset[str]
     learning_rates: LearningRates | None = None
     structure: Structure | None = None
+    experts: frozenset[str] = frozenset()
 
     @property
     def lr_groups(self) -> Mapping[str, int] | None:

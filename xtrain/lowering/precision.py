@@ -8,13 +8,14 @@ stacks, as the lowering sees them.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xtrain.ir import walk
+from xtrain.ir import moe, walk
 from xtrain.sharding.precision import Compute, LossScale, Precision
 
 # primitives whose operands the policy narrows (the FLOPs); the rest keep their traced dtypes
@@ -36,6 +37,11 @@ def _eval(jaxpr, consts, args, policy: Precision, paths: frozenset, outer: str) 
 
 
 def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
+    spec = moe.spec_of(str(eqn.params.get("name", ""))) if eqn.primitive.name in walk.CALLS else None
+    if spec is not None:  # kept one call (the lowering partitions it whole), its matmuls narrowed
+        if not policy.keeps_fp32(path):
+            spec = dataclasses.replace(spec, compute=jnp.dtype(policy.dtype).name)
+        return [moe.traced_call(spec)(*[_cast(x, v.aval.dtype) for x, v in zip(ins, eqn.invars)])]
     if eqn.primitive.name in walk.CALLS:
         body, consts = walk.call_body(eqn)
         return _eval(body, consts, [_cast(x, v.aval.dtype) for x, v in zip(ins, body.invars)], policy, paths, path)

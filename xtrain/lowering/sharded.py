@@ -103,6 +103,10 @@ class Context:
     regather: Callable | None = None  # ZeRO-3's re-gather policy in each layer (zero.RegatherPolicy)
     unroll: bool = False  # repeated blocks emitted one after another instead of as a layer scan
     layer: tuple[str, str] | None = None  # (block 0's module path, the unrolled layer's) while emitting it
+    notes: dict[str, None] = dataclasses.field(default_factory=dict)  # what rules tell the report, in order
+
+    def note(self, text: str) -> None:
+        self.notes[text] = None
 
     def note_fallback(self, primitive: str) -> None:
         self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")

@@ -18,7 +18,7 @@ from typing import Hashable, Iterable, Mapping
 
 from xtrain.ir.stacked import Stacking, family
 from xtrain.sharding import zero
-from xtrain.sharding.mesh import CONTEXT, DATA
+from xtrain.sharding.mesh import CONTEXT, DATA, EXPERT
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
@@ -84,8 +84,9 @@ class StateLayout:
         return tuple(a for a in self.batch_axes if a not in self.split_axes(name))
 
     def zero_axes(self, name: str) -> tuple[str, ...]:
-        """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use."""
-        return tuple(a for a in self.split_axes(name) if a in self.batch_axes)
+        """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use.
+        Not `expert`: experts split over it are used where they are (tokens travel to them)."""
+        return tuple(a for a in self.split_axes(name) if a in self.batch_axes and a != EXPERT)
 
     def replicated(self) -> list[str]:
         """Stored parameters whole on every device."""

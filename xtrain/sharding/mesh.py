@@ -12,6 +12,7 @@ DATA, TENSOR, PIPE = "data", "tensor", "pipe"
 # The axis context parallelism would split the sequence over; not implemented: a `context` axis
 # no plan uses is refused (xtrain.sharding.layout), never silently left computing the whole sequence.
 CONTEXT = "context"
+EXPERT = "expert"  # the expert-parallel axis: one more data axis, and MoE layers' experts split over it
 
 
 class Mesh:

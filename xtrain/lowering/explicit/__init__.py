@@ -4,7 +4,7 @@ per-device program (inside `jax.shard_map`) with every collective inserted by xt
     interpreter.py   walks a jaxpr (xtrain.ir.walk), applies one rule per equation
     registry.py      the partition rule table: primitive -> rule, the replicated fallback
     rules/           the rules, one module per family (elementwise, shape, reductions,
-                     contractions, indexing, control)
+                     contractions, indexing, routing, experts, control)
     blocks.py        repeated blocks (blocks.0, blocks.1, ...) found in the traced graph
     layer_scan.py    repeated blocks emitted as one scan (or one after another)
     forward.py       the strategy: per-device forward, autodiff, what the skeleton syncs

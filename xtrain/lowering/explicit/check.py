@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from xtrain.lowering import sharded as C
+from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules: checked alone, none would be)
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout

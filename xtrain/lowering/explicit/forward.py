@@ -145,7 +145,8 @@ class ExplicitStrategy:
     def notes(self) -> list[str]:
         ctx = self.program.ctx
         return self._stacking_notes() + [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
-                                         for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())]
+                                         for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())] + \
+            list(ctx.notes if ctx else ())
 
     def _stacking_notes(self) -> list[str]:
         groups = self.layout.stacking.groups

@@ -18,6 +18,8 @@ from xtrain.lowering.sharded import Context, Sharded
 
 Rule = Callable[[Context, object, list], list]
 RULES: dict[str, Rule] = {}
+# calls (jit) recognised by name and partitioned as a whole: (name predicate, rule)
+CALL_RULES: list[tuple[Callable[[str], bool], Rule]] = []
 
 
 def out_avals(eqn):
@@ -70,6 +72,17 @@ def register(rule: Rule, *names: str) -> None:
     """Makes `rule` the partition rule of the primitives `names`."""
     for name in names:
         RULES[name] = rule
+
+
+def register_call(matches: Callable[[str], bool], rule: Rule) -> None:
+    """Makes `rule` the partition rule of the calls whose name `matches` (instead of
+    interpreting the callee equation by equation)."""
+    CALL_RULES.append((matches, rule))
+
+
+def call_rule_for(name: str) -> Rule | None:
+    """The rule of a call named `name`, else None (its body is interpreted)."""
+    return next((rule for matches, rule in CALL_RULES if matches(name)), None)
 
 
 def rule_for(primitive) -> Rule:

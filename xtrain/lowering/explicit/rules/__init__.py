@@ -6,9 +6,12 @@ this package registers them all (xtrain.lowering.explicit.registry).
     reductions.py     sums (pending partial sums), max/min (combined over shards), the rest whole
     contractions.py   dot_general (tensor parallel products), convolutions
     indexing.py       gathers, vocab-parallel embedding lookups
+    routing.py        mixture-of-experts routing: top-k, sorts, grouped matmuls, routed-experts calls
+    experts.py        expert parallel: a routed-experts call's all-to-all dispatch and combine
     control.py        calls, custom derivative rules, scan and while loops, replicated ops
     attention.py      cuDNN's fused attention, on each device's batch and head shard
 """
-from xtrain.lowering.explicit.rules import attention, contractions, control, elementwise, indexing, reductions, shape
+from xtrain.lowering.explicit.rules import (attention, contractions, control, elementwise, indexing, reductions,
+                                           routing, shape)
 
-__all__ = ["attention", "contractions", "control", "elementwise", "indexing", "reductions", "shape"]
+__all__ = ["attention", "contractions", "control", "elementwise", "indexing", "reductions", "routing", "shape"]

@@ -15,12 +15,16 @@ from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import fallback, register, replicated, same_vma, wrap
+from xtrain.lowering.explicit.registry import call_rule_for, fallback, register, replicated, same_vma, wrap
 from xtrain.lowering.sharded import Context, Sharded
 
 
 def call(ctx: Context, eqn, args):
-    """jit / closed_call: interpret the callee with the operands' layouts."""
+    """jit / closed_call: interpret the callee with the operands' layouts, unless a rule
+    partitions calls of that name as a whole (registry.register_call)."""
+    named = call_rule_for(str(eqn.params.get("name", "")))
+    if named is not None:
+        return named(ctx, eqn, args)
     closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
     if isinstance(closed, jcore.ClosedJaxpr):
         return interpret(ctx, closed.jaxpr, closed.consts, args, inline=True)

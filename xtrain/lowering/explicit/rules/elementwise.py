@@ -111,4 +111,5 @@ register(elementwise, "add", "sub", "mul", "div", "max", "min", "integer_pow", "
          "square", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
          "rem", "atan2", "nextafter", "convert_element_type", "copy", "copy_p", "stop_gradient",
          "add_any", "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
-         "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh")
+         "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+         "eq_to", "lt_to", "le_to")  # the total-order comparisons (sorts, histograms)

@@ -152,6 +152,13 @@ def _spec_axes(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def rev(ctx: Context, eqn, args):
+    """Reversal of some dims: those whole, the others keep their split."""
+    x = C.resolve(ctx, args[0])
+    x = whole_dims_where(ctx, x, lambda d: d in eqn.params["dimensions"])
+    return wrap(eqn, bind(ctx, eqn, [x.value]), [x.layout])
+
+
 register(broadcast_in_dim, "broadcast_in_dim")
 register(reshape, "reshape")
 register(transpose, "transpose")
@@ -161,4 +168,5 @@ register(slice_, "slice")
 register(pad, "pad")
 register(dynamic_slice, "dynamic_slice")
 register(split, "split")
+register(rev, "rev")
 register(sharding_constraint, "sharding_constraint", "reshard")

@@ -1,0 +1,125 @@
+"""Routed experts of a mixture-of-experts layer as one pure JAX function, torch-free.
+
+`routed_experts(x, expert_ids, weights, up, down, spec=...)` is what an MoE layer computes once
+its router has picked each token's top-k experts: every (token, expert) pair is sorted by expert
+into a buffer of fixed size tokens x top_k (drop-free: no token is ever dropped, so the result
+equals torch's), each expert's rows go through its FFN as one grouped matmul
+(`lax.ragged_dot`), and the rows are weighted and summed back per token.
+
+Every token's output depends on that token alone, so the function is token-local: on a shard of
+the tokens it computes exactly that shard of the output. The front end traces an MoE layer's
+experts as a call of this function under a name that encodes its `ExpertsSpec` (`call_name`),
+and the explicit lowering recognises the call by that name (`spec_of`) and runs it on each
+device's own tokens (no gather of tokens, no collective), where a rule per primitive could not:
+the sort by expert runs over all tokens of the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_PREFIX = "xtrain_routed_experts"
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertsSpec:
+    """What each expert's FFN computes (HF's experts flags).
+
+    Attributes:
+        activation: a key of ACTIVATIONS.
+        gated: act(gate) * up from one projection of 2 x intermediate features (SwiGLU), else act(up).
+        concatenated: the gated projection's features are [gate; up], else interleaved g0, u0, g1, ...
+        transposed: weights stored (experts, in, out), else (experts, out, in) like nn.Linear.
+        compute: the grouped matmuls' operand and product dtype ("bfloat16", "float16"), as a
+            precision policy sets it for every matmul; None: the operands' own.
+    """
+
+    activation: str
+    gated: bool = True
+    concatenated: bool = True
+    transposed: bool = False
+    compute: str | None = None
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
+
+
+def call_name(spec: ExpertsSpec) -> str:
+    """The name of the traced call of `routed_experts` with `spec` (parsed back by `spec_of`)."""
+    flags = "".join("1" if f else "0" for f in (spec.gated, spec.concatenated, spec.transposed))
+    return f"{_PREFIX}__{spec.activation}__{flags}__{spec.compute or 'same'}"
+
+
+def spec_of(name: str) -> ExpertsSpec | None:
+    """The spec of a call named by `call_name`, else None."""
+    parts = name.split("__")
+    if len(parts) != 4 or parts[0] != _PREFIX:
+        return None
+    gated, concatenated, transposed = (c == "1" for c in parts[2])
+    return ExpertsSpec(activation=parts[1], gated=gated, concatenated=concatenated, transposed=transposed,
+                       compute=None if parts[3] == "same" else parts[3])
+
+
+def _as_in_out(w, spec: ExpertsSpec):
+    """(experts, in, out) whatever the stored layout."""
+    return w if spec.transposed else jnp.swapaxes(w, 1, 2)
+
+
+def _grouped(rows, w, sizes, spec: ExpertsSpec):
+    """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype."""
+    dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
+    out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
+    return out.astype(rows.dtype)
+
+
+def _ffn(rows, sizes, up, down, spec: ExpertsSpec):
+    """Each expert's FFN over its contiguous rows: (S, H) -> (S, H)."""
+    h = _grouped(rows, _as_in_out(up, spec), sizes, spec)  # (S, I) or (S, 2I)
+    act = ACTIVATIONS[spec.activation]
+    if spec.gated:
+        if spec.concatenated:
+            gate, lin = jnp.split(h, 2, axis=-1)
+        else:
+            gate, lin = h[..., ::2], h[..., 1::2]
+        h = act(gate) * lin
+    else:
+        h = act(h)
+    return _grouped(h, _as_in_out(down, spec), sizes, spec)  # (S, H)
+
+
+def group_sizes(expert_ids, experts: int):
+    """Rows per expert: (S,) ids -> (E,) int32 counts (a compare and a sum, no scatter)."""
+    return jnp.sum(expert_ids[:, None] == jnp.arange(experts, dtype=expert_ids.dtype), axis=0, dtype=jnp.int32)
+
+
+def routed_experts(x, expert_ids, weights, up, down, *, spec: ExpertsSpec):
+    """x (N, H), expert_ids (N, k) ints, weights (N, k), up / down (E, ...) -> (N, H)."""
+    n, k = expert_ids.shape
+    flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,) S = N k
+    order = jnp.argsort(flat, stable=True)  # (S,) pairs grouped by expert
+    rows = x[order // k]  # (S, H)
+    out = _ffn(rows, group_sizes(flat, up.shape[0]), up, down, spec)  # (S, H)
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    back = jnp.argsort(order)  # (S,) inverse permutation
+    return out[back].reshape(n, k, -1).sum(axis=1).astype(x.dtype)  # (N, H)
+
+
+@functools.cache
+def traced_call(spec: ExpertsSpec):
+    """`routed_experts` for `spec` as a jitted function whose traced call is named `call_name(spec)`."""
+    def fn(x, expert_ids, weights, up, down):
+        return routed_experts(x, expert_ids, weights, up, down, spec=spec)
+
+    fn.__name__ = fn.__qualname__ = call_name(spec)
+    return jax.jit(fn)

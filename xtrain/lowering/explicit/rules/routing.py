@@ -1,0 +1,102 @@
+"""Partition rules of mixture-of-experts routing: the router's top-k and sorts (the sorted
+dimension whole, every other dimension keeps its split), histograms of assignments
+(scatter-add: local counts, summed where they are read), grouped matmuls (`ragged_dot`: rows and
+group sizes whole, the experts' output features may stay split), and the routed-experts call
+(xtrain.ir.moe), run on each device's own tokens: no token moves, no collective (parameters
+split by ZeRO-3/FSDP are gathered as for any other use), unless its experts are split over the
+`expert` axis: then tokens go to their experts and back by all-to-all (experts.py)."""
+from __future__ import annotations
+
+from xtrain.ir import moe
+from xtrain.lowering import sharded as C
+from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.rules import experts
+from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
+                                               whole_dims_where, wrap)
+from xtrain.lowering.sharded import Context
+
+
+def top_k(ctx: Context, eqn, args):
+    """Top-k along one dim (the experts): that dim whole, rows keep their split."""
+    x = C.resolve(ctx, args[0])
+    axis = eqn.params.get("axis", x.ndim - 1) % x.ndim
+    x = whole_dims_where(ctx, x, lambda d: d == axis)
+    return wrap(eqn, bind(ctx, eqn, [x.value]), [x.layout] * 2)
+
+
+def sort(ctx: Context, eqn, args):
+    """Sort (and argsort: the iota sorted along) of one dim: that dim whole in every operand,
+    the others split as the first operand's."""
+    dim = eqn.params["dimension"]
+    first = whole_dims_where(ctx, C.resolve(ctx, args[0]), lambda d: d == dim)
+    ops = [first] + [C.relayout(ctx, a, first.layout) for a in args[1:]]
+    return wrap(eqn, bind(ctx, eqn, [a.value for a in ops]), [first.layout] * len(ops))
+
+
+def ragged_dot(ctx: Context, eqn, args):
+    """Grouped matmul (S, K) x (E, K, N) -> (S, N): rows, contraction and groups whole (a
+    row's group is set by its position); the rhs's output features may stay split (a
+    tensor-parallel expert FFN), and so does the output's last dim."""
+    lhs, rhs, sizes = (C.resolve(ctx, a) for a in args[:3])
+    dn = eqn.params["ragged_dot_dimension_numbers"]
+    (_, r_contract), _ = dn.dot_dimension_numbers
+    rhs_free = [d for d in range(rhs.ndim) if d not in r_contract and d not in dn.rhs_group_dimensions]
+    lhs, sizes = C.replicate(ctx, lhs), C.replicate(ctx, sizes)
+    if lhs.ndim != 2 or len(rhs_free) != 1:
+        rhs = C.replicate(ctx, rhs)
+    rhs = whole_dims_where(ctx, rhs, lambda d: d not in rhs_free)
+    out_dims = ((),) * (lhs.ndim - 1) + (rhs.layout.dims[rhs_free[-1]],)
+    return wrap(eqn, bind(ctx, eqn, [lhs.value, rhs.value, sizes.value] + [a.value for a in args[3:]]),
+                [Layout(out_dims)])
+
+
+def scatter_add(ctx: Context, eqn, args):
+    """Scatter-add of many updates into a small whole operand (counts per expert, a histogram):
+    each device adds its own updates, the result a pending sum over the axes that split them
+    (the operand itself counted once, on the first device). Updates split elsewhere than
+    along the index rows are gathered; so is an operand split at all."""
+    operand, indices, updates = (C.resolve(ctx, a) for a in args)
+    dn = eqn.params["dimension_numbers"]
+    if dn.operand_batching_dims:
+        return fallback(ctx, eqn, args)
+    rows = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
+    indices = whole_dims_where(ctx, indices, lambda d: d == indices.ndim - 1)
+    row_split = Layout(tuple(indices.layout.dims[:-1]))  # index rows keep their split
+    updates = C.relayout(ctx, updates, Layout(tuple(
+        row_split.dims[rows.index(d)] if d in rows else () for d in range(updates.ndim))))
+    axes = row_split.split_axes()
+    operand = C.relayout(ctx, C.replicate(ctx, operand), Layout(((),) * operand.ndim, axes))
+    return wrap(eqn, bind(ctx, eqn, [operand.value, indices.value, updates.value]),
+                [Layout(((),) * operand.ndim, axes)])
+
+
+def routed_experts(ctx: Context, eqn, args):
+    """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
+    split, every other dim is whole; the experts' weights are gathered if split, except over
+    `expert` (expert parallel: experts.routed_experts)."""
+    spec = moe.spec_of(str(eqn.params["name"]))
+    x, ids, weights, up, down = args
+    x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
+    tokens = Layout((x.layout.dims[0], ()))
+    ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
+    if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
+        split = Layout(((experts.EXPERT,),) + ((),) * (up.ndim - 1))
+        up, down = C.relayout(ctx, C.resolve(ctx, up), split), C.relayout(ctx, C.resolve(ctx, down), split)
+        peers = ctx.sizes[experts.EXPERT]
+        experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
+        cap = experts.capacity(x.value.shape[0], ids.shape[1])
+        ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
+                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer (this device's tokens x top_k: "
+                 f"drop-free), {cap * peers} x {x.shape[1]} features each way per device")
+        values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
+        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [tokens])
+    up, down = C.replicate(ctx, up), C.replicate(ctx, down)
+    values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
+    return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [tokens])
+
+
+register(top_k, "top_k")
+register(sort, "sort")
+register(ragged_dot, "ragged_dot_general")
+register(scatter_add, "scatter-add", "scatter_add")
+register_call(lambda name: moe.spec_of(name) is not None, routed_experts)
