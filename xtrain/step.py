@@ -181,9 +181,8 @@ class TrainStep:
         if not self._built:
             mesh, plan = self._request
             if isinstance(plan, PendingPlan):
-                self._build(self._mesh, plan.resolved(self.trainable.model, host_batch(batch)))
-            else:
-                self._choose_plan(batch) if plan == AUTO else self._build(mesh.build(), plan)
+                plan = plan.resolved(self.trainable.model, host_batch(batch))
+            self._choose_plan(batch) if plan == AUTO else self._build(mesh.build(), plan)
 
     def _require_built(self, what: str) -> None:
         if not self._built:
