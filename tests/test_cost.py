@@ -250,6 +250,8 @@ def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
     resumed = [step(*b)["loss"] for b in batches[2:]]
     assert resumed == pytest.approx(continued, rel=1e-5) and step.step_count == 4
     assert step.search.best is not None and step.mesh.size == 8
+    # an MLP has no layer scan to offload activations from: the search does not propose it
+    assert all(r.candidate.offload.value != "activations" for r in step.search.rows)
 
 
 def test_plan_auto_needs_a_first_step_and_rejects_other_strings():

@@ -1,8 +1,11 @@
 """Plan(offload="optimizer"): the optimizer state lives in host memory (memory kind
 "pinned_host") between steps and trains like torch; the report splits device and host bytes;
 checkpoints move between offloaded and on-device plans; the plan search proposes offload when
-a plan does not fit otherwise, charging its host transfers."""
+a plan does not fit otherwise, charging its host transfers. The cost model of
+Plan(offload="activations") (the lowering's tests: test_activation_offload.py): the estimate's
+host bytes are the report's, charged as transfers, and the search proposes it too."""
 import copy
+import dataclasses
 import re
 
 import jax
@@ -13,10 +16,12 @@ import xtrain
 from models import GPT, token_batches
 from test_cost import host_batch, wrapped_gpt
 from xtrain.cost import hardware, search
+from xtrain.sharding.offload import Offload
 from xtrain.frontend.structure import describe
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
 OFFLOAD = xtrain.Plan(offload="optimizer")
+ACTIVATIONS = search.Candidate(data=2, offload="activations")
 
 
 def adamw(params):
@@ -57,12 +62,15 @@ def test_search_proposes_offload_when_nothing_else_fits():
     plain = next(r for r in tight.rows if r.candidate.name == "dp2").prediction
     offloaded = next(r for r in tight.rows if r.candidate.name == "dp2 offload")
     assert offloaded.reason.startswith("not lowered: fits with the optimizer state on the device")
+    activations = next(r for r in tight.rows if r.candidate.name == "dp2 act-offload")
+    assert activations.reason.startswith("not lowered: fits with the activations on the device")
+    assert not [r for r in tight.rows if r.candidate.offload is Offload.ACTIVATIONS and r.candidate.remat]
     # a device just too small for dp2's state: ZeRO and offload remain; an offloaded row is costed
     small = profile.with_memory(int(plain.memory_bytes * 0.97))
     result = search.search(wrapped, tx, host_batch(batch=16), small, 2, structure=describe(model), pipe_degrees=(1,),
-                           candidate_list=[search.Candidate(data=2), search.Candidate(data=2, offload=True)])
+                           candidate_list=[search.Candidate(data=2), search.Candidate(data=2, offload="optimizer")])
     row = result.best
-    assert row.candidate.offload and row.prediction.fits and row.prediction.offload_s > 0
+    assert row.candidate.offload is Offload.OPTIMIZER and row.prediction.fits and row.prediction.offload_s > 0
     assert row.cost.memory.host == 2 * sum(p.numel() * 4 for p in model.parameters()) + 4
     assert row.candidate.plan(describe(model)).offload.value == "optimizer"
 
@@ -72,3 +80,56 @@ def test_offload_values_name_what_is_supported():
                                                    "'activations']")):
         xtrain.Plan(offload="gradients")
     assert "offload=optimizer" in str(OFFLOAD)
+
+
+def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_their_transfers():
+    torch.manual_seed(0)
+    layers, batch = 4, 64
+    model, wrapped, tx = wrapped_gpt(layers=layers)
+    profile = hardware.profile("p4d.24xlarge")
+    candidate = search.Candidate(data=8, offload="activations")
+    assert candidate.plan().offload is Offload.ACTIVATIONS
+    row = search.evaluate(wrapped, tx, None, candidate, host_batch(batch=batch), profile)
+    saving = search.evaluate(wrapped, tx, None, search.Candidate(data=8, remat=True), host_batch(batch=batch), profile)
+
+    gpt = copy.deepcopy(model)
+    step = xtrain.compile(gpt, xtrain.Mesh(data=8), optimizer=adamw(gpt.parameters()), plan=candidate.plan())
+    x, y = token_batches(n=1, batch=batch)[0]
+    reported = step.report(x, y).memory["activations_host"]
+    assert reported == layers * (batch // 8) * 16 * 32 * 4  # each layer's input: batch/8 x seq x d, fp32
+    memory = row.cost.memory
+    assert memory.activations_host == memory.host == reported
+    # the same recomputation as remat='full' with the residuals off the device: at the peak, in the
+    # backward pass, only the layer it is in has its input back on the device
+    assert memory.total == saving.cost.memory.total - (reported - reported // layers)
+    # out in the forward pass and back in the backward, over the host link
+    assert row.prediction.offload_s == pytest.approx(2 * reported / profile.host_bytes_per_s)
+    assert row.prediction.step_s == pytest.approx(saving.prediction.step_s + row.prediction.offload_s)
+    compiled = search.compiled_step_cost(step, x, y).memory
+    assert compiled.source == "xla" and compiled.activations_host == compiled.host == reported
+
+
+def test_search_picks_activation_offload_when_the_plain_plan_does_not_fit():
+    model, wrapped, tx = wrapped_gpt()
+    profile = hardware.profile("p4d.24xlarge")
+    pair = [search.Candidate(data=2), ACTIVATIONS]
+    roomy = search.search(wrapped, tx, host_batch(batch=16), profile, 2, candidate_list=pair, prune_remat=False)
+    plain, offloaded = (r.prediction.memory_bytes for r in roomy.rows)
+    assert offloaded < plain
+    small = profile.with_memory((plain + offloaded) // 2)
+    result = search.search(wrapped, tx, host_batch(batch=16), small, 2, candidate_list=pair)
+    assert not result.rows[0].prediction.fits and result.best is result.rows[1]
+    assert result.best.prediction.offload_s > 0 and "dp2 act-offload" in str(result)
+    assert result.best.candidate.plan().offload is Offload.ACTIVATIONS
+    # no layer scan in a pipeline, and offloading already recomputes each layer
+    with pytest.raises(ValueError, match=re.escape("Candidate(offload='activations', pipe=2)")):
+        search.Candidate(data=1, pipe=2, offload="activations")
+    with pytest.raises(ValueError, match=re.escape("Candidate(offload='activations', remat=True)")):
+        search.Candidate(data=2, remat=True, offload="activations")
+    with pytest.raises(ValueError, match=re.escape("Candidate(offload=True) must be one of ['none', 'optimizer', "
+                                                   "'activations']")):
+        search.Candidate(data=2, offload=True)
+    # without a host link in the profile, no offload candidates at all
+    no_link = dataclasses.replace(profile, host_bytes_per_s=None)
+    assert all(c.offload is Offload.NONE for c in search.candidates(2, no_link))
+    assert {c.offload for c in search.candidates(2, profile)} == set(Offload)

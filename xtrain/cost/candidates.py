@@ -1,7 +1,8 @@
 """The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, tensor and
-pipeline degrees, microbatches and schedule, ZeRO stage, remat, optimizer offload, compute
-precision, the order of its mesh axes) and turns into a Plan; `candidates` lists the points for
-a device count and hardware profile, in the order the search lowers and lists them.
+pipeline degrees, microbatches and schedule, ZeRO stage, remat, what is offloaded to host
+memory, compute precision, the order of its mesh axes) and turns into a Plan; `candidates`
+lists the points for a device count and hardware profile, in the order the search lowers and
+lists them.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 from neuron_support import topology
 from xtrain.cost.hardware import HardwareProfile
+from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
 # the Megatron plan of the model for a mesh's {axis: size} (xtrain.sharding.presets.megatron_of)
@@ -21,6 +23,9 @@ SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputa
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
 SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
 SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"
+SKIPPED_ACT_OFFLOAD = "not lowered: fits with the activations on the device, which saves the host transfers"
+# a candidate's name for what it offloads
+OFFLOAD_NAMES = {Offload.NONE: "", Offload.OPTIMIZER: " offload", Offload.ACTIVATIONS: " act-offload"}
 SCHEDULES = ("gpipe", "1f1b")
 # mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices
 DEFAULT_ORDER = ("data", "pipe", "tensor")
@@ -42,7 +47,10 @@ class Candidate:
             over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
         precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
             loss scaling on hardware without bf16, else "fp32").
-        offload: the optimizer state in host memory (Plan(offload="optimizer")).
+        offload: what lives in host memory (Plan(offload=...)): Offload.OPTIMIZER the optimizer
+            state; Offload.ACTIVATIONS what each layer of the layer scan saves for the backward
+            pass (no pipeline; the layer is recomputed as under remat, so remat stays False).
+            The strings "none", "optimizer", "activations" are accepted.
     """
 
     data: int
@@ -54,9 +62,10 @@ class Candidate:
     schedule: str = "gpipe"
     order: tuple[str, ...] = ()
     precision: str = "fp32"
-    offload: bool = False
+    offload: Offload = Offload.NONE
 
     def __post_init__(self):
+        self._check_offload()
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
                              f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
@@ -68,6 +77,19 @@ class Candidate:
         if self.schedule == "1f1b" and self.remat:
             raise ValueError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
                              "input; use remat=False")
+
+    def _check_offload(self) -> None:
+        names = [o.value for o in Offload]
+        if not isinstance(self.offload, (Offload, str)) or self.offload not in [*Offload, *names]:
+            raise ValueError(f"Candidate(offload={self.offload!r}) must be one of {names} (or an Offload)")
+        object.__setattr__(self, "offload", Offload.of(self.offload))
+        if self.offload is Offload.ACTIVATIONS and self.pipe > 1:
+            raise ValueError(f"Candidate(offload='activations', pipe={self.pipe}): activation offload checkpoints "
+                             "the layer scan, which a pipeline does not run; use pipe=1, or remat=True for the "
+                             "pipeline's per-stage checkpoint")
+        if self.offload is Offload.ACTIVATIONS and self.remat:
+            raise ValueError("Candidate(offload='activations', remat=True): offloaded activations already recompute "
+                             "each layer from its input, as remat does; use remat=False")
 
     def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
         sizes = {"data": self.data, "pipe": self.pipe, "tensor": self.tensor}
@@ -85,13 +107,13 @@ class Candidate:
         parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
-        name += " offload" if self.offload else ""
+        name += OFFLOAD_NAMES[self.offload]
         return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
     def plan(self, tensor: TensorPlan | None = None) -> Plan:
         """The Plan: Megatron rules for tensor > 1 (`tensor(mesh sizes)`: derived from the model's
-        traced program), the ZeRO stage, remat, the pipeline."""
-        base = Plan(precision=self.precision, offload="optimizer" if self.offload else "none")
+        traced program), the ZeRO stage, remat, what is offloaded, the pipeline."""
+        base = Plan(precision=self.precision, offload=self.offload)
         if self.tensor > 1:
             if tensor is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
@@ -106,21 +128,24 @@ class Candidate:
     def saves_memory_only(self) -> bool:
         """Remat, 1F1B and offload never make a step faster (recomputation, lockstep ticks,
         host transfers)."""
-        return self.remat or self.schedule != "gpipe" or self.offload
+        return self.remat or self.schedule != "gpipe" or self.offload is not Offload.NONE
 
     @property
     def plain(self) -> "Candidate":
         """This candidate without its memory-only variants."""
-        return dataclasses.replace(self, remat=False, schedule="gpipe", offload=False)
+        return dataclasses.replace(self, remat=False, schedule="gpipe", offload=Offload.NONE)
 
     @property
     def skipped(self) -> str:
         """Why this memory-only variant is not lowered when its plain form fits."""
-        return SKIPPED_REMAT if self.remat else SKIPPED_OFFLOAD if self.offload else SKIPPED_1F1B
+        if self.remat:
+            return SKIPPED_REMAT
+        return {Offload.OPTIMIZER: SKIPPED_OFFLOAD, Offload.ACTIVATIONS: SKIPPED_ACT_OFFLOAD}.get(self.offload,
+                                                                                                 SKIPPED_1F1B)
 
     def simplicity(self) -> tuple:
-        return (self.pipe, self.tensor, self.zero, self.offload, self.remat, self.schedule != "gpipe",
-                self.microbatches)
+        offloads = list(Offload).index(self.offload)  # none, then the optimizer state, then activations
+        return (self.pipe, self.tensor, self.zero, offloads, self.remat, self.schedule != "gpipe", self.microbatches)
 
 
 def _divisors(n: int) -> list[int]:
@@ -135,9 +160,12 @@ def pipeline_degrees(devices: int, layers: int) -> list[int]:
 def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequence[int] | None = None,
                zero_stages: Sequence[int] = (0, 1, 2, 3), remat: Sequence[bool] = (False, True),
                pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
-               schedules: Sequence[str] = SCHEDULES) -> list[Candidate]:
+               schedules: Sequence[str] = SCHEDULES,
+               offloads: Sequence[Offload] = (Offload.OPTIMIZER, Offload.ACTIVATIONS)) -> list[Candidate]:
     """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
     devices of one instance (and, on Trainium, are replica-group sizes a node supports).
+    Without a pipeline, also each of `offloads` where the profile knows its host link
+    (Offload.ACTIVATIONS needs a layer scan: leave it out for a model without repeated blocks).
 
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
@@ -150,7 +178,7 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     for p in pipe_degrees:
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
             out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
-                           profile)
+                           profile, offloads)
     return out
 
 
@@ -162,15 +190,17 @@ def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:
 
 
 def _points(data: int, tensor: int, pipe: int, zero_stages, remat, microbatches, schedules,
-            profile: HardwareProfile) -> list[Candidate]:
+            profile: HardwareProfile, offloads: Sequence[Offload]) -> list[Candidate]:
     """The candidates of one (data, tensor, pipe) mesh; without a pipeline also the optimizer
-    state offloaded to host memory, where the profile knows the host link."""
+    state or the layers' saved activations offloaded to host memory, where the profile knows
+    the host link."""
     zeros = [z for z in zero_stages if pipe == 1 or z <= 1] if data > 1 else [0]
     precision = profile.plan_precision
     if pipe == 1:
         plain = [Candidate(data=data, tensor=tensor, zero=z, remat=r, precision=precision)
                  for z in zeros for r in remat]
-        offload = [Candidate(data=data, tensor=tensor, zero=z, precision=precision, offload=True) for z in zeros]
+        offload = [Candidate(data=data, tensor=tensor, zero=z, precision=precision, offload=o)
+                   for o in offloads if o is not Offload.NONE for z in zeros]
         return plain + (offload if profile.host_bytes_per_s else [])
     return [Candidate(data=data, tensor=tensor, zero=z, pipe=pipe, microbatches=m, schedule=s, remat=r,
                       precision=precision)

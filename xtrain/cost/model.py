@@ -1,6 +1,6 @@
 """Predicted step time and memory of a lowered training step on a hardware profile.
 
-    step = compute + exposed communication
+    step = compute + exposed communication + offload
 
 compute        matmul FLOPs / peak(dtype) + (elementwise and reduction traffic + bytes that data
                movement copies: transposes, concatenations, a layer scan's stacked
@@ -9,6 +9,9 @@ communication  per collective, ring cost on the link its group spans: wire bytes
                ring steps x latency (tree latency, 2 log2 n, where that is fewer steps);
                a group whose devices sit on one instance uses the intra-node link, else the
                inter-node one (its slowest hop)
+offload        host bytes (an offloaded optimizer state: to the device and back; offloaded
+               activations: out in the forward pass, back in the backward) x 2 / host-link
+               bandwidth, exposed
 exposed        tensor-parallel and other collectives inside the forward/backward are on the
                critical path; data-parallel ones (gradient sync, ZeRO gathers) depend only on
                their own layer's tensors, so `profile.overlap` of the compute can hide them
@@ -21,7 +24,8 @@ bubble         a pipeline's per-device program is lockstep SPMD: every stage run
                bubble_s = compute x the schedule's idle share ((p - 1) / (m + p - 1) for
                GPipe and 1F1B)
 Memory per device comes from XLA's memory analysis when the step was compiled, else from the
-graph (`memory_from_graph`: the state's shards plus the peak of live temporaries).
+graph (`memory_from_graph`: the state's shards plus the peak of live temporaries in device
+memory; what a plan offloads is host memory).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
+import jax
 import numpy as np
 
 from xtrain.ir import flops as ir_flops
@@ -80,7 +85,9 @@ class Memory:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0        # temporaries beyond the state: activations, gathered weights, buffers
-    host: int = 0               # state kept in host memory (Plan(offload="optimizer")), not in `total`
+    host: int = 0               # bytes in host memory, not in `total`: an offloaded optimizer state
+                                # (Plan(offload="optimizer")) or offloaded activations, below
+    activations_host: int = 0   # of `host`, the layers' saved activations (Plan(offload="activations"))
     source: str = "graph"       # "xla" (compiled memory analysis) or "graph" (lowered program)
 
 
@@ -105,7 +112,7 @@ class Prediction:
     comm_s: Mapping[str, float]           # per link (intra-node / inter-node), before overlap
     exposed_comm_s: float
     bubble_s: float                       # part of compute_s (pipeline ticks with no work), not extra
-    offload_s: float                      # host <-> device transfers of an offloaded optimizer state
+    offload_s: float                      # host <-> device transfers of offloaded state or activations
     step_s: float
     memory_bytes: int
     fits: bool
@@ -153,8 +160,9 @@ def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, f
 
 
 def offload_seconds(memory: Memory, profile: HardwareProfile) -> float:
-    """An offloaded optimizer state crosses the host link twice per step (to the device for the
-    update, back after it); counted as exposed, though XLA may overlap part of it."""
+    """Host bytes cross the host link twice per step: an offloaded optimizer state to the device
+    for the update and back after it, offloaded activations out in the forward pass and back in
+    the backward; counted as exposed, though XLA may overlap part of it."""
     if not memory.host:
         return 0.0
     if profile.host_bytes_per_s is None:
@@ -188,9 +196,12 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
 
 
 # -- memory ---------------------------------------------------------------------------------
-def memory_from_compiled(compiled, state: Mapping[str, int]) -> Memory:
+def memory_from_compiled(compiled, state: Mapping[str, int], activations_host: int = 0) -> Memory:
     """XLA's memory analysis of a compiled step: arguments + outputs not aliased to them +
-    temporaries; `state` is the parameters/gradients/optimizer split (report.state_memory)."""
+    temporaries; `state` is the parameters/gradients/optimizer split (report.state_memory);
+    `activations_host` the bytes of offloaded activations (report's memory["activations_host"]:
+    charged as host traffic; where XLA keeps them in device buffers, XLA:CPU, they stay in
+    `total` as XLA counts them)."""
     stats = compiled.memory_analysis()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
              + stats.temp_size_in_bytes)
@@ -198,13 +209,15 @@ def memory_from_compiled(compiled, state: Mapping[str, int]) -> Memory:
     if host and not getattr(stats, "host_argument_size_in_bytes", 0):
         total -= host  # XLA:CPU counts pinned_host buffers as device bytes (donated: once, net)
     return Memory(total=int(total), parameters=state.get("parameters", 0), gradients=state.get("gradients", 0),
-                  optimizer=state.get("optimizer", 0), activations=int(stats.temp_size_in_bytes), host=host,
-                  source="xla")
+                  optimizer=state.get("optimizer", 0), activations=int(stats.temp_size_in_bytes),
+                  host=host + activations_host, activations_host=activations_host, source="xla")
 
 
 def _nbytes(aval) -> int:
+    """Device bytes of a value: none for one in host memory (offloaded activations, an
+    offloaded optimizer state on its way back)."""
     shape = getattr(aval, "shape", None)
-    if shape is None:
+    if shape is None or getattr(aval, "memory_space", None) is jax.memory.Space.Host:
         return 0
     try:
         itemsize = np.dtype(aval.dtype).itemsize
@@ -237,15 +250,18 @@ def peak_live_bytes(jaxpr) -> int:
     return peak
 
 
-def memory_from_graph(per_device_jaxpr, state: Mapping[str, int]) -> Memory:
+def memory_from_graph(per_device_jaxpr, state: Mapping[str, int], activations_host: int = 0) -> Memory:
     """Per-device memory of a lowered (not compiled) step: the state shards (`state`:
     parameters, gradients, optimizer, int8 residual bytes; an offloaded optimizer state,
     `optimizer_host`, counts as host memory) held all step, plus the peak of live
-    intermediates of the per-device program (activations, gathered weights; gradients are
-    intermediates there and counted in that peak, not twice)."""
+    intermediates of the per-device program in device memory (activations, gathered weights;
+    gradients are intermediates there and counted in that peak, not twice; values placed in
+    host memory are not: `activations_host` bytes of offloaded activations per step,
+    xtrain.lowering.offload.offloaded_activation_bytes, count as host memory)."""
     temporaries = peak_live_bytes(per_device_jaxpr)
     held = state.get("parameters", 0) + state.get("optimizer", 0) + state.get("grad_residual", 0)
     return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
                   gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),
                   activations=int(max(0, temporaries - state.get("gradients", 0))),
-                  host=state.get("optimizer_host", 0), source="graph")
+                  host=state.get("optimizer_host", 0) + activations_host, activations_host=activations_host,
+                  source="graph")

@@ -28,9 +28,12 @@ with the first finding and never picked. MFU divides the model's FLOPs (xtrain.i
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
 whose memory exceeds the device is marked as not fitting and never picked. A variant that only
-saves memory (remat, 1F1B, the optimizer state offloaded to host memory where the profile knows
-the host link) is lowered only when its plain form does not fit; an offloaded plan is charged
-its host transfers (twice the state per step) and needs no device memory for the state.
+saves memory (remat, 1F1B, and where the profile knows the host link, without a pipeline: the
+optimizer state offloaded to host memory, or, for a model with repeated blocks, what each layer
+of the layer scan saves for the backward pass) is lowered only when its plain form does not
+fit; an offloaded plan needs no device memory for what it offloads and is charged its host
+transfers (twice those bytes per step: the state to the device and back, the activations out
+in the forward pass and back in the backward).
 """
 from __future__ import annotations
 
@@ -49,8 +52,9 @@ from xtrain.cost import program as program_mod
 from xtrain.cost.candidates import SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, candidates, pipeline_degrees
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
-from xtrain.lowering import accounting
+from xtrain.lowering import accounting, offload
 from xtrain.sharding import presets
+from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
 # Candidates within this share of the fastest count as tied; the simplest of them is picked
@@ -142,14 +146,15 @@ def _tokens(batch: tuple) -> int:
 
 def step_cost(step: program_mod.AbstractStep, sizes: dict[str, int], tokens: int, module_paths=frozenset(),
               pipeline: cost_model.Pipeline = cost_model.Pipeline()) -> cost_model.StepCost:
-    """The StepCost of a traced step: FLOPs, collectives and graph memory of its program."""
+    """The StepCost of a traced step: FLOPs, collectives and graph memory of its program (the
+    activations it offloads counted as host memory, as `step.report()` counts them)."""
     body = program_mod.per_device_body(step.program)
+    memory = cost_model.memory_from_graph(body if body is not None else step.program, step.state_bytes,
+                                          activations_host=offload.offloaded_activation_bytes(step.program))
     return cost_model.StepCost(
         flops=flops_mod.count(step.program),
         collectives=accounting.collectives(step.program, sizes, module_paths),
-        mesh=sizes, data_axes=step.batch_axes,
-        memory=cost_model.memory_from_graph(body if body is not None else step.program, step.state_bytes),
-        tokens=tokens, pipeline=pipeline)
+        mesh=sizes, data_axes=step.batch_axes, memory=memory, tokens=tokens, pipeline=pipeline)
 
 
 def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
@@ -232,14 +237,16 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         structure: the model's module structure (for Megatron tensor-parallel candidates).
         candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
-        prune_remat: lower a memory-only variant (remat, 1F1B) only when its plain plan does not fit.
+        prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
     """
     facts = program_mod.model_facts(model, batch)
     if candidate_list is None:
         pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
-        candidate_list = candidates(devices, profile, pipe_degrees=pipes)
+        # activation offload checkpoints the layer scan: only for a model with repeated blocks
+        offloads = (Offload.OPTIMIZER, Offload.ACTIVATIONS) if facts.layers else (Offload.OPTIMIZER,)
+        candidate_list = candidates(devices, profile, pipe_degrees=pipes, offloads=offloads)
     lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
                                model_flops=facts.matmul_flops)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
@@ -269,6 +276,7 @@ def compiled_step_cost(step, *batch) -> cost_model.StepCost:
     program = step.program(*batch)
     sizes = dict(step.mesh.shape)
     data_axes = step.layout.batch_axes
-    memory = cost_model.memory_from_compiled(step.compiled(*batch), rep.state_memory)
+    memory = cost_model.memory_from_compiled(step.compiled(*batch), rep.state_memory,
+                                             rep.memory.get("activations_host", 0))
     return cost_model.StepCost(flops=flops_mod.count(program), collectives=rep.collectives, mesh=sizes,
                                data_axes=data_axes, memory=memory, tokens=_tokens(batch))
