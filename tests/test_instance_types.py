@@ -69,7 +69,8 @@ def test_p3dn_search_plans_in_fp16():
                            pipe_degrees=(1,), candidate_list=search.candidates(devices, profile, remat=(False,),
                                                                                 zero_stages=(0, 3)))
     assert result.best is not None and result.best.candidate.precision == "fp16"
-    assert all(r.candidate.precision == "fp16" and r.candidate.plan(describe(model)).precision.loss_scale is not None
+    megatron = search.tensor_plan(trainable.model, batch)  # Candidate.plan takes the Megatron plan per mesh
+    assert all(r.candidate.precision == "fp16" and r.candidate.plan(megatron).precision.loss_scale is not None
                for r in result.rows)
     assert result.best.cost.flops.matmul_dtype == "float16"  # lowered in fp16, costed at V100's fp16 peak
     assert "precision: fp16 with dynamic loss scaling" in str(result)
