@@ -50,8 +50,8 @@ def trn1_result():
 
 def rejected(candidate) -> list:
     """The checker's errors for `candidate`'s program, lowered for Neuron over its own mesh order."""
-    model, wrapped, tx = gpt()
-    traced = abstract_step(wrapped, tx, candidate.mesh, candidate.plan(describe(model)), BATCH, platform="neuron")
+    _, wrapped, tx = gpt()
+    traced = abstract_step(wrapped, tx, candidate.mesh, candidate.plan(search.tensor_plan(wrapped, BATCH)), BATCH, platform="neuron")
     found = conformance.check(traced.hlo, conformance.Target.for_instance("trn1.32xlarge"))
     return [f for f in found if f.severity is conformance.Severity.ERROR]
 
