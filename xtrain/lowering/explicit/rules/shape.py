@@ -2,6 +2,8 @@
 joining) and of layout annotations (xtrain.shard / with_sharding_constraint)."""
 from __future__ import annotations
 
+import jax
+
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, fallback, local_shape, out_avals, register, whole_dims_where, wrap
@@ -141,9 +143,17 @@ def sharding_constraint(ctx: Context, eqn, args):
     sums resolved (by reduce-scatter onto the dims the spec splits over their axes)."""
     (x,) = args
     sharding = eqn.params["sharding"] if "sharding" in eqn.params else eqn.params["dst_sharding"]
+    if eqn.primitive.name == "reshard" and _all_manual(sharding):
+        return [x]  # JAX's own cast in a manual trace (custom_vjp inserts one per input): nothing to move
     spec = tuple(getattr(sharding, "spec", sharding))
     dims = tuple(_spec_axes(e) for e in spec) + ((),) * (x.ndim - len(spec))
     return [C.relayout(ctx, x, Layout(dims))]
+
+
+def _all_manual(sharding) -> bool:
+    """A sharding over a mesh whose axes are all manual (xtrain traces the model per device)."""
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return bool(types) and all(t == jax.sharding.AxisType.Manual for t in types)
 
 
 def _spec_axes(entry) -> tuple:
