@@ -24,6 +24,7 @@ import torchax
 from torchax import interop as torchax_interop
 from torchax.ops import mappings, ops_registry
 
+from xtrain.frontend import torch_ops
 from xtrain.ir import moe
 
 aten = torch.ops.aten
@@ -138,17 +139,12 @@ def _routed_forward(module, spec: moe.ExpertsSpec, hidden_states, top_k_index, t
 @contextlib.contextmanager
 def module_rules(root: torch.nn.Module):
     """While tracing, HF experts modules (see `experts_spec`) run `_routed_forward`."""
-    patched = []
-    for module in root.modules():
+    def replacement(module):
         spec = experts_spec(module)
-        if spec is not None and "forward" not in vars(module):
-            module.forward = functools.partial(_routed_forward, module, spec)
-            patched.append(module)
-    try:
+        return functools.partial(_routed_forward, module, spec) if spec is not None else None
+
+    with torch_ops.patched_forwards(root, replacement) as patched:
         yield patched
-    finally:
-        for module in patched:
-            del module.forward
 
 
 def data_dependent_shape_error(op: str, where: str, owner: torch.nn.Module | None, model: str) -> str:

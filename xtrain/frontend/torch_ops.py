@@ -284,12 +284,22 @@ def module_rules(root: torch.nn.Module):
     `_hf_rms_norm_forward` (same arithmetic, one op with a derivative rule). Modules with a
     forward of their own (an instance attribute: hooks, adapters) are left alone."""
     reference = _hf_rms_norm_code()
+    with patched_forwards(root, lambda m: functools.partial(_hf_rms_norm_forward, m)
+                          if reference is not None and _code(type(m).forward) == reference else None) as patched:
+        yield patched
+
+
+@contextlib.contextmanager
+def patched_forwards(root: torch.nn.Module, replacement):
+    """While inside, each module of `root` without a forward of its own (an instance attribute:
+    hooks, adapters) for which `replacement(module)` gives a callable runs that callable; the
+    patches are undone on exit. Yields the patched modules."""
     patched = []
-    if reference is not None:
-        for module in root.modules():
-            if "forward" not in vars(module) and _code(type(module).forward) == reference:
-                module.forward = functools.partial(_hf_rms_norm_forward, module)
-                patched.append(module)
+    for module in root.modules():
+        forward = replacement(module) if "forward" not in vars(module) else None
+        if forward is not None:
+            module.forward = forward
+            patched.append(module)
     try:
         yield patched
     finally:
