@@ -6,9 +6,15 @@ a run of identical equations. `find_repeated_blocks` recognises such runs in the
 jaxpr (same primitives, parameters and shapes; inputs that are either the previous block's
 output, the same shared value, or that block's own parameters) and describes one scan:
 
-    carry  <- the previous block's output (the residual stream)
-    xs     <- each block's parameters, stacked along a new leading axis
-    shared <- values every block reads (masks, positions)
+    carry    <- the previous block's output (the residual stream)
+    xs       <- each block's parameters, stacked along a new leading axis
+    shared   <- values every block reads (masks, positions)
+    variants <- constants that differ per layer, and shared values a layer picks among
+                (Gemma's sliding / full masks and rotary tables): explicit/variants.py
+
+Equations whose results nothing uses (a KV cache the loss never reads) are left out of the
+comparison and of the body. Numbered blocks that are not one family get a note naming the
+first difference (module path and op); they run unrolled.
 
 The interpreter then emits `lax.scan` over the first block's equations, so the program (and
 its compile time) stays flat in depth.
@@ -22,6 +28,9 @@ import re
 from jax.extend import core as jcore
 
 from xtrain.ir import walk
+from xtrain.lowering.explicit import compare, variants as variants_mod
+from xtrain.lowering.explicit.compare import signature
+from xtrain.lowering.explicit.variants import Variants
 
 _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -34,7 +43,7 @@ class RepeatedBlocks:
     start: int
     stop: int
     length: int                # L
-    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer
+    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer + variant inputs
     num_carry: int
     num_shared: int
     init: list                 # carry inputs of block 0 (vars outside the blocks)
@@ -43,6 +52,7 @@ class RepeatedBlocks:
     outputs: list              # the last block's carry outputs (vars used after the blocks)
     stacked: list = dataclasses.field(default_factory=list)  # per param position: the (L, ...) input
     #                            whose layer k block k reads (stacked storage), or None
+    variants: Variants = Variants()  # per-layer constants and selections (explicit/variants.py)
 
     def stacked_input(self, position: int):
         return self.stacked[position] if self.stacked else None
@@ -54,31 +64,12 @@ class RepeatedBlocks:
         for position in range(len(self.per_layer[0])):
             source = self.stacked_input(position)
             out += [source] if source is not None else [layer[position] for layer in self.per_layer]
-        return out
+        return out + self.variants.inputs()
 
 
 def _block_key(path: str):
     match = _BLOCK.match(path)
     return (match.group(1), int(match.group(2))) if match else None
-
-
-def _fingerprint(value) -> str:
-    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return str(value)
-    info = getattr(value, "debug_info", None)
-    if info is not None and callable(value) or hasattr(value, "call_wrapped"):
-        return f"fn:{getattr(info, 'func_name', '')}"
-    if callable(value):  # e.g. custom_vjp's out_trees closure: identical code in every block
-        return f"fn:{getattr(value, '__qualname__', type(value).__name__)}"
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_fingerprint(v) for v in value) + ")"
-    return repr(value)
-
-
-def _signature(eqn) -> tuple:
-    return (str(eqn.primitive), tuple((k, _fingerprint(v)) for k, v in sorted(eqn.params.items())),
-            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars),
-            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars))
 
 
 def segments(jaxpr, module_paths: frozenset[str]) -> list[tuple[tuple | None, int, int]]:
@@ -120,9 +111,11 @@ def _inputs(eqns, defined_before: set) -> list:
     return out
 
 
-def _input_kinds(ins: list[list], defs: list[dict], param_vars: set) -> tuple[list[str], list] | None:
+def _input_kinds(ins: list[list], defs: list[dict], param_vars: set, inside: set) -> tuple[list[str], list] | int:
     """Each input position of block 0 must be consistently a carry (the previous block's output
-    at one position), a shared value, or a per-layer parameter: (kinds, [(position, source)])."""
+    at one position), a shared value, a per-layer parameter, or a selection (each layer reads
+    one of some values defined before the blocks): (kinds, [(position, source)]), or the first
+    position that is none of these."""
     kinds, carry_src = [], []
     for pos, v0 in enumerate(ins[0]):
         vs = [i[pos] for i in ins]
@@ -133,17 +126,19 @@ def _input_kinds(ins: list[list], defs: list[dict], param_vars: set) -> tuple[li
         elif all(vs[k] in defs[k - 1] for k in range(1, len(vs))):
             src = {defs[k - 1][vs[k]] for k in range(1, len(vs))}
             if len(src) != 1:
-                return None
+                return pos
             kinds.append("carry")
             carry_src.append((pos, src.pop()))
+        elif not any(v in param_vars or v in inside for v in vs):
+            kinds.append("select")
         else:
-            return None
+            return pos
     return kinds, carry_src
 
 
-def _stays_inside(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> bool:
-    """Every var a block defines is used only inside it, by the next block as carry, or (last
-    block) after the run."""
+def _escapes(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> tuple[int, object] | None:
+    """(block, var) of the first var a block defines that is used elsewhere than inside it, by
+    the next block as carry, or (last block) after the run; None when every var stays inside."""
     carry_positions = {src for _, src in carry_src}
     users: dict = {}
     for k, block in enumerate(blocks):
@@ -157,38 +152,72 @@ def _stays_inside(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -
     for k in range(len(blocks)):
         for v, position in defs[k].items():
             if users.get(v, set()) - {k, k + 1}:
-                return False
+                return k, v
             if v in after and not (k == last and position in carry_positions):
-                return False
-    return True
+                return k, v
+    return None
 
 
-def _describe(jaxpr, run, param_vars: set):
-    """Matches blocks position by position; returns a RepeatedBlocks or None."""
-    blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
-    if any(len(b) != len(blocks[0]) for b in blocks):
-        return None
-    if any(_signature(a) != _signature(b) for blk in blocks[1:] for a, b in zip(blocks[0], blk)):
-        return None
+def live_equations(jaxpr) -> set[int]:
+    """Indices of the top-level equations whose results reach the outputs (or have effects)."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    live = set()
+    for index in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[index]
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.add(index)
+            needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+    return live
+
+
+def _matched(jaxpr, run, live: set[int], paths) -> list[list] | str:
+    """The blocks' live equations when they match position by position (literal values aside),
+    else the first difference in words."""
+    blocks = [[e for i, e in enumerate(jaxpr.eqns[lo:hi], lo) if i in live] for _, lo, hi in run]
+    names = [f"{key[0]}.{key[1]}" for key, _, _ in run]
+    if any(len(b) != len(blocks[0]) or any(signature(x) != signature(y) for x, y in zip(blocks[0], b))
+           for b in blocks[1:]):
+        return compare.first_difference(blocks, names, paths)
+    return blocks
+
+
+def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlocks | str:
+    """Matches blocks position by position; returns a RepeatedBlocks or the reason they are not one."""
+    blocks = _matched(jaxpr, run, live, paths)
+    if isinstance(blocks, str):
+        return blocks
+    names = [f"{key[0]}.{key[1]}" for key, _, _ in run]
+    lifted = variants_mod.lift_literals(blocks)
+    if isinstance(lifted, str):
+        return f"{names[0]} .. {names[-1]}: {lifted}"
+    body_eqns, literal_vars, tables = lifted
     # position of every var a block defines: (eqn index, outvar index)
     defs = [{v: (i, j) for i, e in enumerate(b) for j, v in enumerate(e.outvars)} for b in blocks]
     ins = [_inputs(b, set()) for b in blocks]
-    found = _input_kinds(ins, defs, param_vars) if len({len(i) for i in ins}) == 1 else None
-    if found is None or not _stays_inside(jaxpr, run, blocks, defs, found[1]):
-        return None
+    if len({len(i) for i in ins}) != 1:
+        return compare.input_counts(ins, names)
+    inside = {v for d in defs for v in d}
+    found = _input_kinds(ins, defs, param_vars, inside)
+    if isinstance(found, int):
+        return compare.input_source(blocks, ins, found, names, paths)
+    escape = _escapes(jaxpr, run, blocks, defs, found[1])
+    if escape is not None:
+        return compare.escape(blocks, names, paths, *escape)
     kinds, carry_src = found
     positions = lambda kind: [p for p, k in enumerate(kinds) if k == kind]
     carry_in = [p for p, _ in carry_src]
-    body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in carry_in + positions("shared") + positions("param")],
-                       outvars=[blocks[0][i].outvars[j] for _, (i, j) in carry_src], eqns=blocks[0],
+    body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in carry_in + positions("shared") + positions("param")
+                                             + positions("select")] + literal_vars,
+                       outvars=[blocks[0][i].outvars[j] for _, (i, j) in carry_src], eqns=body_eqns,
                        effects=jcore.no_effects if hasattr(jcore, "no_effects") else set(),
                        debug_info=jcore.DebugInfo("xtrain layer scan", run[0][0][0], None, None))
+    variants = Variants(variants_mod.selections([[i[p] for i in ins] for p in positions("select")]), tuple(tables))
     return RepeatedBlocks(
         prefix=run[0][0][0], start=run[0][1], stop=run[-1][2], length=len(blocks), body=body,
         num_carry=len(carry_src), num_shared=kinds.count("shared"),
         init=[ins[0][p] for p in carry_in], shared=[ins[0][p] for p in positions("shared")],
         per_layer=[[i[p] for p in positions("param")] for i in ins],
-        outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src])
+        outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src], variants=variants)
 
 
 def layer_views(jaxpr, param_vars) -> dict:
@@ -220,14 +249,34 @@ def _stacked_inputs(blocks: RepeatedBlocks, views: dict) -> list:
     return out
 
 
-def find_repeated_blocks(jaxpr, module_paths: frozenset[str], param_vars) -> list[RepeatedBlocks]:
-    """Every run of >= 2 identical consecutive blocks in the top level of `jaxpr` (blocks named
-    by module path: `prefix.0`, `prefix.1`, ...). Block parameters may be inputs or layers of
-    stacked inputs (layer_views)."""
+@dataclasses.dataclass(frozen=True)
+class Examined:
+    """What `examine` found: the families of repeated blocks, and a note per run of numbered
+    blocks that is not one (naming the first difference)."""
+
+    found: list[RepeatedBlocks]
+    notes: list[str]
+
+
+def examine(jaxpr, module_paths: frozenset[str], param_vars) -> Examined:
+    """Every run of >= 2 consecutive blocks of the top level of `jaxpr` (blocks named by module
+    path: `prefix.0`, `prefix.1`, ...) that are one family: the same equations on the same
+    shapes, differing at most in their parameters, in literal constants and in which values
+    defined before them they read. Block parameters may be inputs or layers of stacked inputs
+    (layer_views)."""
     views = layer_views(jaxpr, param_vars)
-    found = []
+    live = live_equations(jaxpr)
+    found, notes = [], []
     for run in _runs(segments(jaxpr, module_paths)):
-        blocks = _describe(jaxpr, run, set(param_vars) | set(views))
-        if blocks is not None:
+        blocks = _describe(jaxpr, run, set(param_vars) | set(views), live, module_paths)
+        if isinstance(blocks, str):
+            notes.append(f"{run[0][0][0]}.0 .. {run[0][0][0]}.{len(run) - 1} are not one family of repeated blocks, "
+                         f"so they run unrolled (no layer scan, no pipeline stages over them): {blocks}")
+        else:
             found.append(dataclasses.replace(blocks, stacked=_stacked_inputs(blocks, views)))
-    return found
+    return Examined(found, notes)
+
+
+def find_repeated_blocks(jaxpr, module_paths: frozenset[str], param_vars) -> list[RepeatedBlocks]:
+    """The families of repeated blocks of `jaxpr` (see `examine`)."""
+    return examine(jaxpr, module_paths, param_vars).found

@@ -24,6 +24,7 @@ from xtrain.lowering.collectives import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.blocks import RepeatedBlocks
 from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.sharded import Context, Sharded
 
@@ -85,11 +86,13 @@ def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, u
 def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     """The first block's equations run once per layer: as one lax.scan, or, with `ctx.unroll`
     (compile(scan_layers=False)), emitted once per layer one after another. Both gather each
-    layer's ZeRO-3 shards with one flat all-gather and checkpoint each layer alike. Returns
-    the env entries of the last block's outputs."""
+    layer's ZeRO-3 shards with one flat all-gather and checkpoint each layer alike. What
+    differs per layer besides the parameters (explicit/variants.py) comes from the layer
+    number, scanned alongside. Returns the env entries of the last block's outputs."""
     unrolled = ctx.unroll
     init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
     shared = [read(v) for v in blocks.shared]
+    picker = Picker(ctx, blocks.variants, read, stacked=not unrolled)
     positions = [_layer_position(ctx, blocks, k, read, unrolled) for k in range(len(blocks.per_layer[0]))]
     first = [layer for layer, _ in positions]
     carry_layouts = [x.layout for x in init]
@@ -98,6 +101,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     def body(carry, xs, index=None):
         ctx.path = path
         ctx.layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
+        xs, number = xs[:len(first)], (index if index is not None else (xs[len(first):] or [None])[0])
         with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
             # unrolled, XLA fuses slices of a gathered flat buffer into backward-pass consumers
             # (a norm weight read where its gradient is computed), keeping the whole buffer
@@ -105,7 +109,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
                                    vectors_apart=unrolled)
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
-        ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params
+        ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
         outs = interpret(ctx, blocks.body, [], ins)
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         ctx.layer = None
@@ -117,8 +121,9 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
             final, _ = layer(final, [values[k] for _, values in positions])
     else:
+        numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
         final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
-                                          [values[0] for _, values in positions], length=blocks.length)
+                                          [values[0] for _, values in positions] + numbers, length=blocks.length)
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
 
 

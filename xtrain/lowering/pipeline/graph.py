@@ -14,7 +14,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from xtrain.lowering.explicit.blocks import RepeatedBlocks, find_repeated_blocks
+from xtrain.lowering.explicit.blocks import Examined, RepeatedBlocks, examine
 
 # ops that pass the loss through unchanged in value (a cast, a reshape of a scalar)
 _PASS_THROUGH = {"convert_element_type", "reshape", "squeeze", "copy", "copy_p"}
@@ -54,20 +54,24 @@ def _loss_parts(eqns, loss) -> tuple[list, bool]:
     return [loss], False
 
 
-def _pick_blocks(found: list[RepeatedBlocks], where: str) -> RepeatedBlocks:
-    if not found:
+def _pick_blocks(examined: Examined, where: str) -> RepeatedBlocks:
+    if examined.notes and not examined.found:
+        raise ValueError(f"pipeline parallelism of {where} needs a family of repeated blocks to split into stages: "
+                         + "; ".join(examined.notes) + ". Blocks may differ in their parameters, in constants and "
+                         "in which value computed before them they read, not in their operations or shapes")
+    if not examined.found:
         raise ValueError(
             f"pipeline parallelism needs repeated blocks (e.g. blocks.0, blocks.1, ... with identical "
             f"structure) in the top level of {where}; none were found, so there is nothing to split into "
             "stages. Give the model an nn.ModuleList of identical layers")
-    return max(found, key=lambda b: b.length)
+    return max(examined.found, key=lambda b: b.length)
 
 
 def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffers: int, where: str) -> Cut:
     """Cuts `closed` (the model's (loss, buffers) function over (params, buffers, key, batch))."""
     jaxpr = closed.jaxpr
     params = jaxpr.invars[:len(param_names)]
-    blocks = _pick_blocks(find_repeated_blocks(jaxpr, module_paths, params), where)
+    blocks = _pick_blocks(examine(jaxpr, module_paths, params), where)
     loss, *new_buffers = jaxpr.outvars
     buffer_ins = jaxpr.invars[len(param_names):len(param_names) + num_buffers]
     if any(o is not i for o, i in zip(new_buffers, buffer_ins)):
@@ -80,7 +84,7 @@ def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffer
     epi_needs = [v for v in dict.fromkeys(v for e in epi_eqns for v in e.invars if isinstance(v, jcore.Var))
                  if v in defined and v not in blocks.outputs]
     epi_needs += [v for v in parts if v in defined and v not in epi_needs]
-    pro_outs = list(dict.fromkeys([*blocks.init, *blocks.shared, *epi_needs]))
+    pro_outs = list(dict.fromkeys([*blocks.init, *blocks.shared, *blocks.variants.inputs(), *epi_needs]))
     prologue = _jaxpr(jaxpr.constvars, jaxpr.invars, pro_outs, pro_eqns, "prologue")
     # a prologue output may be an input itself (a model whose blocks read the batch directly)
     epi_ins = list(dict.fromkeys([*jaxpr.invars, *pro_outs, *blocks.outputs]))

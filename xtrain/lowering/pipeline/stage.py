@@ -20,6 +20,7 @@ from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
+from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.pipeline.graph import Cut
 
@@ -65,20 +66,22 @@ class Stage:
         self.carry_layouts = [x.layout for x in init]
         return init
 
-    def layers(self, carry: list[Sharded], shared: list[Sharded], params: list[Sharded], valid) -> list:
-        """The chunk's layers as one scan; `params` hold (Lc, ...) stacked values, `valid` (Lc,)."""
+    def layers(self, carry: list[Sharded], shared: list[Sharded], picker: Picker, params: list[Sharded],
+               numbers, valid) -> list:
+        """The chunk's layers as one scan; `params` hold (Lc, ...) stacked values, `numbers` (Lc,)
+        the layer numbers (for what differs per layer: explicit/variants.py), `valid` (Lc,)."""
         ctx, body, path = self.ctx, self.cut.blocks.body, self.ctx.path
 
         def step(values, xs):
             ctx.path = path
-            layer, ok = xs[:-1], xs[-1]
+            layer, number, ok = xs[:-2], xs[-2], xs[-1]
             ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry, values)] + shared
-                   + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)])
+                   + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)] + picker.at(number))
             outs = interpret(ctx, body, [], ins)
             outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
             return [jnp.where(ok, o, v) for o, v in zip(outs, values)], None  # padding slot: identity
 
-        final, _ = scan_with_stable_carry(step, [x.value for x in carry], [p.value for p in params] + [valid])
+        final, _ = scan_with_stable_carry(step, [x.value for x in carry], [p.value for p in params] + [numbers, valid])
         return [dataclasses.replace(x, value=v) for x, v in zip(carry, final)]
 
     def epilogue(self, env: dict) -> tuple:
@@ -89,14 +92,16 @@ class Stage:
         count = outs[1].astype(total.dtype) if self.cut.weighted else jnp.ones((), total.dtype)
         return total, count
 
-    def __call__(self, env: dict, x: list, params: list[Sharded], valid, first, last):
+    def __call__(self, env: dict, x: list, params: list[Sharded], slots: tuple, first, last):
         """(activation out, loss sum, count) of one microbatch. `x`: the incoming activation
-        (local values); `first` / `last`: traced booleans."""
+        (local values); `slots`: (layer numbers, valid) of the chunk's slots; `first` / `last`:
+        traced booleans."""
         env = dict(env)
         init = self.prologue(env)
         carry = [dataclasses.replace(i, value=jnp.where(first, i.value, v)) for i, v in zip(init, x)]
         shared = [env[v] for v in self.cut.blocks.shared]
-        out = self.layers(carry, shared, params, valid)
+        picker = Picker(self.ctx, self.cut.blocks.variants, env.__getitem__, stacked=True)
+        out = self.layers(carry, shared, picker, params, *slots)
         env.update(zip(self.cut.blocks.outputs, out))
         total, count = self.epilogue(env)
         zero = jnp.zeros((), total.dtype)

@@ -180,8 +180,8 @@ class PipelineStrategy:
             keyed = rest[:-1] + [jax.random.fold_in(rest[-1], i)]
             env = runner.env({**named, **other}, keyed, batch_mb)
             params = [dataclasses.replace(t, value=w) for t, w in zip(templates, chunk_params)]
-            valid = take(layers.valid, index)[c]
-            return stage(env, x, params, valid, (index == 0) & (c == 0), (index == p - 1) & (c == v - 1))
+            slots = take(layers.index, index)[c], take(layers.valid, index)[c]
+            return stage(env, x, params, slots, (index == 0) & (c == 0), (index == p - 1) & (c == v - 1))
 
         return run
 
