@@ -12,8 +12,9 @@ output, the same shared value, or that block's own parameters) and describes one
     variants <- constants that differ per layer, and shared values a layer picks among
                 (Gemma's sliding / full masks and rotary tables): explicit/variants.py
 
-Equations whose results nothing uses (a KV cache the loss never reads) are left out of the
-comparison and of the body. Numbered blocks that are not one family get a note naming the
+Blocks that do not match equation for equation are compared again without the equations whose
+results nothing uses (a KV cache the loss never reads, which differs between sliding-window and
+full attention layers). Numbered blocks that are not one family get a note naming the
 first difference (module path and op); they run unrolled.
 
 The interpreter then emits `lax.scan` over the first block's equations, so the program (and
@@ -170,15 +171,23 @@ def live_equations(jaxpr) -> set[int]:
     return live
 
 
+def _alike(blocks: list[list]) -> bool:
+    return all(len(b) == len(blocks[0]) and all(signature(x) == signature(y) for x, y in zip(blocks[0], b))
+               for b in blocks[1:])
+
+
 def _matched(jaxpr, run, live: set[int], paths) -> list[list] | str:
-    """The blocks' live equations when they match position by position (literal values aside),
-    else the first difference in words."""
+    """The blocks' equations when they match position by position (literal values aside): all
+    of them, or else their live ones (an unread cache differs between sliding and full attention
+    layers; all of them first, as the last block's unread carry, e.g. a dropout key, is dead),
+    else the first difference of the live ones in words."""
+    blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
+    if _alike(blocks):
+        return blocks
     blocks = [[e for i, e in enumerate(jaxpr.eqns[lo:hi], lo) if i in live] for _, lo, hi in run]
-    names = [f"{key[0]}.{key[1]}" for key, _, _ in run]
-    if any(len(b) != len(blocks[0]) or any(signature(x) != signature(y) for x, y in zip(blocks[0], b))
-           for b in blocks[1:]):
-        return compare.first_difference(blocks, names, paths)
-    return blocks
+    if _alike(blocks):
+        return blocks
+    return compare.first_difference(blocks, [f"{key[0]}.{key[1]}" for key, _, _ in run], paths)
 
 
 def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlocks | str:

@@ -16,7 +16,7 @@ from xtrain.lowering import zero as zero_mod
 from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
 from xtrain.lowering import sharded as C
-from xtrain.lowering.explicit.blocks import find_repeated_blocks
+from xtrain.lowering.explicit.blocks import examine
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.sharded import Context, Sharded
@@ -46,6 +46,7 @@ class Program:
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
         self.ctx: Context | None = None
         self.repeated: list = []
+        self.block_notes: list[str] = []  # families with per-layer variants; numbered blocks that are not one
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
@@ -88,11 +89,15 @@ class Program:
         return local
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
-        self.repeated = find_repeated_blocks(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
+        examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
+        self.repeated = examined.found
+        self.block_notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
+                            f"{b.variants.describe()}" for b in examined.found if b.variants] + examined.notes
         if self.remat is not None and not self.repeated:
+            why = f" ({'; '.join(examined.notes)})" if examined.notes else " (no run of identical blocks.0, blocks.1, ...)"
             raise ValueError(
                 f"{self.remat.setting} checkpoints each layer of the model's repeated blocks, but "
-                f"{self.model.name} has none (no run of identical blocks.0, blocks.1, ...); use remat='off'"
+                f"{self.model.name} has none{why}; use remat='off'"
                 + (" and offload='none'" if self.remat.offload else ""))
         return self.repeated
 
@@ -146,7 +151,7 @@ class ExplicitStrategy:
         ctx = self.program.ctx
         return self._stacking_notes() + [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
                                          for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())] + \
-            list(ctx.notes if ctx else ())
+            self.program.block_notes + list(ctx.notes if ctx else ())
 
     def _stacking_notes(self) -> list[str]:
         groups = self.layout.stacking.groups

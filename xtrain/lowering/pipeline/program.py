@@ -72,7 +72,7 @@ class PipelineProgram:
             closed = jax.make_jaxpr(apply)(*args)
         names = sorted(params)  # the order of a dict's leaves, so of the graph's parameter invars
         cut = graph.cut(closed, self.model.module_paths(), names, len(jax.tree.leaves(buffers)),
-                        type(self.model).__name__)
+                        self.model.name)
         self._partition(closed, cut, len(names))
         return closed, cut, args
 
@@ -105,6 +105,8 @@ class PipelineProgram:
                  + (f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else "")
                  + f", {len(table.ticks)} ticks, bubble {table.bubble():.1%} "
                  f"(GPipe/1F1B ideal (p-1)/(m+p-1) = {(p.stages - 1) / (p.microbatches + p.stages - 1):.1%})"]
+        if self.cut.blocks.variants:
+            lines.append(f"  {self.cut.blocks.prefix}: one family; {self.cut.blocks.variants.describe()}")
         for vs in range(p.chunks):
             rng = self.layers.of_stage(vs, len(self.paths))
             cost = sum((self.costs[k] for k in rng), partition.ZERO)

@@ -1,0 +1,144 @@
+"""Blocks that differ only in constants or in which shared value they read are one family of
+repeated blocks: HF Gemma-3 (sliding-window and full attention layers: per-type masks and rotary
+tables) trains as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
+structure run unrolled with a note naming the first difference, and the pipeline says why."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+import xtrain
+from xtrain.testing import assert_parity, run_parity, torch_reference
+
+from models import mlp_batches
+from test_hf_models import VOCAB, lm_batches, lm_loss
+from test_layer_scan import scan_lengths
+from test_pipeline import train
+
+KINDS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def gemma3():
+    # sliding_window 4 < the batches' 16 tokens: the sliding layers' mask really differs
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, layer_types=KINDS,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+@functools.cache
+def gemma_case():
+    torch.manual_seed(0)
+    model, batches = gemma3(), lm_batches()
+    return model, batches, torch_reference(model, sgd, batches, lm_loss)
+
+
+def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
+    model, batches, reference = gemma_case()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), loss_fn=lm_loss,
+                          scan_layers=True)
+    program = step.program(*batches[0])
+    assert scan_lengths(program) == [4, 4]  # the forward scan and its transpose
+    (blocks,) = step.lowered.strategy.program.repeated
+    assert (blocks.prefix, blocks.length) == ("model.layers", 4)
+    # the mask and the rotary cos / sin: each layer reads its type's
+    assert [s.choice for s in blocks.variants.selections] == [(0, 1, 0, 1)] * 3
+    notes = step.report(*batches[0]).notes
+    assert any(n.startswith("model.layers.0 .. model.layers.3: one family of repeated blocks; 3 shared input(s) "
+                            "chosen per layer") for n in notes), notes
+    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=lm_loss, reference=reference,
+                             scan_layers=True))
+
+
+def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
+    model, batches, reference = gemma_case()
+    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
+    result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
+    assert_parity(result)
+    # each stage runs a sliding and a full attention layer
+    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [2, 2]
+    assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
+
+
+class Block(nn.Module):
+    """A residual block with a per-layer scale and active width written as Python numbers."""
+
+    def __init__(self, scale=1.0, width=16, act=torch.tanh):
+        super().__init__()
+        self.lin, self.scale, self.width, self.act = nn.Linear(16, 16), scale, width, act
+
+    def forward(self, x):
+        h = self.lin(x) * self.scale
+        keep = torch.arange(x.shape[-1]) < self.width
+        return x + self.act(torch.where(keep, h, torch.zeros_like(h)))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.inp, self.blocks, self.head = nn.Linear(12, 16), nn.ModuleList(blocks), nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def sgd_small(params):
+    return torch.optim.SGD(params, lr=0.2)
+
+
+def test_blocks_differing_in_constants_are_one_scan_and_train_like_torch():
+    torch.manual_seed(0)
+    model = Stack([Block(s, w) for s, w in [(0.5, 16), (1.5, 8), (0.5, 8), (2.0, 16)]])
+    batches = mlp_batches(4)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()), scan_layers=True)
+    assert scan_lengths(step.program(*batches[0])) == [4, 4]
+    (blocks,) = step.lowered.strategy.program.repeated
+    assert sorted(t.tolist() for t in blocks.variants.literals) == [[0.5, 1.5, 0.5, 2.0], [16, 8, 8, 16]]
+    assert_parity(run_parity(model, sgd_small, batches, xtrain.Mesh(data=8), scan_layers=True))
+
+
+def different():
+    torch.manual_seed(0)
+    return Stack([Block(), Block(act=torch.sigmoid), Block()])
+
+
+def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_difference():
+    model, batches = different(), mlp_batches(4)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()))
+    notes = step.report(*batches[0]).notes
+    assert step.lowered.strategy.program.repeated == []
+    assert "the 3 numbered layers run as traced, one after another: the program has no family of repeated " \
+           "blocks to scan" in notes
+    (note,) = [n for n in notes if "not one family" in n]
+    assert note.startswith("blocks.0 .. blocks.2 are not one family of repeated blocks, so they run unrolled")
+    assert "blocks.1 differs from blocks.0 at its equation" in note and ": op tanh vs logistic (in blocks.0 vs " \
+        "blocks.1)" in note, note
+    assert_parity(run_parity(model, sgd_small, batches, xtrain.Mesh(data=8)))
+
+
+def test_pipeline_error_names_the_first_difference():
+    model = different()
+    step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd_small(model.parameters()),
+                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
+    with pytest.raises(ValueError, match=r"pipeline parallelism of Stack needs a family of repeated blocks to split "
+                                         r"into stages: blocks.0 .. blocks.2 are not one family .* blocks.1 differs "
+                                         r"from blocks.0 at its equation \d+: op tanh vs logistic"):
+        step(*mlp_batches(1, batch=16)[0])
+
+
+def test_layer_remat_error_names_the_first_difference():
+    model = different()
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()),
+                          plan=xtrain.Plan(remat="full"))
+    with pytest.raises(ValueError, match=r"checkpoints each layer of the model's repeated blocks, but .* has none "
+                                         r"\(blocks.0 .. blocks.2 are not one family .*op tanh vs logistic"):
+        step(*mlp_batches(1)[0])
