@@ -10,7 +10,7 @@ from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import xtrain
-from xtrain.testing import assert_parity, run_parity, torch_reference
+from xtrain.testing import assert_parity, torch_reference
 
 from models import mlp_batches
 from test_hf_models import VOCAB, lm_batches, lm_loss
@@ -41,10 +41,10 @@ def gemma_case():
 
 def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
     model, batches, reference = gemma_case()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), loss_fn=lm_loss,
-                          scan_layers=True)
-    program = step.program(*batches[0])
-    assert scan_lengths(program) == [4, 4]  # the forward scan and its transpose
+    result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
+    assert_parity(result)
+    assert step.scan_layers is True  # the default on 8 emulated devices
+    assert scan_lengths(step.program(*batches[0])) == [4, 4]  # the forward scan and its transpose
     (blocks,) = step.lowered.strategy.program.repeated
     assert (blocks.prefix, blocks.length) == ("model.layers", 4)
     # the mask and the rotary cos / sin: each layer reads its type's
@@ -52,8 +52,6 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
     notes = step.report(*batches[0]).notes
     assert any(n.startswith("model.layers.0 .. model.layers.3: one family of repeated blocks; 3 shared input(s) "
                             "chosen per layer") for n in notes), notes
-    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=lm_loss, reference=reference,
-                             scan_layers=True))
 
 
 def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
@@ -99,11 +97,11 @@ def test_blocks_differing_in_constants_are_one_scan_and_train_like_torch():
     torch.manual_seed(0)
     model = Stack([Block(s, w) for s, w in [(0.5, 16), (1.5, 8), (0.5, 8), (2.0, 16)]])
     batches = mlp_batches(4)
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()), scan_layers=True)
+    result, step = train(model, sgd_small, batches, dict(data=8), None, torch_reference(model, sgd_small, batches))
+    assert_parity(result)
     assert scan_lengths(step.program(*batches[0])) == [4, 4]
     (blocks,) = step.lowered.strategy.program.repeated
     assert sorted(t.tolist() for t in blocks.variants.literals) == [[0.5, 1.5, 0.5, 2.0], [16, 8, 8, 16]]
-    assert_parity(run_parity(model, sgd_small, batches, xtrain.Mesh(data=8), scan_layers=True))
 
 
 def different():
@@ -113,7 +111,8 @@ def different():
 
 def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_difference():
     model, batches = different(), mlp_batches(4)
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()))
+    result, step = train(model, sgd_small, batches, dict(data=8), None, torch_reference(model, sgd_small, batches))
+    assert_parity(result)
     notes = step.report(*batches[0]).notes
     assert step.lowered.strategy.program.repeated == []
     assert "the 3 numbered layers run as traced, one after another: the program has no family of repeated " \
@@ -122,7 +121,6 @@ def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_diffe
     assert note.startswith("blocks.0 .. blocks.2 are not one family of repeated blocks, so they run unrolled")
     assert "blocks.1 differs from blocks.0 at its equation" in note and ": op tanh vs logistic (in blocks.0 vs " \
         "blocks.1)" in note, note
-    assert_parity(run_parity(model, sgd_small, batches, xtrain.Mesh(data=8)))
 
 
 def test_pipeline_error_names_the_first_difference():
