@@ -2,6 +2,7 @@
 repeated blocks: HF Gemma-3 (sliding-window and full attention layers: per-type masks and rotary
 tables) trains as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
 structure run unrolled with a note naming the first difference, and the pipeline says why."""
+import copy
 import functools
 
 import pytest
@@ -24,11 +25,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def gemma3():
+def gemma3(kinds=tuple(KINDS)):
     # sliding_window 4 < the batches' 16 tokens: the sliding layers' mask really differs
     return Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(KINDS), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, layer_types=KINDS,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(kinds), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, layer_types=list(kinds),
         attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
@@ -140,3 +141,24 @@ def test_layer_remat_error_names_the_first_difference():
     with pytest.raises(ValueError, match=r"checkpoints each layer of the model's repeated blocks, but .* has none "
                                          r"\(blocks.0 .. blocks.2 are not one family .*op tanh vs logistic"):
         step(*mlp_batches(1)[0])
+
+
+def test_gemma3_with_dropout_is_one_scan_with_the_dropout_streams_of_xlas_partitioner():
+    """Dropout keys run through the layers as a carry; the last layer's next key and the sliding
+    layers' KV cache are unread: left out when the layers are matched, the layers stay one family,
+    and the losses equal those of XLA's partitioner on the same model (no layer scan there)."""
+    torch.manual_seed(0)
+    model, batches = gemma3(KINDS[:2]), lm_batches(1)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    losses = {}
+    for lowering in ("explicit", "xla"):
+        candidate = copy.deepcopy(model)
+        step = xtrain.compile(candidate, xtrain.Mesh(data=8), optimizer=sgd(candidate.parameters()), loss_fn=lm_loss,
+                              lowering=lowering)
+        losses[lowering] = [step(*b)["loss"] for b in batches]
+        if lowering == "explicit":
+            assert scan_lengths(step.program(*batches[0])) == [2, 2]
+    assert losses["explicit"] == pytest.approx(losses["xla"], rel=1e-5)
+    with torch.no_grad():  # the masks do change the loss
+        assert losses["xla"][0] != pytest.approx(lm_loss(model, *batches[0]).item(), rel=1e-4)

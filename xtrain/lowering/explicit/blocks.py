@@ -12,7 +12,7 @@ output, the same shared value, or that block's own parameters) and describes one
     variants <- constants that differ per layer, and shared values a layer picks among
                 (Gemma's sliding / full masks and rotary tables): explicit/variants.py
 
-Blocks that do not match equation for equation are compared again without the equations whose
+Blocks that do not match equation for equation are compared again leaving out equations whose
 results nothing uses (a KV cache the loss never reads, which differs between sliding-window and
 full attention layers). Numbered blocks that are not one family get a note naming the
 first difference (module path and op); they run unrolled.
@@ -176,18 +176,37 @@ def _alike(blocks: list[list]) -> bool:
                for b in blocks[1:])
 
 
+def _aligned(reference: list, eqns: list, live: set) -> list | None:
+    """`eqns` (index, equation) less dead equations so that they match `reference` signature by
+    signature, or None. A dead equation is kept only where the next live one does not fit."""
+    wanted, signatures = [signature(e) for e in reference], [signature(e) for _, e in eqns]
+    out = []
+    for n, (index, eqn) in enumerate(eqns):
+        fits = len(out) < len(wanted) and signatures[n] == wanted[len(out)]
+        if index in live and not fits:
+            return None
+        later = next((m for m in range(n + 1, len(eqns)) if eqns[m][0] in live), None)
+        if index in live or fits and (later is None or signatures[later] != wanted[len(out)]):
+            out.append(eqn)
+    return out if len(out) == len(wanted) else None
+
+
 def _matched(jaxpr, run, live: set[int], paths) -> list[list] | str:
     """The blocks' equations when they match position by position (literal values aside): all
-    of them, or else their live ones (an unread cache differs between sliding and full attention
-    layers; all of them first, as the last block's unread carry, e.g. a dropout key, is dead),
-    else the first difference of the live ones in words."""
+    of them, or else block 0's live ones matched in each block leaving out only dead equations
+    (an unread KV cache differs between sliding-window and full attention layers; the last
+    block's unread carry, e.g. its next dropout key, is dead but matched), else the first
+    difference of the live equations in words."""
     blocks = [jaxpr.eqns[lo:hi] for _, lo, hi in run]
     if _alike(blocks):
         return blocks
+    reference = [e for i, e in enumerate(blocks[0], run[0][1]) if i in live]
+    aligned = [_aligned(reference, list(enumerate(jaxpr.eqns[lo:hi], lo)), live) for _, lo, hi in run]
+    if all(a is not None for a in aligned):
+        return aligned
     blocks = [[e for i, e in enumerate(jaxpr.eqns[lo:hi], lo) if i in live] for _, lo, hi in run]
-    if _alike(blocks):
-        return blocks
-    return compare.first_difference(blocks, [f"{key[0]}.{key[1]}" for key, _, _ in run], paths)
+    return blocks if _alike(blocks) else compare.first_difference(blocks, [f"{key[0]}.{key[1]}" for key, _, _ in run],
+                                                                   paths)
 
 
 def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlocks | str:
@@ -205,7 +224,7 @@ def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlo
     ins = [_inputs(b, set()) for b in blocks]
     if len({len(i) for i in ins}) != 1:
         return compare.input_counts(ins, names)
-    inside = {v for d in defs for v in d}
+    inside = {v for e in jaxpr.eqns[run[0][1]:run[-1][2]] for v in e.outvars}
     found = _input_kinds(ins, defs, param_vars, inside)
     if isinstance(found, int):
         return compare.input_source(blocks, ins, found, names, paths)
