@@ -18,7 +18,7 @@ from test_hf_models import VOCAB, lm_batches, lm_loss
 from test_layer_scan import scan_lengths
 from test_pipeline import train
 
-KINDS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+KINDS = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma-3: 5 sliding : 1 full
 
 
 def sgd(params):
@@ -45,13 +45,13 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
     result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
     assert_parity(result)
     assert step.scan_layers is True  # the default on 8 emulated devices
-    assert scan_lengths(step.program(*batches[0])) == [4, 4]  # the forward scan and its transpose
+    assert scan_lengths(step.program(*batches[0])) == [6, 6]  # the forward scan and its transpose
     (blocks,) = step.lowered.strategy.program.repeated
-    assert (blocks.prefix, blocks.length) == ("model.layers", 4)
+    assert (blocks.prefix, blocks.length) == ("model.layers", 6)
     # the mask and the rotary cos / sin: each layer reads its type's
-    assert [s.choice for s in blocks.variants.selections] == [(0, 1, 0, 1)] * 3
+    assert [s.choice for s in blocks.variants.selections] == [(0, 0, 0, 0, 0, 1)] * 3
     notes = step.report(*batches[0]).notes
-    assert any(n.startswith("model.layers.0 .. model.layers.3: one family of repeated blocks; 3 shared input(s) "
+    assert any(n.startswith("model.layers.0 .. model.layers.5: one family of repeated blocks; 3 shared input(s) "
                             "chosen per layer") for n in notes), notes
 
 
@@ -60,8 +60,8 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
     plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
     result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
     assert_parity(result)
-    # each stage runs a sliding and a full attention layer
-    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [2, 2]
+    # stage 0 runs 3 sliding attention layers, stage 1 2 sliding and the full one
+    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
 
 
@@ -148,7 +148,7 @@ def test_gemma3_with_dropout_is_one_scan_with_the_dropout_streams_of_xlas_partit
     layers' KV cache are unread: left out when the layers are matched, the layers stay one family,
     and the losses equal those of XLA's partitioner on the same model (no layer scan there)."""
     torch.manual_seed(0)
-    model, batches = gemma3(KINDS[:2]), lm_batches(1)
+    model, batches = gemma3(("sliding_attention", "full_attention")), lm_batches(1)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     losses = {}
