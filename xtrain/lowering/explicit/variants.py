@@ -53,10 +53,15 @@ class Variants:
 
     def describe(self) -> str:
         parts = [f"{len(self.selections)} shared input(s) chosen per layer (layer k reads candidate "
-                 f"{list(self.selections[0].choice)}[k] of {len(self.selections[0].candidates)})"] if self.selections else []
+                 f"{_listed(self.selections[0].choice)}[k] of {len(self.selections[0].candidates)})"] if self.selections else []
         parts += [f"{len(self.literals)} constant(s) that differ per layer lifted into scanned data "
-                  f"(e.g. {self.literals[0].tolist()})"] if self.literals else []
+                  f"(e.g. {_listed(self.literals[0].tolist())})"] if self.literals else []
         return "; ".join(parts)
+
+
+def _listed(values, limit: int = 12) -> str:
+    values = list(values)
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ...]"
 
 
 def _same(literals) -> bool:
