@@ -77,12 +77,13 @@ def _reader(block, var):
 
 
 def input_source(blocks: list[list], ins: list[list], position: int, names: list[str], paths) -> str:
-    """Why input `position` is neither shared, a parameter, the residual stream nor a selection."""
-    eqn = _reader(blocks[0], ins[0][position])
-    return (f"operand {list(eqn.invars).index(ins[0][position])} of op {eqn.primitive} in {_where(eqn, paths)} "
-            f"({eqn.invars[list(eqn.invars).index(ins[0][position])].aval.str_short()}) reads, in different "
-            "blocks, a parameter or a value computed inside the blocks (not the previous block's output) "
-            "where a block's twin reads something else")
+    """Why input `position` is neither shared, a parameter, the residual stream nor a selection
+    among values computed before the blocks."""
+    var = ins[0][position]
+    eqn = _reader(blocks[0], var)
+    return (f"operand {list(eqn.invars).index(var)} of op {eqn.primitive} in {_where(eqn, paths)} "
+            f"({var.aval.str_short()}) reads, from block to block, values of different kinds (a parameter in "
+            "some, a value computed inside the blocks or not the previous block's output in others)")
 
 
 def escape(blocks: list[list], names: list[str], paths, k: int, var) -> str:
