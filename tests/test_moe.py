@@ -202,13 +202,32 @@ def assert_moe_local(step):
     assert not moved, f"collectives beyond the loss's reductions: {moved}"
 
 
+MESHES = {"data8": dict(data=8), "fsdp": dict(data=8), "expert": dict(data=2, expert=4),
+          "fsdp_expert": dict(data=2, expert=4), "megatron": dict(data=4, tensor=2),
+          "expert_tensor": dict(data=2, expert=2, tensor=2)}
+
+
+def layout_plan(layout, model, mesh, batch, loss_fn):
+    """The plan of a layout of the parity matrix; Megatron's splits each expert's FFN over `tensor`."""
+    if "fsdp" in layout:
+        return xtrain.plans.fsdp(model, mesh)
+    if layout not in ("megatron", "expert_tensor"):
+        return None
+    plan = xtrain.plans.megatron(model, mesh, example=batch, loss_fn=loss_fn)
+    assert plan.params["blocks.*.experts.gate_up_proj"] == (None, "tensor", None), plan
+    assert plan.params["blocks.*.experts.down_proj"] == (None, None, "tensor"), plan
+    xtrain.plans.assert_sharded(plan, model, mesh, max_replicated=0.2)  # embedding and head: vocab 101
+    return plan
+
+
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
                                          ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
-                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert")])
+                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert"), ("moe", "megatron"),
+                                         ("moe", "expert_tensor")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
-    mesh = xtrain.Mesh(data=2, expert=4) if "expert" in layout else xtrain.Mesh(data=8)
-    plan = xtrain.plans.fsdp(model, mesh) if "fsdp" in layout else None
+    mesh = xtrain.Mesh(**MESHES[layout])
+    plan = layout_plan(layout, model, mesh, batches[0], loss_fn)
     result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
     assert_parity(result)
     assert_same_routing(model, result, loss_fn, batches)
@@ -337,3 +356,4 @@ def test_grouped_matmul_flops_count_active_experts():
     loss = lambda a, b: jnp.sum(lax.ragged_dot(a, b, sizes) ** 2)
     grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((rows, k)), jnp.ones((experts, k, n)))
     assert flops.count(grads).dot == 3 * 2 * rows * k * n
+

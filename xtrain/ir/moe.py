@@ -71,6 +71,11 @@ def spec_of(name: str) -> ExpertsSpec | None:
                        compute=None if parts[3] == "same" else parts[3])
 
 
+def ffn_dims(spec: ExpertsSpec) -> tuple[int, int]:
+    """The expert FFN dimension of the up and of the down weight (what tensor parallel splits)."""
+    return (2, 1) if spec.transposed else (1, 2)
+
+
 def _as_in_out(w, spec: ExpertsSpec):
     """(experts, in, out) whatever the stored layout."""
     return w if spec.transposed else jnp.swapaxes(w, 1, 2)

@@ -66,6 +66,16 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     return out[jnp.argsort(order)].reshape(n, k, -1).sum(axis=1).astype(x.dtype)
 
 
+def paired_gate_up(whole, dim: int, index, parts: int):
+    """This device's FFN features of a concatenated [gate; up] weight whose FFN dim `dim` (2 I)
+    is whole: block `index` of `parts` of the gate rows, then the same of the up rows (the
+    features the down weight's contiguous split gives this device)."""
+    n = whole.shape[dim] // 2 // parts
+    gate = lax.dynamic_slice_in_dim(whole, index * n, n, dim)
+    up = lax.dynamic_slice_in_dim(whole, whole.shape[dim] // 2 + index * n, n, dim)
+    return jnp.concatenate([gate, up], axis=dim)  # (..., 2 I / parts, ...)
+
+
 def check(experts: int, top_k: int, peers: int, where: str) -> None:
     """The errors of an expert-parallel layer, naming the module."""
     if top_k > experts:

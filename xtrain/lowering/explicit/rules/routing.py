@@ -7,7 +7,11 @@ split by ZeRO-3/FSDP are gathered as for any other use), unless its experts are 
 `expert` axis: then tokens go to their experts and back by all-to-all (experts.py)."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from xtrain.ir import moe
+from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.rules import experts
@@ -70,29 +74,49 @@ def scatter_add(ctx: Context, eqn, args):
                 [Layout(((),) * operand.ndim, axes)])
 
 
+def _expert_weights(ctx: Context, spec: moe.ExpertsSpec, up: C.Sharded, down: C.Sharded, token_axes):
+    """The up / down weights as the call uses them: the experts dim split over `expert` where
+    up's is, the FFN dim over the axes that split both weights' FFN dims and not the tokens
+    (tensor parallel), every other dim whole; and those FFN axes."""
+    u, d = moe.ffn_dims(spec)
+    lead = (experts.EXPERT,) if experts.EXPERT in up.layout.dims[0] else ()
+    ffn = tuple(up.layout.dims[u]) if up.layout.dims[u] == down.layout.dims[d] else ()
+    ffn = () if set(ffn) & (set(token_axes) | {experts.EXPERT}) else ffn
+    paired = bool(ffn) and spec.gated and spec.concatenated  # [gate; up] whole, this device's pairs sliced
+
+    def placed(w, dim, axes):
+        return C.relayout(ctx, w, Layout(tuple(lead if i == 0 else axes if i == dim else () for i in range(w.ndim))))
+
+    up, down = placed(up, u, ffn), placed(down, d, ffn)
+    if paired:  # gathered as varying: its backward is one reduce-scatter
+        up = C.gather_dim(ctx, up, u, ffn, varying=True)
+        index = collectives.axis_offset(ctx.sizes, ffn)
+        up = dataclasses.replace(up, value=experts.paired_gate_up(up.value, u, index, math.prod(
+            ctx.sizes[a] for a in ffn)))
+    return up, down, ffn
+
+
 def routed_experts(ctx: Context, eqn, args):
     """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
     split, every other dim is whole; the experts' weights are gathered if split, except over
-    `expert` (expert parallel: experts.routed_experts)."""
+    `expert` (expert parallel: experts.routed_experts) and a tensor axis splitting their FFN
+    dim (each device computes its FFN features; the output a pending sum over that axis)."""
     spec = moe.spec_of(str(eqn.params["name"]))
     x, ids, weights, up, down = args
     x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
     tokens = Layout((x.layout.dims[0], ()))
     ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
+    up, down, ffn = _expert_weights(ctx, spec, C.resolve(ctx, up), C.resolve(ctx, down), tokens.split_axes())
+    values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
     if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
-        split = Layout(((experts.EXPERT,),) + ((),) * (up.ndim - 1))
-        up, down = C.relayout(ctx, C.resolve(ctx, up), split), C.relayout(ctx, C.resolve(ctx, down), split)
         peers = ctx.sizes[experts.EXPERT]
         experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
         cap = experts.capacity(x.value.shape[0], ids.shape[1])
         ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
                  f"{experts.EXPERT!r} with a capacity of {cap} rows per peer (this device's tokens x top_k: "
                  f"drop-free), {cap * peers} x {x.shape[1]} features each way per device")
-        values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
-        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [tokens])
-    up, down = C.replicate(ctx, up), C.replicate(ctx, down)
-    values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
-    return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [tokens])
+        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [Layout(tokens.dims, ffn)])
+    return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [Layout(tokens.dims, ffn)])
 
 
 register(top_k, "top_k")
