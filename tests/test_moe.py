@@ -288,6 +288,22 @@ def test_experts_not_divisible_by_expert_axis_is_an_error():
                        loss_fn=moe_loss)(*lm_batches(n=1)[0])
 
 
+def test_top_k_above_the_number_of_experts_is_an_error_naming_the_router():
+    model = MoELM(MoEConfig(top_k=5))
+    with pytest.raises(TraceError, match=r"torch\.topk in module 'blocks\.0\.gate' of MoELM picks k=5 of 4 .*"
+                                         r"set top_k \(num_experts_per_tok\) to at most 4, the number of experts"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()),
+                       loss_fn=moe_loss)(*lm_batches(n=1)[0])
+
+
+def test_batch_not_divisible_by_data_times_expert_is_an_error():
+    model = MoELM()
+    with pytest.raises(ValueError, match=r"global batch 4 is not divisible by mesh axis data=2 x expert=4; use a "
+                                         r"global batch that is a multiple of 8"):
+        xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
+                       loss_fn=moe_loss)(*lm_batches(n=1, batch=4)[0])
+
+
 def test_bf16_plan_keeps_experts_one_local_call():
     """Under a bf16 policy the grouped matmuls run in bf16 and the routed-experts call stays one
     call (the policy would otherwise inline it and the sort by expert would gather tokens)."""

@@ -22,7 +22,7 @@ from jax import lax
 import torch
 import torchax
 from torchax import interop as torchax_interop
-from torchax.ops import mappings, ops_registry
+from torchax.ops import jaten, mappings, ops_registry
 
 from xtrain.frontend import torch_ops
 from xtrain.ir import moe
@@ -79,7 +79,31 @@ def _histc(input, bins=100, min=0, max=0):
     return jnp.sum(hits, axis=0, dtype=input.dtype)
 
 
-_LOWERINGS = {aten._grouped_mm.default: _grouped_mm, aten.histc.default: _histc}
+class TopKTooLarge(ValueError):
+    """torch.topk asked for more elements than its dimension holds (an MoE router's top_k above
+    its number of experts); the tracer names the module (`top_k_error`)."""
+
+    def __init__(self, k: int, size: int):
+        super().__init__(f"topk of k={k} along a dimension of {size}")
+        self.k, self.size = k, size
+
+
+def _topk(input, k, dim=None, largest=True, sorted=True, *, out=None):
+    """aten.topk (torchax's), refusing k above the dimension's size with TopKTooLarge."""
+    size = input.shape[-1 if dim is None else dim] if input.ndim else 1
+    if k > size:
+        raise TopKTooLarge(int(k), int(size))
+    return jaten._aten_topk(input, k, dim, largest, sorted, out=out)
+
+
+def top_k_error(err: TopKTooLarge, where: str, model: str) -> str:
+    """The message for TopKTooLarge raised in module `where`."""
+    return (f"torch.topk in module {where!r} of {model} picks k={err.k} of {err.size} along its dimension; as an "
+            f"MoE router's top_k that is more experts than the layer has: set top_k (num_experts_per_tok) to at "
+            f"most {err.size}, the number of experts")
+
+
+_LOWERINGS = {aten._grouped_mm.default: _grouped_mm, aten.histc.default: _histc, aten.topk.default: _topk}
 
 
 def install(env: torchax.tensor.Environment) -> None:
