@@ -373,3 +373,44 @@ def test_grouped_matmul_flops_count_active_experts():
     grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((rows, k)), jnp.ones((experts, k, n)))
     assert flops.count(grads).dot == 3 * 2 * rows * k * n
 
+
+
+def torch_expert_tokens(model, loss_fn, batch, paths):
+    """Tokens per expert of each MoE layer as torch's routers pick them on `batch`."""
+    picks = routing(copy.deepcopy(model), loss_fn, [batch])
+    return {p: torch.bincount(idx.reshape(-1), minlength=EXPERTS).tolist() for p, (_, idx) in zip(paths, picks)}
+
+
+def test_step_returns_tokens_per_expert_and_the_monitor_logs_their_balance(tmp_path):
+    """step(...)["expert_tokens"] under expert parallel (each device counts its own tokens,
+    summed): per MoE layer, the (token, expert) pairs torch's router sends to each expert on the
+    same batch; the Monitor logs them with the max and mean over experts and max / mean."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    monitor = xtrain.observe.Monitor(step, metrics=tmp_path / "m.jsonl", progress=False, flops_per_step=1.0)
+    with monitor.step() as rec:
+        rec.update(step(*batches[0]))
+    monitor.close()
+    expected = torch_expert_tokens(model, loss_fn, batches[0], ["blocks.0.experts", "blocks.1.experts"])
+    logged = xtrain.observe.read_metrics(tmp_path / "m.jsonl")[0]
+    assert logged["expert_tokens"] == expected
+    counts = [torch.tensor(c, dtype=torch.float64) for c in expected.values()]
+    assert sum(map(sum, expected.values())) == batches[0][0].numel() * TOP_K * 2
+    assert logged["expert_tokens_max"] == max(float(c.max()) for c in counts)
+    assert logged["expert_tokens_mean"] == pytest.approx(float(torch.stack(counts).mean()))
+    assert logged["expert_imbalance"] == pytest.approx(max(float(c.max() / c.mean()) for c in counts))
+    assert logged["expert_imbalance"] > 1.05, "a balanced batch would not show that the ratio is computed"
+
+
+def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
+    """Mixtral with its layers as one layer scan and 2 micro-batches: the counts leave the scan
+    per layer and add up over the micro-batches to torch's on the whole batch."""
+    model, make_opt, loss_fn, _, _ = case("mixtral")
+    m, batch = copy.deepcopy(model), lm_batches(n=1, batch=16, seed=9)[0]
+    step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          scan_layers=True, accumulate=2)
+    out = step(*batch)
+    assert any("run as one layer scan" in n for n in step.report().notes)
+    paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)

@@ -40,9 +40,9 @@ class XlaStrategy:
                 with tracing_for(self.mesh):
                     loss, buffers = self.model.apply({**params, **state.frozen}, buffers, micro_key, micro,
                                                      training=True)
-                return accumulation.objective(loss, scale), (loss, buffers)
+                return accumulation.objective(loss, scale), (loss, buffers, {})
 
-            loss, buffers, grads = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
+            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
             return Gradients(loss, buffers, grads, {})
 
         return compute

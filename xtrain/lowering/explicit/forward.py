@@ -64,7 +64,8 @@ class Program:
 
     def forward(self, training: bool, global_args) -> Callable:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
-        returns the per-device function: local params, buffers, key, batch -> loss, buffers."""
+        returns the per-device function: local params, buffers, key, batch -> ((loss, buffers),
+        counts: {"expert_tokens": {MoE layer path: (experts,) tokens routed to each}} or {})."""
 
         def apply(params, buffers, key, batch):
             return self.model.apply(params, buffers, key, batch, training=training)
@@ -83,9 +84,14 @@ class Program:
             regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(self.ctx, o).value for o in outs]
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), self._counts()
 
         return local
+
+    def _counts(self) -> dict:
+        """The per-step counts the rules recorded, summed over the devices that split them."""
+        tokens = {p: C.replicate(self.ctx, s).value for p, s in sorted(self.ctx.expert_tokens.items())}
+        return {"expert_tokens": tokens} if tokens else {}
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
         self.repeated = find_repeated_blocks(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
@@ -117,8 +123,8 @@ class ExplicitStrategy:
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
-                loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
-                return accumulation.objective(loss, scale), (loss, buffers)
+                (loss, buffers), counts = forward({**params, **state.frozen}, buffers, micro_key, micro)
+                return accumulation.objective(loss, scale), (loss, buffers, counts)
 
             if regather is not None and self.config.remat is None:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
@@ -129,8 +135,8 @@ class ExplicitStrategy:
                 loss_of = jax.checkpoint(loss_of, policy=regather)
             params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] else p
                       for n, p in state.params.items()}
-            loss, buffers, grads = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
-            return Gradients(loss, buffers, grads, self.pending)
+            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
+            return Gradients(loss, buffers, grads, self.pending, counts)
 
         return compute
 
@@ -138,7 +144,7 @@ class ExplicitStrategy:
         forward = self.program.forward(False, global_args(state, batch))
 
         def compute(state: TrainState, batch: tuple, key):
-            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0]
+            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0][0]
 
         return compute
 

@@ -96,6 +96,14 @@ def _expert_weights(ctx: Context, spec: moe.ExpertsSpec, up: C.Sharded, down: C.
     return up, down, ffn
 
 
+def _count_tokens(ctx: Context, ids: C.Sharded, experts: int) -> None:
+    """Records this layer's (token, expert) pairs per expert for the step's outputs: this
+    device's count, a pending sum over the axes that split the tokens."""
+    counts = moe.group_sizes(ids.value.reshape(-1).astype("int32"), experts)  # (E,)
+    layout = Layout(((),), ids.layout.split_axes())
+    ctx.expert_tokens[ctx.path or "<top level>"] = C.Sharded(counts, layout, (experts,), counts.dtype)
+
+
 def routed_experts(ctx: Context, eqn, args):
     """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
     split, every other dim is whole; the experts' weights are gathered if split, except over
@@ -107,6 +115,7 @@ def routed_experts(ctx: Context, eqn, args):
     tokens = Layout((x.layout.dims[0], ()))
     ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
     up, down, ffn = _expert_weights(ctx, spec, C.resolve(ctx, up), C.resolve(ctx, down), tokens.split_axes())
+    _count_tokens(ctx, ids, up.shape[0])
     values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
     if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
         peers = ctx.sizes[experts.EXPERT]
