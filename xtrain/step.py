@@ -116,7 +116,7 @@ class TrainStep:
         grad_tx = GradTransforms.of(options.step, self.trainable.lr_groups, plan.precision.loss_scale)
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                          remat=plan.layer_remat() if remat == "plan" else remat,
+                          remat=plan.layer_remat() if remat == "plan" else remat, capacity_factor=plan.capacity_factor,
                           regather=options.zero3_regather is not False, offload_optimizer=self.layout.offload_optimizer)
 
     def _lower(self, layout: StateLayout, remat="plan") -> StepProgram:

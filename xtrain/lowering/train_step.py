@@ -51,6 +51,7 @@ class StepConfig:
         regather: ZeRO-3 gathers each weight again in the backward pass.
         offload_optimizer: the optimizer state arrives in host memory and goes back there
             (xtrain.lowering.offload).
+        capacity_factor: MoE layers' expert capacity (Plan.capacity_factor); None: drop-free.
     """
 
     tx: optax.GradientTransformation
@@ -60,6 +61,7 @@ class StepConfig:
     remat: LayerRemat | None = None
     regather: bool = True
     offload_optimizer: bool = False
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.grad_tx is None:  # a skip the options need (input checks) is never left out

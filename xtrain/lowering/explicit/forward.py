@@ -44,6 +44,7 @@ class Program:
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
+        self.capacity_factor = config.capacity_factor
         self.ctx: Context | None = None
         self.repeated: list = []
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
@@ -65,7 +66,8 @@ class Program:
     def forward(self, training: bool, global_args) -> Callable:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
         returns the per-device function: local params, buffers, key, batch -> ((loss, buffers),
-        counts: {"expert_tokens": {MoE layer path: (experts,) tokens routed to each}} or {})."""
+        counts: {name: {module path: count}}, e.g. "expert_tokens": (experts,) tokens routed to
+        each expert of each MoE layer)."""
 
         def apply(params, buffers, key, batch):
             return self.model.apply(params, buffers, key, batch, training=training)
@@ -80,7 +82,8 @@ class Program:
             ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
                                remat=self.remat if training else None,
-                               regather=self.regather if training else None, unroll=not self.layout.scan_layers)
+                               regather=self.regather if training else None, unroll=not self.layout.scan_layers,
+                               capacity_factor=self.capacity_factor)
             regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(self.ctx, o).value for o in outs]
@@ -90,8 +93,10 @@ class Program:
 
     def _counts(self) -> dict:
         """The per-step counts the rules recorded, summed over the devices that split them."""
-        tokens = {p: C.replicate(self.ctx, s).value for p, s in sorted(self.ctx.expert_tokens.items())}
-        return {"expert_tokens": tokens} if tokens else {}
+        out: dict = {}
+        for (name, path), count in sorted(self.ctx.counts.items()):
+            out.setdefault(name, {})[path] = C.replicate(self.ctx, count).value
+        return out
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
         self.repeated = find_repeated_blocks(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])

@@ -101,7 +101,23 @@ def _count_tokens(ctx: Context, ids: C.Sharded, experts: int) -> None:
     device's count, a pending sum over the axes that split the tokens."""
     counts = moe.group_sizes(ids.value.reshape(-1).astype("int32"), experts)  # (E,)
     layout = Layout(((),), ids.layout.split_axes())
-    ctx.expert_tokens[ctx.path or "<top level>"] = C.Sharded(counts, layout, (experts,), counts.dtype)
+    ctx.counts["expert_tokens", ctx.path or "<top level>"] = C.Sharded(counts, layout, (experts,), counts.dtype)
+
+
+def _capacity(ctx: Context, ids: C.Sharded, experts: int) -> int | None:
+    """Each expert's capacity of this device's pairs under the plan's capacity factor (None:
+    drop-free); the pairs past it are counted for the step's outputs and noted."""
+    if ctx.capacity_factor is None:
+        return None
+    tokens, k = ids.value.shape
+    per_expert = moe.expert_capacity(tokens, k, experts, ctx.capacity_factor)
+    where = ctx.path or "<top level>"
+    ctx.note(f"capacity_factor={ctx.capacity_factor}: each expert of {where} takes at most {per_expert} of a "
+             f"device's {tokens} tokens x top_k {k} pairs (ceil(tokens x top_k / experts {experts} x factor)); "
+             "the rest are dropped, counted in step(...)['expert_dropped']")
+    dropped = moe.dropped(ids.value, experts, per_expert)
+    ctx.counts["expert_dropped", where] = C.Sharded(dropped, Layout((), ids.layout.split_axes()), (), dropped.dtype)
+    return per_expert
 
 
 def routed_experts(ctx: Context, eqn, args):
@@ -116,16 +132,20 @@ def routed_experts(ctx: Context, eqn, args):
     ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
     up, down, ffn = _expert_weights(ctx, spec, C.resolve(ctx, up), C.resolve(ctx, down), tokens.split_axes())
     _count_tokens(ctx, ids, up.shape[0])
+    per_expert = _capacity(ctx, ids, up.shape[0])
     values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
     if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
         peers = ctx.sizes[experts.EXPERT]
         experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
         cap = experts.capacity(x.value.shape[0], ids.shape[1])
+        cap, how = (cap, "this device's tokens x top_k: drop-free") if per_expert is None else (
+            per_expert * up.shape[0] // peers, f"{per_expert} per expert")
         ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
-                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer (this device's tokens x top_k: "
-                 f"drop-free), {cap * peers} x {x.shape[1]} features each way per device")
-        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [Layout(tokens.dims, ffn)])
-    return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [Layout(tokens.dims, ffn)])
+                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer ({how}), {cap * peers} x "
+                 f"{x.shape[1]} features each way per device")
+        out = experts.routed_experts(*values, spec=spec, peers=peers, per_expert=per_expert)
+        return wrap(eqn, [out], [Layout(tokens.dims, ffn)])
+    return wrap(eqn, [moe.routed_experts(*values, spec=spec, capacity=per_expert)], [Layout(tokens.dims, ffn)])
 
 
 register(top_k, "top_k")

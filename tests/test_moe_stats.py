@@ -1,0 +1,101 @@
+"""Per-step statistics of MoE layers (tokens per expert, in step()'s outputs and the Monitor's
+log, checked against torch's router on the same batch) and the optional token-dropping
+capacity factor (outside the parity tests: it changes what the model computes)."""
+import copy
+import math
+
+import pytest
+import torch
+
+import xtrain
+from test_moe import EXPERTS, TOP_K, case, lm_batches, routing
+
+
+def torch_expert_tokens(model, loss_fn, batch, paths):
+    """Tokens per expert of each MoE layer as torch's routers pick them on `batch`."""
+    picks = routing(copy.deepcopy(model), loss_fn, [batch])
+    return {p: torch.bincount(idx.reshape(-1), minlength=EXPERTS).tolist() for p, (_, idx) in zip(paths, picks)}
+
+
+def test_step_returns_tokens_per_expert_and_the_monitor_logs_their_balance(tmp_path):
+    """step(...)["expert_tokens"] under expert parallel (each device counts its own tokens,
+    summed): per MoE layer, the (token, expert) pairs torch's router sends to each expert on the
+    same batch; the Monitor logs them with the max and mean over experts and max / mean."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    monitor = xtrain.observe.Monitor(step, metrics=tmp_path / "m.jsonl", progress=False, flops_per_step=1.0)
+    with monitor.step() as rec:
+        rec.update(step(*batches[0]))
+    monitor.close()
+    expected = torch_expert_tokens(model, loss_fn, batches[0], ["blocks.0.experts", "blocks.1.experts"])
+    logged = xtrain.observe.read_metrics(tmp_path / "m.jsonl")[0]
+    assert logged["expert_tokens"] == expected
+    counts = [torch.tensor(c, dtype=torch.float64) for c in expected.values()]
+    assert sum(map(sum, expected.values())) == batches[0][0].numel() * TOP_K * 2
+    assert logged["expert_tokens_max"] == max(float(c.max()) for c in counts)
+    assert logged["expert_tokens_mean"] == pytest.approx(float(torch.stack(counts).mean()))
+    assert logged["expert_imbalance"] == pytest.approx(max(float(c.max() / c.mean()) for c in counts))
+    assert logged["expert_imbalance"] > 1.05, "a balanced batch would not show that the ratio is computed"
+
+
+def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
+    """Mixtral with its layers as one layer scan and 2 micro-batches: the counts leave the scan
+    per layer and add up over the micro-batches to torch's on the whole batch."""
+    model, make_opt, loss_fn, _, _ = case("mixtral")
+    m, batch = copy.deepcopy(model), lm_batches(n=1, batch=16, seed=9)[0]
+    step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          scan_layers=True, accumulate=2)
+    out = step(*batch)
+    assert any("run as one layer scan" in n for n in step.report().notes)
+    paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)
+
+
+
+def overflow(idx, devices, capacity):
+    """Pairs past `capacity` per expert when each device routes its own rows of `idx` (N, k)."""
+    per_device = idx.reshape(devices, -1)
+    return sum(int((torch.bincount(p, minlength=EXPERTS) - capacity).clamp(min=0).sum()) for p in per_device)
+
+
+def test_capacity_factor_drops_the_pairs_past_each_experts_capacity():
+    """Plan(capacity_factor=1.0): each device's 8 tokens x top-2 = 16 pairs, capacity
+    ceil(16 / 4 experts x 1.0) = 4 per expert. The first MoE layer (the same input as torch's)
+    drops the overflow of torch's routing per device; the report shows the capacity; expert
+    parallel's all-to-all buffers shrink to it (4 peers x 4 rows); data=8 drops the same pairs
+    (the same loss); a factor with room for every pair drops none (torch's loss)."""
+    model, make_opt, loss_fn, batches, (reference_losses, _) = case("moe")
+    (_, idx), _ = routing(copy.deepcopy(model), loss_fn, batches[:1])[:2]
+    losses = []
+    for factor, mesh in ((1.0, xtrain.Mesh(data=2, expert=4)), (1.0, xtrain.Mesh(data=8)),
+                         (4.0, xtrain.Mesh(data=2, expert=4))):
+        m = copy.deepcopy(model)
+        step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                              plan=xtrain.Plan(capacity_factor=factor))
+        out = step(*batches[0])
+        losses.append(out["loss"])
+        capacity = math.ceil(8 * TOP_K / EXPERTS * factor)
+        assert int(out["expert_dropped"]["blocks.0.experts"]) == overflow(idx, 8, capacity)
+        notes = step.report().notes
+        assert len([n for n in notes if f"takes at most {capacity} of a device's 8 tokens x top_k 2 pairs" in n]) == 2
+    assert overflow(idx, 8, 4) > 0
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] != pytest.approx(reference_losses[0], rel=1e-4)
+    assert losses[2] == pytest.approx(reference_losses[0], rel=1e-5)
+
+
+def test_capacity_shrinks_the_all_to_all_buffers():
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=xtrain.Plan(capacity_factor=1.0))
+    step(*batches[0])
+    moved = [c.payload_bytes for c in step.report().collectives
+             if c.kind == "all-to-all" and "transpose" not in c.source]
+    assert sorted(moved) == [4 * 4 * 32 * 4] * 2 + [4 * 4 * 33 * 4] * 2  # peers x capacity rows x (hidden + id)
+    assert any("a capacity of 4 rows per peer (4 per expert)" in n for n in step.report().notes)
+
+
+def test_capacity_factor_must_be_positive():
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
+        xtrain.Plan(capacity_factor=0)
