@@ -1,6 +1,7 @@
-"""Per-step statistics of MoE layers (tokens per expert, in step()'s outputs and the Monitor's
-log, checked against torch's router on the same batch) and the optional token-dropping
-capacity factor (outside the parity tests: it changes what the model computes)."""
+"""Around the MoE layers' parity (tests/test_moe.py): per-step tokens per expert (step()'s
+outputs and the Monitor's log, checked against torch's router on the same batch), the optional
+token-dropping capacity factor (outside the parity tests: it changes what the model computes),
+the Neuron checker on an expert-parallel program, and expert-parallel candidates of the plan search."""
 import copy
 import math
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import xtrain
+from neuron_support import conformance, emulate
 from test_moe import EXPERTS, TOP_K, case, lm_batches, routing
 
 
@@ -99,3 +101,21 @@ def test_capacity_shrinks_the_all_to_all_buffers():
 def test_capacity_factor_must_be_positive():
     with pytest.raises(ValueError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
         xtrain.Plan(capacity_factor=0)
+
+
+def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
+    """The expert-parallel program on one trn1.32xlarge: every collective conforms (the
+    all-to-alls over 'expert' are 4 neighbouring cores; the routers' top-k is one lax.top_k, no
+    float sort). A target allowing only pairs of cores finds exactly the all-to-alls over
+    expert=4 (with the rest of its collectives over more than 2 cores), named with their MoE layer."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    assert emulate.check_step(step, *batches[0], cluster=emulate.virtual_cluster("trn1.32xlarge")) == []
+    compiled = step.compiled(*batches[0])
+    pairs = conformance.Target(name="pairs-only", devices_per_node=8, group_sizes=(1, 2), max_replica_groups=None)
+    found = conformance.check(compiled.as_text(), pairs, device_ids=emulate.device_order(compiled))
+    moved = [f for f in found if f.op.startswith("all-to-all")]
+    assert len(moved) == 8, found  # 2 layers x (dispatch, combine) x (forward, backward)
+    assert all(f.rule == "replica-groups" and ".experts/all_to_all" in f.source and "group [0, 1, 2, 3]" in f.message
+               for f in moved), moved

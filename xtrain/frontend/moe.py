@@ -22,7 +22,7 @@ from jax import lax
 import torch
 import torchax
 from torchax import interop as torchax_interop
-from torchax.ops import jaten, mappings, ops_registry
+from torchax.ops import mappings, ops_registry
 
 from xtrain.frontend import torch_ops
 from xtrain.ir import moe
@@ -89,11 +89,18 @@ class TopKTooLarge(ValueError):
 
 
 def _topk(input, k, dim=None, largest=True, sorted=True, *, out=None):
-    """aten.topk (torchax's), refusing k above the dimension's size with TopKTooLarge."""
-    size = input.shape[-1 if dim is None else dim] if input.ndim else 1
-    if k > size:
-        raise TopKTooLarge(int(k), int(size))
-    return jaten._aten_topk(input, k, dim, largest, sorted, out=out)
+    """aten.topk as one lax.top_k (its values come sorted, largest first, ties by index: no
+    re-sort, whose float comparator Neuron rejects); k above the dimension's size is refused
+    with TopKTooLarge."""
+    if input.ndim == 0:
+        return input, jnp.zeros((), jnp.int32)
+    dim = -1 if dim is None else dim
+    if k > input.shape[dim]:
+        raise TopKTooLarge(int(k), int(input.shape[dim]))
+    x = jnp.moveaxis(input, dim, -1)
+    values, indices = lax.top_k(x if largest else -x, k)
+    values = values if largest else -values
+    return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices, -1, dim)
 
 
 def top_k_error(err: TopKTooLarge, where: str, model: str) -> str:
