@@ -3,6 +3,7 @@ outputs and the Monitor's log, checked against torch's router on the same batch)
 token-dropping capacity factor (outside the parity tests: it changes what the model computes),
 the Neuron checker on an expert-parallel program, and expert-parallel candidates of the plan search."""
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -10,6 +11,11 @@ import torch
 
 import xtrain
 from neuron_support import conformance, emulate
+from xtrain.cost import hardware, search
+from xtrain.cost import model as cost_model
+from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import wrap
+from xtrain.step import host_batch
 from test_moe import EXPERTS, TOP_K, case, lm_batches, routing
 
 
@@ -119,3 +125,31 @@ def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
     assert len(moved) == 8, found  # 2 layers x (dispatch, combine) x (forward, backward)
     assert all(f.rule == "replica-groups" and ".experts/all_to_all" in f.source and "group [0, 1, 2, 3]" in f.message
                for f in moved), moved
+
+
+def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
+    """Expert degrees dividing the devices and the experts (4) for the MoE model, none for a
+    dense one; an expert-parallel candidate lowers with its 8 all-to-alls over 'expert', costed
+    on the link that axis maps to (inside a node of 8; across nodes of 2 devices)."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    trainable = wrap(m, make_opt(m.parameters()), loss_fn)
+    experts = sorted(trainable.experts)
+    assert search.expert_degrees(trainable.model, experts, 8) == [1, 2, 4]
+    profile = hardware.emulated(8)
+    names = {c.name for c in search.candidates(8, profile, pipe_degrees=(1,), expert_degrees=[1, 2, 4])}
+    assert {"dp4xep2", "dp2xep4", "dp2xep2xtp2", "dp8", "dp4xtp2"} <= names
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    dense_trainable = wrap(dense, torch.optim.SGD(dense.parameters(), lr=0.1), lambda mod, x: mod(x).sum())
+    assert search.expert_degrees(dense_trainable.model, sorted(dense_trainable.experts), 8) == [1]
+    result = search.search(trainable.model, trainable.tx, host_batch(batches[0]), profile, 8, structure=describe(m),
+                           experts=experts, candidate_list=[search.Candidate(data=2, expert=4)])
+    (row,) = result.rows
+    assert row.usable and row.candidate.mesh == {"data": 2, "expert": 4}, row
+    moved = [c for c in row.cost.collectives if c.kind == "all-to-all"]
+    assert len(moved) == 8 and all(c.axes == ("expert",) for c in moved)
+    one_node = cost_model.communication(dataclasses.replace(row.cost, collectives=moved), profile)[0]
+    nodes_of_2 = dataclasses.replace(profile, devices_per_node=2)
+    across = cost_model.communication(dataclasses.replace(row.cost, collectives=moved), nodes_of_2)[0]
+    assert one_node[cost_model.INTER] == 0 < one_node[cost_model.INTRA]
+    assert across[cost_model.INTRA] == 0 < across[cost_model.INTER]
