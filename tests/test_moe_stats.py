@@ -153,3 +153,15 @@ def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
     across = cost_model.communication(dataclasses.replace(row.cost, collectives=moved), nodes_of_2)[0]
     assert one_node[cost_model.INTER] == 0 < one_node[cost_model.INTRA]
     assert across[cost_model.INTRA] == 0 < across[cost_model.INTER]
+
+
+def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    capped = xtrain.Plan(capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) drops MoE pairs in the explicit lowering"):
+        xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=capped,
+                       lowering="xla")(*batches[0])
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) is not applied by the pipeline step"):
+        xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                       plan=capped.with_pipeline(stages=2, microbatches=2))(*batches[0])
