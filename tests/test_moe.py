@@ -202,13 +202,32 @@ def assert_moe_local(step):
     assert not moved, f"collectives beyond the loss's reductions: {moved}"
 
 
+MESHES = {"data8": dict(data=8), "fsdp": dict(data=8), "expert": dict(data=2, expert=4),
+          "fsdp_expert": dict(data=2, expert=4), "megatron": dict(data=4, tensor=2),
+          "expert_tensor": dict(data=2, expert=2, tensor=2)}
+
+
+def layout_plan(layout, model, mesh, batch, loss_fn):
+    """The plan of a layout of the parity matrix; Megatron's splits each expert's FFN over `tensor`."""
+    if "fsdp" in layout:
+        return xtrain.plans.fsdp(model, mesh)
+    if layout not in ("megatron", "expert_tensor"):
+        return None
+    plan = xtrain.plans.megatron(model, mesh, example=batch, loss_fn=loss_fn)
+    assert plan.params["blocks.*.experts.gate_up_proj"] == (None, "tensor", None), plan
+    assert plan.params["blocks.*.experts.down_proj"] == (None, None, "tensor"), plan
+    xtrain.plans.assert_sharded(plan, model, mesh, max_replicated=0.2)  # embedding and head: vocab 101
+    return plan
+
+
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
                                          ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
-                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert")])
+                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert"), ("moe", "megatron"),
+                                         ("moe", "expert_tensor")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
-    mesh = xtrain.Mesh(data=2, expert=4) if "expert" in layout else xtrain.Mesh(data=8)
-    plan = xtrain.plans.fsdp(model, mesh) if "fsdp" in layout else None
+    mesh = xtrain.Mesh(**MESHES[layout])
+    plan = layout_plan(layout, model, mesh, batches[0], loss_fn)
     result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
     assert_parity(result)
     assert_same_routing(model, result, loss_fn, batches)
@@ -267,6 +286,22 @@ def test_experts_not_divisible_by_expert_axis_is_an_error():
                                          r"holds 4 experts, not divisible by the mesh axis 'expert' of size 8"):
         xtrain.compile(model, xtrain.Mesh(expert=8), optimizer=sgd(model.parameters()),
                        loss_fn=moe_loss)(*lm_batches(n=1)[0])
+
+
+def test_top_k_above_the_number_of_experts_is_an_error_naming_the_router():
+    model = MoELM(MoEConfig(top_k=5))
+    with pytest.raises(TraceError, match=r"torch\.topk in module 'blocks\.0\.gate' of MoELM picks k=5 of 4 .*"
+                                         r"set top_k \(num_experts_per_tok\) to at most 4, the number of experts"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()),
+                       loss_fn=moe_loss)(*lm_batches(n=1)[0])
+
+
+def test_batch_not_divisible_by_data_times_expert_is_an_error():
+    model = MoELM()
+    with pytest.raises(ValueError, match=r"global batch 4 is not divisible by mesh axis data=2 x expert=4; use a "
+                                         r"global batch that is a multiple of 8"):
+        xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
+                       loss_fn=moe_loss)(*lm_batches(n=1, batch=4)[0])
 
 
 def test_bf16_plan_keeps_experts_one_local_call():
@@ -337,3 +372,5 @@ def test_grouped_matmul_flops_count_active_experts():
     loss = lambda a, b: jnp.sum(lax.ragged_dot(a, b, sizes) ** 2)
     grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((rows, k)), jnp.ones((experts, k, n)))
     assert flops.count(grads).dot == 3 * 2 * rows * k * n
+
+

@@ -22,7 +22,8 @@ def search_plans(trainable: Trainable, batch: tuple, *, pipelines: bool) -> sear
         The search, every candidate listed (`step.search`).
     """
     return search.search(trainable.model, trainable.tx, batch, hardware.current_profile(), len(jax.devices()),
-                         structure=trainable.structure, pipe_degrees=None if pipelines else (1,))
+                         structure=trainable.structure, pipe_degrees=None if pipelines else (1,),
+                         experts=sorted(trainable.experts))
 
 
 def agreed_pick(result: search.SearchResult) -> search.Candidate:

@@ -356,7 +356,7 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         shapes = _scaled(host_batch(batch), global_batch) if global_batch else host_batch(batch)
         t = step.trainable
         print(search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
-                            target=f"{target} ({devices} devices)"), flush=True)
+                            target=f"{target} ({devices} devices)", experts=sorted(t.experts)), flush=True)
 
     return _intercepted(script, args, show, build=False, what="plan")
 

@@ -3,8 +3,11 @@
     monitor = xtrain.observe.Monitor(step, total_steps=300, metrics="runs/metrics.jsonl")
     for i, batch in zip(range(300), loader):
         with monitor.step(tokens=batch_tokens) as rec:
-            rec["loss"] = step(*batch)["loss"]      # a float: the step has finished
+            rec.update(step(*batch))                # floats: the step has finished
     monitor.close()
+
+An MoE model's step also returns its tokens per expert per layer ("expert_tokens"); the monitor
+logs their max and mean over experts and the worst layer's max / mean (`expert_load`).
     xtrain.observe.plot(monitor.history, "runs/train.png")
 
 MFU = model FLOPs per step / (step time x devices x dense peak FLOP/s of one device), with
@@ -23,9 +26,10 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jax
+import numpy as np
 
 from xtrain.ir import flops
 from xtrain.cost.hardware import peak_flops
@@ -109,6 +113,9 @@ class Monitor:
         self._finish(rec, tokens, lr)
 
     def _finish(self, rec: dict, tokens: int | None, lr: float | None) -> None:
+        if rec.get("expert_tokens"):
+            rec.update(expert_load(rec["expert_tokens"]))
+            rec["expert_tokens"] = {p: [int(c) for c in counts] for p, counts in rec["expert_tokens"].items()}
         if tokens is not None:
             rec["tokens_per_s"] = tokens / rec["step_time_s"]
         if lr is not None:
@@ -154,11 +161,23 @@ class Monitor:
                 handle.close()
 
 
+def expert_load(tokens: Mapping[str, Any]) -> dict:
+    """Routing balance of one step from its tokens per expert per MoE layer (`step(...)
+    ["expert_tokens"]`): the most and the mean tokens any expert got, and max / mean of the
+    worst layer (1.0: every expert got as many)."""
+    counts = [np.asarray(c, np.float64) for c in tokens.values()]
+    return {"expert_tokens_max": float(max(c.max() for c in counts)),
+            "expert_tokens_mean": float(np.mean([c.mean() for c in counts])),
+            "expert_imbalance": float(max(c.max() / max(c.mean(), 1e-12) for c in counts))}
+
+
 def format_postfix(rec: dict) -> str:
     """The progress bar's text for one step record."""
     parts = [f"loss={rec['loss']:.4f}" if "loss" in rec else None,
              f"tok/s={rec['tokens_per_s']:,.0f}" if "tokens_per_s" in rec else None,
              f"step={1e3 * rec['step_time_s']:.1f}ms"]
+    if "expert_imbalance" in rec:
+        parts.append(f"experts max/mean={rec['expert_imbalance']:.2f}")
     if rec.get("mfu") is not None:
         parts.append(f"MFU={100 * rec['mfu']:.1f}%")
     elif "tflops_s" in rec:

@@ -116,7 +116,7 @@ class TrainStep:
         grad_tx = GradTransforms.of(options.step, self.trainable.lr_groups, plan.precision.loss_scale)
         return StepConfig(tx=self.trainable.tx, options=options.step, grad_tx=grad_tx,
                           sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                          remat=plan.layer_remat() if remat == "plan" else remat,
+                          remat=plan.layer_remat() if remat == "plan" else remat, capacity_factor=plan.capacity_factor,
                           regather=options.zero3_regather is not False, offload_optimizer=self.layout.offload_optimizer)
 
     def _lower(self, layout: StateLayout, remat="plan") -> StepProgram:
@@ -231,10 +231,9 @@ class TrainStep:
         return jax.make_array_from_callback(lrs.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: lrs[i])
 
     def __call__(self, *batch: Any) -> dict[str, float]:
-        """Runs one optimizer step on a global batch; returns {"loss": float}, plus "grad_norm"
-        (before clipping) and "skipped" when the step can skip updates (clipping, detect_nan,
-        input checks, fp16), and "loss_scale" under fp16. A skipped step raises unless fp16's
-        loss scaler skipped it (xtrain.guards)."""
+        """One optimizer step on a global batch: {"loss": float}, "grad_norm" (before clipping) and
+        "skipped" when the step can skip updates (clipping, detect_nan, input checks, fp16), "loss_scale"
+        under fp16, "expert_tokens" ({MoE layer: tokens per expert}); a skipped step raises unless fp16 skipped it."""
         if self._intercept is not None:
             intercept, self._intercept = self._intercept, None
             if intercept.build:
@@ -250,7 +249,8 @@ class TrainStep:
         self.state, out = self._program.train(self.state, placed, self._lrs())
         if self.trainable.learning_rates is not None:
             self.trainable.learning_rates.mark_stepped()
-        out = {k: (bool(v) if k == "skipped" else float(v)) for k, v in out.items()}
+        out = {k: bool(v) if k == "skipped" else jax.tree.map(np.asarray, v) if isinstance(v, dict) else float(v)
+               for k, v in out.items()}
         if out.get("skipped"):
             guards.explain_skip(self, out, placed)
         return out

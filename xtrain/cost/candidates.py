@@ -1,5 +1,5 @@
-"""The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, tensor and
-pipeline degrees, microbatches and schedule, ZeRO stage, remat, what is offloaded to host
+"""The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, expert, tensor
+and pipeline degrees, microbatches and schedule, ZeRO stage, remat, what is offloaded to host
 memory, compute precision, the order of its mesh axes) and turns into a Plan; `candidates`
 lists the points for a device count and hardware profile, in the order the search lowers and
 lists them.
@@ -17,6 +17,8 @@ from xtrain.sharding.plan import Plan
 
 # the Megatron plan of the model for a mesh's {axis: size} (xtrain.sharding.presets.megatron_of)
 TensorPlan = Callable[[Mapping[str, int]], Plan]
+# a plan with the model's MoE experts split over the mesh's `expert` axis (sharding.experts.expert_parallel)
+ExpertPlan = Callable[[Plan, Mapping[str, int]], Plan]
 
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
@@ -27,8 +29,9 @@ SKIPPED_ACT_OFFLOAD = "not lowered: fits with the activations on the device, whi
 # a candidate's name for what it offloads
 OFFLOAD_NAMES = {Offload.NONE: "", Offload.OPTIMIZER: " offload", Offload.ACTIVATIONS: " act-offload"}
 SCHEDULES = ("gpipe", "1f1b")
-# mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices
-DEFAULT_ORDER = ("data", "pipe", "tensor")
+# mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices, expert
+# parallel's all-to-alls next
+DEFAULT_ORDER = ("data", "pipe", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +41,8 @@ class Candidate:
     Attributes:
         data: data-parallel degree (mesh axis "data").
         tensor: Megatron tensor-parallel degree (mesh axis "tensor"; 1: none).
+        expert: expert-parallel degree (mesh axis "expert": MoE layers' experts split over it,
+            the batch over data x expert; 1: none; not with a pipeline).
         zero: ZeRO stage over "data".
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
@@ -63,9 +68,13 @@ class Candidate:
     order: tuple[str, ...] = ()
     precision: str = "fp32"
     offload: Offload = Offload.NONE
+    expert: int = 1
 
     def __post_init__(self):
         self._check_offload()
+        if self.expert > 1 and self.pipe > 1:
+            raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): expert parallelism does not "
+                             "compose with the pipeline yet; use pipe=1")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
                              f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
@@ -92,7 +101,7 @@ class Candidate:
                              "each layer from its input, as remat does; use remat=False")
 
     def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
-        sizes = {"data": self.data, "pipe": self.pipe, "tensor": self.tensor}
+        sizes = {"data": self.data, "pipe": self.pipe, "expert": self.expert, "tensor": self.tensor}
         return {a: sizes[a] for a in order if a == "data" or sizes[a] > 1}
 
     @property
@@ -103,26 +112,34 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        short = {"data": "dp", "tensor": "tp", "pipe": "pp"}
+        short = {"data": "dp", "tensor": "tp", "pipe": "pp", "expert": "ep"}
         parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
         name += OFFLOAD_NAMES[self.offload]
         return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
-    def plan(self, tensor: TensorPlan | None = None) -> Plan:
+    def plan(self, tensor: TensorPlan | None = None, expert: ExpertPlan | None = None) -> Plan:
         """The Plan: Megatron rules for tensor > 1 (`tensor(mesh sizes)`: derived from the model's
-        traced program), the ZeRO stage, remat, what is offloaded, the pipeline."""
+        traced program), the experts split for expert > 1 (`expert(plan, mesh sizes)`; None: left
+        to `xtrain.compile`, which splits them on a mesh with an "expert" axis), the ZeRO stage,
+        remat, what is offloaded, the pipeline."""
+        base = self._base_plan(tensor)
+        if self.expert > 1 and expert is not None:
+            base = expert(base, self.mesh)
+        if self.pipe == 1:
+            return dataclasses.replace(base, zero=self.zero, remat=self.remat)
+        return dataclasses.replace(base, zero=self.zero).with_pipeline(
+            stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
+
+    def _base_plan(self, tensor: TensorPlan | None) -> Plan:
         base = Plan(precision=self.precision, offload=self.offload)
         if self.tensor > 1:
             if tensor is None:
                 raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                  "which needs a torch.nn.Module")
             base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload)
-        if self.pipe == 1:
-            return dataclasses.replace(base, zero=self.zero, remat=self.remat)
-        return dataclasses.replace(base, zero=self.zero).with_pipeline(
-            stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
+        return base
 
     @property
     def saves_memory_only(self) -> bool:
@@ -145,7 +162,8 @@ class Candidate:
 
     def simplicity(self) -> tuple:
         offloads = list(Offload).index(self.offload)  # none, then the optimizer state, then activations
-        return (self.pipe, self.tensor, self.zero, offloads, self.remat, self.schedule != "gpipe", self.microbatches)
+        return (self.pipe, self.tensor, self.expert, self.zero, offloads, self.remat, self.schedule != "gpipe",
+                self.microbatches)
 
 
 def _divisors(n: int) -> list[int]:
@@ -161,7 +179,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
                zero_stages: Sequence[int] = (0, 1, 2, 3), remat: Sequence[bool] = (False, True),
                pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
                schedules: Sequence[str] = SCHEDULES,
-               offloads: Sequence[Offload] = (Offload.OPTIMIZER, Offload.ACTIVATIONS)) -> list[Candidate]:
+               offloads: Sequence[Offload] = (Offload.OPTIMIZER, Offload.ACTIVATIONS),
+               expert_degrees: Sequence[int] = (1,)) -> list[Candidate]:
     """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
     devices of one instance (and, on Trainium, are replica-group sizes a node supports).
     Without a pipeline, also each of `offloads` where the profile knows its host link
@@ -169,7 +188,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
 
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
-    per-stage checkpoint (1F1B always recomputes)."""
+    per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
+    add expert-parallel points without a pipeline."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
         raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
@@ -177,8 +197,10 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     out = []
     for p in pipe_degrees:
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
-            out += _points(devices // (t * p), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p), schedules,
-                           profile, offloads)
+            for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * e) == 0):
+                points = _points(devices // (t * p * e), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p),
+                                 schedules, profile, offloads)
+                out += [dataclasses.replace(c, expert=e) for c in points]
     return out
 
 

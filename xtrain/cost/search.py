@@ -7,8 +7,10 @@
 Candidates (xtrain.cost.candidates; in the fixed order of torchtitan's parallelize: tensor,
 pipeline, activation checkpointing, data/ZeRO): tensor degree t over the "tensor" axis (Megatron
 preset; on Trainium only the replica-group sizes a node supports), pipeline degree p over "pipe"
-with m microbatches, data degree n / (t x p) over "data" with ZeRO stage 0-3 (0-1 with a pipeline,
-all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
+with m microbatches, for an MoE model (`experts`) expert degree e over "expert" (dividing n and
+every MoE layer's experts; no pipeline: experts split, tokens moved by all-to-all, costed on the
+link that axis maps to), data degree n / (t x p x e) over "data" with ZeRO stage 0-3 (0-1 with a
+pipeline, all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
 per-stage checkpoint, or the 1F1B schedule, which always recomputes). Pipeline degrees by
 default: the divisors of n up to the model's number of repeated blocks, none for a model
 without repeated blocks; m in (p, 2p, 4p). Precision: the script's fp32, except on hardware
@@ -54,6 +56,7 @@ from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
 from xtrain.lowering import accounting, offload
 from xtrain.sharding import presets
+from xtrain.sharding.experts import expert_parallel
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
@@ -160,6 +163,8 @@ def step_cost(step: program_mod.AbstractStep, sizes: dict[str, int], tokens: int
 def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
     """Why `candidate` is no plan for this model and batch, found before lowering ('' if none)."""
     d, m, p = candidate.data, candidate.microbatches, candidate.pipe
+    if candidate.expert > 1 and rows % (d * candidate.expert):
+        return f"global batch {rows} is not divisible by data={d} x expert={candidate.expert}"
     if rows % (d * m):
         return f"global batch {rows} is not divisible by data={d}" + (f" x microbatches={m} = {d * m}" if p > 1 else "")
     if p > 1 and layers is not None and layers < p:
@@ -181,8 +186,22 @@ def tensor_plan(model, batch: tuple) -> Callable[[Mapping[str, int]], Plan]:
     return lambda sizes: _megatron(model, shapes, tuple(sizes.items()))
 
 
+def expert_plan(model, experts: Sequence[str]) -> Callable[[Plan, Mapping[str, int]], Plan]:
+    """`plan` with `model`'s MoE expert weights `experts` split over a mesh's `expert` axis."""
+    shapes = {n: tuple(s.shape) for n, s in model.param_shapes().items()}
+    return lambda plan, sizes: expert_parallel(plan, experts, dict(sizes), shapes, model.name)
+
+
+def expert_degrees(model, experts: Sequence[str], devices: int) -> list[int]:
+    """Expert-parallel degrees worth listing: 1, and for an MoE model the degrees > 1 that divide
+    the devices and every MoE layer's number of experts."""
+    counts = {model.param_shapes()[n].shape[0] for n in experts}
+    return [1] + [e for e in range(2, devices + 1) if devices % e == 0 and counts and all(c % e == 0 for c in counts)]
+
+
 def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch: tuple, profile: HardwareProfile,
-             *, regather: bool = True, layers: int | None = None, model_flops: float | None = None) -> Row:
+             *, regather: bool = True, layers: int | None = None, model_flops: float | None = None,
+             experts: Sequence[str] = ()) -> Row:
     """Lowers `candidate` for an abstract mesh and predicts it on `profile`. On Trainium the
     program is lowered for Neuron and checked (neuron_support.conformance): the candidate
     takes the fastest mesh-axis order that passes, or is marked with what fails and never picked.
@@ -190,14 +209,16 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     Args:
         layers: the model's repeated blocks (program.model_facts), to refuse a pipeline of more
             stages without lowering it; None: the lowering finds out.
-        model_flops: the model's FLOPs per step (xtrain.ir.flops.model_flops), for MFU."""
+        model_flops: the model's FLOPs per step (xtrain.ir.flops.model_flops), for MFU.
+        experts: the model's MoE expert weights (Trainable.experts), for expert-parallel candidates."""
     reason = _refusal(candidate, batch[0].shape[0], layers)
     if reason:
         return Row(candidate=candidate, reason=reason)
     target = placement.neuron_target(profile)
     try:
         profile.check_precision(candidate.precision)
-        plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None)
+        plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None,
+                              expert_plan(model, experts) if experts else None)
         traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
                                            platform="neuron" if target else None)
     except ValueError as err:
@@ -228,7 +249,8 @@ def pick(rows: Sequence[Row]) -> Row | None:
 
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, structure: Structure | None = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
-           regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None) -> SearchResult:
+           regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
+           experts: Sequence[str] = ()) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -240,15 +262,18 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
+        experts: the model's MoE expert weights (Trainable.experts): the default candidates then
+            include expert-parallel ones (`expert_degrees`); none for a model without them.
     """
     facts = program_mod.model_facts(model, batch)
     if candidate_list is None:
         pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
         # activation offload checkpoints the layer scan: only for a model with repeated blocks
         offloads = (Offload.OPTIMIZER, Offload.ACTIVATIONS) if facts.layers else (Offload.OPTIMIZER,)
-        candidate_list = candidates(devices, profile, pipe_degrees=pipes, offloads=offloads)
+        candidate_list = candidates(devices, profile, pipe_degrees=pipes, offloads=offloads,
+                                    expert_degrees=expert_degrees(model, experts, devices))
     lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
-                               model_flops=facts.matmul_flops)
+                               model_flops=facts.matmul_flops, experts=experts)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
     for c in candidate_list:
         if c.saves_memory_only:

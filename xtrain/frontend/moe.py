@@ -79,7 +79,38 @@ def _histc(input, bins=100, min=0, max=0):
     return jnp.sum(hits, axis=0, dtype=input.dtype)
 
 
-_LOWERINGS = {aten._grouped_mm.default: _grouped_mm, aten.histc.default: _histc}
+class TopKTooLarge(ValueError):
+    """torch.topk asked for more elements than its dimension holds (an MoE router's top_k above
+    its number of experts); the tracer names the module (`top_k_error`)."""
+
+    def __init__(self, k: int, size: int):
+        super().__init__(f"topk of k={k} along a dimension of {size}")
+        self.k, self.size = k, size
+
+
+def _topk(input, k, dim=None, largest=True, sorted=True, *, out=None):
+    """aten.topk as one lax.top_k (its values come sorted, largest first, ties by index: no
+    re-sort, whose float comparator Neuron rejects); k above the dimension's size is refused
+    with TopKTooLarge."""
+    if input.ndim == 0:
+        return input, jnp.zeros((), jnp.int32)
+    dim = -1 if dim is None else dim
+    if k > input.shape[dim]:
+        raise TopKTooLarge(int(k), int(input.shape[dim]))
+    x = jnp.moveaxis(input, dim, -1)
+    values, indices = lax.top_k(x if largest else -x, k)
+    values = values if largest else -values
+    return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices, -1, dim)
+
+
+def top_k_error(err: TopKTooLarge, where: str, model: str) -> str:
+    """The message for TopKTooLarge raised in module `where`."""
+    return (f"torch.topk in module {where!r} of {model} picks k={err.k} of {err.size} along its dimension; as an "
+            f"MoE router's top_k that is more experts than the layer has: set top_k (num_experts_per_tok) to at "
+            f"most {err.size}, the number of experts")
+
+
+_LOWERINGS = {aten._grouped_mm.default: _grouped_mm, aten.histc.default: _histc, aten.topk.default: _topk}
 
 
 def install(env: torchax.tensor.Environment) -> None:

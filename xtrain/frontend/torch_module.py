@@ -235,6 +235,8 @@ class TorchModel(Model):
             return self.loss_fn(self.module, *batch)
         except torchax.tensor.OperatorNotFound as err:
             raise self._untranslatable(_op_name(err), scopes) from err
+        except moe.TopKTooLarge as err:
+            raise TraceError(moe.top_k_error(err, scopes.current() or f"{self.name}.forward", self.name)) from err
         except AssertionError as err:
             if _OUTSIDE_ENV not in str(err):
                 raise

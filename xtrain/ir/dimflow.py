@@ -18,16 +18,13 @@ cross entropy over the vocabulary). Parameters read by `gather` are embedding ta
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
-import operator
 
 import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
-from xtrain.ir import detour, provenance, walk
+from xtrain.ir import detour, moe, provenance, reshapes, walk
 from xtrain.ir.model import Model
 
 # Bodies the analysis enters: they run inline, their inputs are the caller's operands.
@@ -137,6 +134,9 @@ class _Analysis:
             ins = [None if isinstance(v, jcore.Literal) else self.live(labels.get(v)) for v in eqn.invars]
             gins = [None if isinstance(v, jcore.Literal) else self.ghosts.get(v) for v in eqn.invars]
             vws = [None if isinstance(v, jcore.Literal) else views.get(v) for v in eqn.invars]
+            if (spec := moe.spec_of(str(eqn.params.get("name", "")))) is not None:
+                self.experts(spec, eqn, ins, vws, path)
+                continue
             body = _body(eqn)
             if body is not None:
                 self.call(body, eqn, ins, vws, labels, views, path)
@@ -160,6 +160,21 @@ class _Analysis:
             return None
         out = tuple(None if x is None or self.group(x).breaks else x for x in label)
         return out if any(x is not None for x in out) else None
+
+    def experts(self, spec, eqn, ins, vws, path) -> None:
+        """A routed-experts call (xtrain.ir.moe): its expert FFN dimension is a source in the up
+        weight and a sink in the down weight (each device computes its FFN features per expert)."""
+        self.brk([x for lab in ins if lab for x in lab], "op", "routed experts", f"{path}: a split token feature")
+        (up, u), (down, d) = ((vws[i], dim) for i, dim in zip((3, 4), moe.ffn_dims(spec)))
+        if up is None or down is None or up.dims[u] is None or down.dims[d] is None:
+            return
+        size = eqn.invars[3].aval.shape[u]
+        group = self.group(self.new_source(Use(up.name, up.dims[u], size, path)))
+        group.rows.append(Use(down.name, down.dims[d], eqn.invars[4].aval.shape[d], path))
+        if spec.gated and spec.concatenated:
+            group.segments[up.name] = {(0, size // 2), (size // 2, size)}
+        if spec.gated and size // 2 % self.tp:
+            group.breaks.append(("indivisible", "routed experts", f"{path}: {size // 2} expert FFN features"))
 
     def call(self, body, eqn, ins, vws, labels, views, path) -> None:
         inner_labels = {v: lab for v, lab in zip(body.invars, ins) if lab is not None}
@@ -269,7 +284,7 @@ class _Analysis:
 
     def reshape(self, lab, in_shape, out_shape, prim, path) -> tuple:
         out: list = [None] * len(out_shape)
-        for ins, outs in _blocks(in_shape, out_shape):
+        for ins, outs in reshapes.blocks(in_shape, out_shape):
             big_in = [d for d in ins if in_shape[d] > 1]
             big_out = [d for d in outs if out_shape[d] > 1]
             for d in ins:
@@ -279,7 +294,7 @@ class _Analysis:
                     self.brk([lab[d]], "op", prim, f"{path}: {in_shape} -> {out_shape} mixes the split dimension")
                     continue
                 first = big_out[0]
-                if _one_head(in_shape, out_shape, first):
+                if reshapes.one_head(in_shape, out_shape, first):
                     self.brk([lab[d]], "heads", prim, f"{path}: 1 ({in_shape} -> {out_shape})")
                     continue
                 if out_shape[first] % self.tp:
@@ -353,25 +368,6 @@ def _body(eqn):
             if hasattr(body, "invars") and len(body.invars) == len(eqn.invars):
                 return body
     return None
-
-
-def _one_head(in_shape, out_shape, first: int) -> bool:
-    """A reshape of the last dimension into (1 head, head_dim): one key/value head (MQA), which
-    the axis cannot split (an unsqueeze of the same shape is read the same way)."""
-    return (len(out_shape) == len(in_shape) + 1 and first == len(out_shape) - 1 and out_shape[first - 1] == 1
-            and out_shape[first] == in_shape[-1])
-
-
-def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """A reshape's dimensions grouped into blocks of equal element count: ([in dims], [out dims])
-    (a block ends where the running products of both shapes meet)."""
-    pa, pb = list(itertools.accumulate(a, operator.mul)), list(itertools.accumulate(b, operator.mul))
-    common = sorted(set(pa) & set(pb))
-    blocks: list[tuple[list[int], list[int]]] = [([], []) for _ in common]
-    for side, running in ((0, pa), (1, pb)):
-        for d, p in enumerate(running):
-            blocks[min(bisect.bisect_left(common, p), len(common) - 1)][side].append(d)
-    return blocks
 
 
 def analyze(closed, names: list[str], tp: int, module_paths: frozenset[str] = frozenset()) -> Flow:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,11 @@ def spec_of(name: str) -> ExpertsSpec | None:
                        compute=None if parts[3] == "same" else parts[3])
 
 
+def ffn_dims(spec: ExpertsSpec) -> tuple[int, int]:
+    """The expert FFN dimension of the up and of the down weight (what tensor parallel splits)."""
+    return (2, 1) if spec.transposed else (1, 2)
+
+
 def _as_in_out(w, spec: ExpertsSpec):
     """(experts, in, out) whatever the stored layout."""
     return w if spec.transposed else jnp.swapaxes(w, 1, 2)
@@ -103,14 +109,36 @@ def group_sizes(expert_ids, experts: int):
     return jnp.sum(expert_ids[:, None] == jnp.arange(experts, dtype=expert_ids.dtype), axis=0, dtype=jnp.int32)
 
 
-def routed_experts(x, expert_ids, weights, up, down, *, spec: ExpertsSpec):
-    """x (N, H), expert_ids (N, k) ints, weights (N, k), up / down (E, ...) -> (N, H)."""
+def positions(sorted_ids, groups: int):
+    """Each pair's place within its group, for ids sorted by group: (S,) -> (S,) int32."""
+    counts = group_sizes(sorted_ids, groups)  # (G,)
+    starts = jnp.cumsum(counts) - counts
+    return jnp.arange(sorted_ids.shape[0], dtype=jnp.int32) - starts[sorted_ids]
+
+
+def expert_capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """Pairs one expert takes from one device's tokens under a capacity factor."""
+    return math.ceil(tokens * top_k / experts * factor)
+
+
+def dropped(expert_ids, experts: int, capacity: int):
+    """(token, expert) pairs past their expert's capacity: () int32."""
+    counts = group_sizes(expert_ids.reshape(-1).astype(jnp.int32), experts)
+    return jnp.sum(jnp.maximum(counts - capacity, 0))
+
+
+def routed_experts(x, expert_ids, weights, up, down, *, spec: ExpertsSpec, capacity: int | None = None):
+    """x (N, H), expert_ids (N, k) ints, weights (N, k), up / down (E, ...) -> (N, H).
+    `capacity`: each expert keeps its first `capacity` pairs (in token order), the rest add nothing."""
     n, k = expert_ids.shape
     flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,) S = N k
     order = jnp.argsort(flat, stable=True)  # (S,) pairs grouped by expert
     rows = x[order // k]  # (S, H)
     out = _ffn(rows, group_sizes(flat, up.shape[0]), up, down, spec)  # (S, H)
-    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    w = weights.reshape(-1)[order]  # (S,)
+    if capacity is not None:
+        w = jnp.where(positions(flat[order], up.shape[0]) < capacity, w, jnp.zeros_like(w))
+    out = out * w[:, None].astype(out.dtype)
     back = jnp.argsort(order)  # (S,) inverse permutation
     return out[back].reshape(n, k, -1).sum(axis=1).astype(x.dtype)  # (N, H)
 

@@ -59,28 +59,30 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
     any split.
 
     Args:
-        loss_of: (params, buffers, micro_batch, index) -> (differentiated scalar, (loss, buffers)).
-            The differentiated scalar is `objective(loss, scale)`.
+        loss_of: (params, buffers, micro_batch, index) -> (differentiated scalar, (loss, buffers,
+            counts)). The differentiated scalar is `objective(loss, scale)`; counts (a pytree of
+            per-step counts, e.g. tokens per expert) are summed over the micro-batches.
 
     Returns:
-        (loss, buffers after the last micro-batch, gradient).
+        (loss, buffers after the last micro-batch, gradient, counts).
     """
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     if steps == 1:
-        (_, (loss, buffers)), grads = grad_fn(params, buffers, batch, 0)
+        (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, batch, 0)
         loss, grads = _normalised(loss, grads, 1)
-        return loss, buffers, grads
+        return loss, buffers, grads, counts
     micro = split(batch, steps)
-    (_, (loss, buffers)), grads = grad_fn(params, buffers, _pick(micro, batch, 0), 0)
+    (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, _pick(micro, batch, 0), 0)
 
     def body(carry, index):
-        loss_sum, buffers, grad_sum = carry
-        (_, (loss, buffers)), grads = grad_fn(params, buffers, _pick(micro, batch, index), index)
-        return (jax.tree.map(jnp.add, loss_sum, loss), buffers, jax.tree.map(jnp.add, grad_sum, grads)), None
+        loss_sum, buffers, grad_sum, count_sum = carry
+        (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, _pick(micro, batch, index), index)
+        return (jax.tree.map(jnp.add, loss_sum, loss), buffers, jax.tree.map(jnp.add, grad_sum, grads),
+                jax.tree.map(jnp.add, count_sum, counts)), None
 
-    (loss, buffers, grads), _ = lax.scan(body, (loss, buffers, grads), jnp.arange(1, steps))
+    (loss, buffers, grads, counts), _ = lax.scan(body, (loss, buffers, grads, counts), jnp.arange(1, steps))
     loss, grads = _normalised(loss, grads, steps)
-    return loss, buffers, grads
+    return loss, buffers, grads, counts
 
 
 def _normalised(loss, grads, steps: int):

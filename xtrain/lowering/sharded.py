@@ -104,6 +104,9 @@ class Context:
     unroll: bool = False  # repeated blocks emitted one after another instead of as a layer scan
     layer: tuple[str, str] | None = None  # (block 0's module path, the unrolled layer's) while emitting it
     notes: dict[str, None] = dataclasses.field(default_factory=dict)  # what rules tell the report, in order
+    # per-step counts for the step's outputs: (name, module path) -> Sharded, e.g. ("expert_tokens", MoE layer)
+    counts: dict[tuple[str, str], "Sharded"] = dataclasses.field(default_factory=dict)
+    capacity_factor: float | None = None  # MoE layers drop the pairs past each expert's capacity (Plan)
 
     def note(self, text: str) -> None:
         self.notes[text] = None

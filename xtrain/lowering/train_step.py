@@ -9,8 +9,9 @@
                       pass, as ZeRO-3's gathers do by their transpose): a bucketed all-reduce
     update            the optax transformation on each device's shards, ZeRO-sharded as the
                       layout says (zero.Update); clipping, lr per param group, fp16's unscale
-    outputs           loss and gradient norm; the step counter; fp16 / detect_nan skip a
-                      non-finite step (grad_transforms.finish_step)
+    outputs           loss and gradient norm; per-step counts (tokens per expert of each MoE
+                      layer); the step counter; fp16 / detect_nan skip a non-finite step
+                      (grad_transforms.finish_step)
 
 jit-compiled with the state donated and its shardings fixed. A strategy says how loss and
 gradients are computed and whether the step runs per device (shard_map) or in the global view.
@@ -50,6 +51,7 @@ class StepConfig:
         regather: ZeRO-3 gathers each weight again in the backward pass.
         offload_optimizer: the optimizer state arrives in host memory and goes back there
             (xtrain.lowering.offload).
+        capacity_factor: MoE layers' expert capacity (Plan.capacity_factor); None: drop-free.
     """
 
     tx: optax.GradientTransformation
@@ -59,6 +61,7 @@ class StepConfig:
     remat: LayerRemat | None = None
     regather: bool = True
     offload_optimizer: bool = False
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.grad_tx is None:  # a skip the options need (input checks) is never left out
@@ -73,6 +76,7 @@ class Gradients:
     buffers: Mapping[str, Any]          # buffers the forward updated (BatchNorm statistics)
     grads: Mapping[str, Any]
     pending: Mapping[str, tuple[str, ...]]  # per gradient, the mesh axes still to sum it over
+    counts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-step counts for the outputs
 
 
 class Strategy(Protocol):
@@ -183,6 +187,7 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
                                       opt_state=opt_state, grad_residual=_stored(state.grad_residual,
                                                                                  {**dropped, **scattered}))
             new, outputs = finish_step(old, new, out.loss, norm, config.grad_tx)
+            outputs = {**outputs, **out.counts}  # tokens per expert of each MoE layer
             if config.offload_optimizer:
                 new = dataclasses.replace(new, opt_state=offload.store(new.opt_state))
             return new, outputs

@@ -27,6 +27,9 @@ class XlaStrategy:
         if config.remat is not None:
             raise ValueError(f"Plan({config.remat.setting}) checkpoints each layer of the explicit "
                              "lowering's repeated blocks; use lowering='explicit' (or remat='off', offload='none')")
+        if config.capacity_factor is not None:
+            raise ValueError(f"Plan(capacity_factor={config.capacity_factor}) drops MoE pairs in the explicit "
+                             "lowering's routed-experts rule; use lowering='explicit' (or capacity_factor=None)")
         self.model, self.mesh, self.config = model, mesh, config
         self.runner = GlobalView()
         self.update = Update.global_view(layout.param_specs, config.tx, config.grad_tx)
@@ -40,9 +43,9 @@ class XlaStrategy:
                 with tracing_for(self.mesh):
                     loss, buffers = self.model.apply({**params, **state.frozen}, buffers, micro_key, micro,
                                                      training=True)
-                return accumulation.objective(loss, scale), (loss, buffers)
+                return accumulation.objective(loss, scale), (loss, buffers, {})
 
-            loss, buffers, grads = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
+            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
             return Gradients(loss, buffers, grads, {})
 
         return compute

@@ -62,6 +62,11 @@ class Plan:
             "activations" what each layer of the layer scan saves for the backward pass (its
             input; with remat="dots"/"selective" also what those keep) (xtrain.sharding.offload);
             "none" (default) keeps everything on the device.
+        capacity_factor: MoE layers (explicit lowering): each expert takes at most
+            ceil(tokens x top_k / experts x capacity_factor) of one device's (token, expert) pairs,
+            the rest are dropped (their expert output is zero; `step(...)["expert_dropped"]`
+            counts them) and expert parallel's all-to-all buffers shrink to that capacity.
+            None (default): drop-free, as torch computes.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -73,6 +78,7 @@ class Plan:
     remat_keep: tuple[str, ...] = ()
     pipeline: Pipeline | None = None
     offload: Offload | str = "none"
+    capacity_factor: float | None = None
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
                       split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
@@ -91,6 +97,9 @@ class Plan:
         if self.batch is not None:
             object.__setattr__(self, "batch", _normalize(self.batch))
         object.__setattr__(self, "notes", tuple(self.notes))
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"Plan(capacity_factor={self.capacity_factor!r}): give a positive factor (e.g. 1.25), "
+                             "or None for drop-free MoE layers")
 
     def _check_remat(self) -> None:
         remat = {True: "full", False: "off"}[self.remat] if isinstance(self.remat, bool) else self.remat

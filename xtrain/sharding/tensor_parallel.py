@@ -67,8 +67,12 @@ class _Derivation:
         heads = max(g.heads.values(), default=0)
         what = f"the {heads} heads of {cols}'s output" if heads else f"{cols}'s output"
         per = f" ({heads // self.tp} of {heads} heads per device)" if heads else ""
-        self.notes.append(f"{rows} contracts {what}: {cols} column-parallel, {rows} row-parallel over "
-                          f"{self.where()}{per}")
+        if cols == rows:  # a routed-experts call: up and down weights of one module
+            self.notes.append(f"{cols}: each expert's FFN split over {self.where()} (the up weights on their output "
+                              "features, the down weights on their input features)")
+        else:
+            self.notes.append(f"{rows} contracts {what}: {cols} column-parallel, {rows} row-parallel over "
+                              f"{self.where()}{per}")
         for name, segments in g.segments.items():
             bounds = sorted(segments)
             self.notes.append(f"{_module(name)}: fused output sliced into {len(bounds)} segments "

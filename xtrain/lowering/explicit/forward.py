@@ -44,6 +44,7 @@ class Program:
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
+        self.capacity_factor = config.capacity_factor
         self.ctx: Context | None = None
         self.repeated: list = []
         self.block_notes: list[str] = []  # families with per-layer variants; numbered blocks that are not one
@@ -65,7 +66,9 @@ class Program:
 
     def forward(self, training: bool, global_args) -> Callable:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
-        returns the per-device function: local params, buffers, key, batch -> loss, buffers."""
+        returns the per-device function: local params, buffers, key, batch -> ((loss, buffers),
+        counts: {name: {module path: count}}, e.g. "expert_tokens": (experts,) tokens routed to
+        each expert of each MoE layer)."""
 
         def apply(params, buffers, key, batch):
             return self.model.apply(params, buffers, key, batch, training=training)
@@ -80,13 +83,21 @@ class Program:
             ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
                                remat=self.remat if training else None,
-                               regather=self.regather if training else None, unroll=not self.layout.scan_layers)
+                               regather=self.regather if training else None, unroll=not self.layout.scan_layers,
+                               capacity_factor=self.capacity_factor)
             regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(self.ctx, o).value for o in outs]
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), self._counts()
 
         return local
+
+    def _counts(self) -> dict:
+        """The per-step counts the rules recorded, summed over the devices that split them."""
+        out: dict = {}
+        for (name, path), count in sorted(self.ctx.counts.items()):
+            out.setdefault(name, {})[path] = C.replicate(self.ctx, count).value
+        return out
 
     def _repeated_blocks(self, jaxpr, num_params: int) -> list:
         examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
@@ -122,8 +133,8 @@ class ExplicitStrategy:
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
-                loss, buffers = forward({**params, **state.frozen}, buffers, micro_key, micro)
-                return accumulation.objective(loss, scale), (loss, buffers)
+                (loss, buffers), counts = forward({**params, **state.frozen}, buffers, micro_key, micro)
+                return accumulation.objective(loss, scale), (loss, buffers, counts)
 
             if regather is not None and self.config.remat is None:
                 # ZeRO-3: the backward pass gathers each weight again instead of keeping every
@@ -134,8 +145,8 @@ class ExplicitStrategy:
                 loss_of = jax.checkpoint(loss_of, policy=regather)
             params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] else p
                       for n, p in state.params.items()}
-            loss, buffers, grads = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
-            return Gradients(loss, buffers, grads, self.pending)
+            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
+            return Gradients(loss, buffers, grads, self.pending, counts)
 
         return compute
 
@@ -143,7 +154,7 @@ class ExplicitStrategy:
         forward = self.program.forward(False, global_args(state, batch))
 
         def compute(state: TrainState, batch: tuple, key):
-            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0]
+            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0][0]
 
         return compute
 

@@ -110,21 +110,34 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
                                    vectors_apart=unrolled)
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
+        before = set(ctx.counts)
         outs = interpret(ctx, blocks.body, [], ins)
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         ctx.layer = None
-        return [o.value for o in outs], None
+        counts = {key: C.replicate(ctx, ctx.counts.pop(key)).value for key in set(ctx.counts) - before}
+        return [o.value for o in outs], counts  # per-layer counts leave the scan as its outputs
 
     final = [x.value for x in init]
     if unrolled:
         for k in range(blocks.length):
             layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
-            final, _ = layer(final, [values[k] for _, values in positions])
+            final, counts = layer(final, [values[k] for _, values in positions])
+            _record_counts(ctx, blocks.prefix, k, counts)
     else:
         numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
-        final, _ = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
-                                          [values[0] for _, values in positions] + numbers, length=blocks.length)
+        final, counts = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
+                                               [values[0] for _, values in positions] + numbers,
+                                               length=blocks.length)
+        for k in range(blocks.length):
+            _record_counts(ctx, blocks.prefix, k, {key: c[k] for key, c in counts.items()})
     return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
+
+
+def _record_counts(ctx: Context, prefix: str, k: int, counts: dict) -> None:
+    """Layer k's counts (recorded under block 0's module path inside the body), whole."""
+    for (name, path), count in counts.items():
+        at = f"{prefix}.{k}" + path[len(f"{prefix}.0"):] if path.startswith(f"{prefix}.0") else f"{path}[{k}]"
+        ctx.counts[name, at] = Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype)
 
 
 def _live(jaxpr, repeated) -> set[int]:

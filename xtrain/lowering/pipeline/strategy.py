@@ -138,6 +138,9 @@ class PipelineStrategy:
         if layout.zero > 1:
             raise ValueError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): its "
                              "gradients are accumulated over microbatches before the data-parallel reduction")
+        if config.capacity_factor is not None:
+            raise ValueError(f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline step; "
+                             "use capacity_factor=None (drop-free MoE layers) with a pipeline")
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)

@@ -22,21 +22,23 @@ def capacity(tokens: int, top_k: int) -> int:
     return tokens * top_k
 
 
-def _slots(dest, peers: int):
-    """Each sorted pair's row in its peer's block: (S,) -> (S,) position within its destination."""
-    counts = moe.group_sizes(dest, peers)  # (P,)
-    starts = jnp.cumsum(counts) - counts
-    return jnp.arange(dest.shape[0], dtype=jnp.int32) - starts[dest]
+def _slots(sorted_ids, dest, peers: int, per_device: int, per_expert: int | None):
+    """(each sorted pair's row in its destination's block (S,), rows per block): drop-free, all
+    of a device's pairs; with a capacity, `per_expert` rows per expert, a dropped pair's row
+    past the block (the scatter drops it, the gather back fills zeros)."""
+    if per_expert is None:
+        return moe.positions(dest, peers), dest.shape[0]
+    place = moe.positions(sorted_ids, per_device * peers)  # within its expert
+    block = per_device * per_expert
+    return jnp.where(place < per_expert, sorted_ids % per_device * per_expert + place, block), block
 
 
-def _dispatch(rows, local_ids, dest, peers: int, per_device: int):
+def _dispatch(rows, local_ids, dest, slot, peers: int, block: int, per_device: int):
     """(S, H) rows and their expert ids (within the destination) -> (P, C, H + 1) send buffer;
     the unused rows carry the id `per_device`, which no local expert's group contains."""
-    s, h = rows.shape
-    slot = _slots(dest, peers)
     payload = jnp.concatenate([rows, local_ids[:, None].astype(rows.dtype)], axis=1)  # (S, H + 1)
-    empty = jnp.zeros((peers, s, h + 1), rows.dtype).at[:, :, -1].set(per_device)
-    return empty.at[dest, slot].set(payload), slot
+    empty = jnp.zeros((peers, block, rows.shape[1] + 1), rows.dtype).at[:, :, -1].set(per_device)
+    return empty.at[dest, slot].set(payload, mode="drop")
 
 
 def _local_experts(received, up, down, spec: moe.ExpertsSpec):
@@ -49,21 +51,34 @@ def _local_experts(received, up, down, spec: moe.ExpertsSpec):
     return out[jnp.argsort(order)].reshape(peers, cap, width - 1)
 
 
-def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, peers: int):
+def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, peers: int,
+                   per_expert: int | None = None):
     """moe.routed_experts on this device's tokens with the experts split over `expert` in
-    `peers` blocks: x (N, H), expert_ids / weights (N, k), up / down (E / peers, ...) -> (N, H)."""
+    `peers` blocks: x (N, H), expert_ids / weights (N, k), up / down (E / peers, ...) -> (N, H).
+    `per_expert`: each expert's capacity (pairs past it dropped); None: drop-free."""
     n, k = expert_ids.shape
     per_device = up.shape[0]
     flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,)
     order = jnp.argsort(flat, stable=True)
     sorted_ids = flat[order]
     dest = sorted_ids // per_device  # (S,) the device holding each pair's expert
-    send, slot = _dispatch(x[order // k], sorted_ids % per_device, dest, peers, per_device)  # (P, S, H + 1)
+    slot, block = _slots(sorted_ids, dest, peers, per_device, per_expert)
+    send = _dispatch(x[order // k], sorted_ids % per_device, dest, slot, peers, block, per_device)  # (P, C, H + 1)
     received = collectives.all_to_all(send, (EXPERT,), 0)  # block j: device j's pairs for my experts
-    done = _local_experts(received, up, down, spec)  # (P, S, H)
+    done = _local_experts(received, up, down, spec)  # (P, C, H)
     back = collectives.all_to_all(done, (EXPERT,), 0)  # block j: my pairs, computed on device j
-    out = back[dest, slot] * weights.reshape(-1)[order][:, None].astype(x.dtype)  # (S, H)
+    out = back.at[dest, slot].get(mode="fill", fill_value=0) * weights.reshape(-1)[order][:, None].astype(x.dtype)
     return out[jnp.argsort(order)].reshape(n, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def paired_gate_up(whole, dim: int, index, parts: int):
+    """This device's FFN features of a concatenated [gate; up] weight whose FFN dim `dim` (2 I)
+    is whole: block `index` of `parts` of the gate rows, then the same of the up rows (the
+    features the down weight's contiguous split gives this device)."""
+    n = whole.shape[dim] // 2 // parts
+    gate = lax.dynamic_slice_in_dim(whole, index * n, n, dim)
+    up = lax.dynamic_slice_in_dim(whole, whole.shape[dim] // 2 + index * n, n, dim)
+    return jnp.concatenate([gate, up], axis=dim)  # (..., 2 I / parts, ...)
 
 
 def check(experts: int, top_k: int, peers: int, where: str) -> None:

@@ -7,7 +7,11 @@ split by ZeRO-3/FSDP are gathered as for any other use), unless its experts are 
 `expert` axis: then tokens go to their experts and back by all-to-all (experts.py)."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from xtrain.ir import moe
+from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.rules import experts
@@ -70,29 +74,78 @@ def scatter_add(ctx: Context, eqn, args):
                 [Layout(((),) * operand.ndim, axes)])
 
 
+def _expert_weights(ctx: Context, spec: moe.ExpertsSpec, up: C.Sharded, down: C.Sharded, token_axes):
+    """The up / down weights as the call uses them: the experts dim split over `expert` where
+    up's is, the FFN dim over the axes that split both weights' FFN dims and not the tokens
+    (tensor parallel), every other dim whole; and those FFN axes."""
+    u, d = moe.ffn_dims(spec)
+    lead = (experts.EXPERT,) if experts.EXPERT in up.layout.dims[0] else ()
+    ffn = tuple(up.layout.dims[u]) if up.layout.dims[u] == down.layout.dims[d] else ()
+    ffn = () if set(ffn) & (set(token_axes) | {experts.EXPERT}) else ffn
+    paired = bool(ffn) and spec.gated and spec.concatenated  # [gate; up] whole, this device's pairs sliced
+
+    def placed(w, dim, axes):
+        return C.relayout(ctx, w, Layout(tuple(lead if i == 0 else axes if i == dim else () for i in range(w.ndim))))
+
+    up, down = placed(up, u, ffn), placed(down, d, ffn)
+    if paired:  # gathered as varying: its backward is one reduce-scatter
+        up = C.gather_dim(ctx, up, u, ffn, varying=True)
+        index = collectives.axis_offset(ctx.sizes, ffn)
+        up = dataclasses.replace(up, value=experts.paired_gate_up(up.value, u, index, math.prod(
+            ctx.sizes[a] for a in ffn)))
+    return up, down, ffn
+
+
+def _count_tokens(ctx: Context, ids: C.Sharded, experts: int) -> None:
+    """Records this layer's (token, expert) pairs per expert for the step's outputs: this
+    device's count, a pending sum over the axes that split the tokens."""
+    counts = moe.group_sizes(ids.value.reshape(-1).astype("int32"), experts)  # (E,)
+    layout = Layout(((),), ids.layout.split_axes())
+    ctx.counts["expert_tokens", ctx.path or "<top level>"] = C.Sharded(counts, layout, (experts,), counts.dtype)
+
+
+def _capacity(ctx: Context, ids: C.Sharded, experts: int) -> int | None:
+    """Each expert's capacity of this device's pairs under the plan's capacity factor (None:
+    drop-free); the pairs past it are counted for the step's outputs and noted."""
+    if ctx.capacity_factor is None:
+        return None
+    tokens, k = ids.value.shape
+    per_expert = moe.expert_capacity(tokens, k, experts, ctx.capacity_factor)
+    where = ctx.path or "<top level>"
+    ctx.note(f"capacity_factor={ctx.capacity_factor}: each expert of {where} takes at most {per_expert} of a "
+             f"device's {tokens} tokens x top_k {k} pairs (ceil(tokens x top_k / experts {experts} x factor)); "
+             "the rest are dropped, counted in step(...)['expert_dropped']")
+    dropped = moe.dropped(ids.value, experts, per_expert)
+    ctx.counts["expert_dropped", where] = C.Sharded(dropped, Layout((), ids.layout.split_axes()), (), dropped.dtype)
+    return per_expert
+
+
 def routed_experts(ctx: Context, eqn, args):
     """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
     split, every other dim is whole; the experts' weights are gathered if split, except over
-    `expert` (expert parallel: experts.routed_experts)."""
+    `expert` (expert parallel: experts.routed_experts) and a tensor axis splitting their FFN
+    dim (each device computes its FFN features; the output a pending sum over that axis)."""
     spec = moe.spec_of(str(eqn.params["name"]))
     x, ids, weights, up, down = args
     x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
     tokens = Layout((x.layout.dims[0], ()))
     ids, weights = (C.relayout(ctx, a, tokens) for a in (ids, weights))
+    up, down, ffn = _expert_weights(ctx, spec, C.resolve(ctx, up), C.resolve(ctx, down), tokens.split_axes())
+    _count_tokens(ctx, ids, up.shape[0])
+    per_expert = _capacity(ctx, ids, up.shape[0])
+    values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
     if experts.EXPERT in up.layout.dims[0]:  # expert parallel: tokens travel to their experts
-        split = Layout(((experts.EXPERT,),) + ((),) * (up.ndim - 1))
-        up, down = C.relayout(ctx, C.resolve(ctx, up), split), C.relayout(ctx, C.resolve(ctx, down), split)
         peers = ctx.sizes[experts.EXPERT]
         experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
         cap = experts.capacity(x.value.shape[0], ids.shape[1])
+        cap, how = (cap, "this device's tokens x top_k: drop-free") if per_expert is None else (
+            per_expert * up.shape[0] // peers, f"{per_expert} per expert")
         ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
-                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer (this device's tokens x top_k: "
-                 f"drop-free), {cap * peers} x {x.shape[1]} features each way per device")
-        values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
-        return wrap(eqn, [experts.routed_experts(*values, spec=spec, peers=peers)], [tokens])
-    up, down = C.replicate(ctx, up), C.replicate(ctx, down)
-    values = same_vma(ctx, [x.value, ids.value, weights.value, up.value, down.value])
-    return wrap(eqn, [moe.routed_experts(*values, spec=spec)], [tokens])
+                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer ({how}), {cap * peers} x "
+                 f"{x.shape[1]} features each way per device")
+        out = experts.routed_experts(*values, spec=spec, peers=peers, per_expert=per_expert)
+        return wrap(eqn, [out], [Layout(tokens.dims, ffn)])
+    return wrap(eqn, [moe.routed_experts(*values, spec=spec, capacity=per_expert)], [Layout(tokens.dims, ffn)])
 
 
 register(top_k, "top_k")

@@ -1,0 +1,167 @@
+"""Around the MoE layers' parity (tests/test_moe.py): per-step tokens per expert (step()'s
+outputs and the Monitor's log, checked against torch's router on the same batch), the optional
+token-dropping capacity factor (outside the parity tests: it changes what the model computes),
+the Neuron checker on an expert-parallel program, and expert-parallel candidates of the plan search."""
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import xtrain
+from neuron_support import conformance, emulate
+from xtrain.cost import hardware, search
+from xtrain.cost import model as cost_model
+from xtrain.frontend.structure import describe
+from xtrain.frontend.torch_module import wrap
+from xtrain.step import host_batch
+from test_moe import EXPERTS, TOP_K, case, lm_batches, routing
+
+
+def torch_expert_tokens(model, loss_fn, batch, paths):
+    """Tokens per expert of each MoE layer as torch's routers pick them on `batch`."""
+    picks = routing(copy.deepcopy(model), loss_fn, [batch])
+    return {p: torch.bincount(idx.reshape(-1), minlength=EXPERTS).tolist() for p, (_, idx) in zip(paths, picks)}
+
+
+def test_step_returns_tokens_per_expert_and_the_monitor_logs_their_balance(tmp_path):
+    """step(...)["expert_tokens"] under expert parallel (each device counts its own tokens,
+    summed): per MoE layer, the (token, expert) pairs torch's router sends to each expert on the
+    same batch; the Monitor logs them with the max and mean over experts and max / mean."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    monitor = xtrain.observe.Monitor(step, metrics=tmp_path / "m.jsonl", progress=False, flops_per_step=1.0)
+    with monitor.step() as rec:
+        rec.update(step(*batches[0]))
+    monitor.close()
+    expected = torch_expert_tokens(model, loss_fn, batches[0], ["blocks.0.experts", "blocks.1.experts"])
+    logged = xtrain.observe.read_metrics(tmp_path / "m.jsonl")[0]
+    assert logged["expert_tokens"] == expected
+    counts = [torch.tensor(c, dtype=torch.float64) for c in expected.values()]
+    assert sum(map(sum, expected.values())) == batches[0][0].numel() * TOP_K * 2
+    assert logged["expert_tokens_max"] == max(float(c.max()) for c in counts)
+    assert logged["expert_tokens_mean"] == pytest.approx(float(torch.stack(counts).mean()))
+    assert logged["expert_imbalance"] == pytest.approx(max(float(c.max() / c.mean()) for c in counts))
+    assert logged["expert_imbalance"] > 1.05, "a balanced batch would not show that the ratio is computed"
+
+
+def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
+    """Mixtral with its layers as one layer scan and 2 micro-batches: the counts leave the scan
+    per layer and add up over the micro-batches to torch's on the whole batch."""
+    model, make_opt, loss_fn, _, _ = case("mixtral")
+    m, batch = copy.deepcopy(model), lm_batches(n=1, batch=16, seed=9)[0]
+    step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          scan_layers=True, accumulate=2)
+    out = step(*batch)
+    assert any("run as one layer scan" in n for n in step.report().notes)
+    paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)
+
+
+
+def overflow(idx, devices, capacity):
+    """Pairs past `capacity` per expert when each device routes its own rows of `idx` (N, k)."""
+    per_device = idx.reshape(devices, -1)
+    return sum(int((torch.bincount(p, minlength=EXPERTS) - capacity).clamp(min=0).sum()) for p in per_device)
+
+
+def test_capacity_factor_drops_the_pairs_past_each_experts_capacity():
+    """Plan(capacity_factor=1.0): each device's 8 tokens x top-2 = 16 pairs, capacity
+    ceil(16 / 4 experts x 1.0) = 4 per expert. The first MoE layer (the same input as torch's)
+    drops the overflow of torch's routing per device; the report shows the capacity; expert
+    parallel's all-to-all buffers shrink to it (4 peers x 4 rows); data=8 drops the same pairs
+    (the same loss); a factor with room for every pair drops none (torch's loss)."""
+    model, make_opt, loss_fn, batches, (reference_losses, _) = case("moe")
+    (_, idx), _ = routing(copy.deepcopy(model), loss_fn, batches[:1])[:2]
+    losses = []
+    for factor, mesh in ((1.0, xtrain.Mesh(data=2, expert=4)), (1.0, xtrain.Mesh(data=8)),
+                         (4.0, xtrain.Mesh(data=2, expert=4))):
+        m = copy.deepcopy(model)
+        step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                              plan=xtrain.Plan(capacity_factor=factor))
+        out = step(*batches[0])
+        losses.append(out["loss"])
+        capacity = math.ceil(8 * TOP_K / EXPERTS * factor)
+        assert int(out["expert_dropped"]["blocks.0.experts"]) == overflow(idx, 8, capacity)
+        notes = step.report().notes
+        assert len([n for n in notes if f"takes at most {capacity} of a device's 8 tokens x top_k 2 pairs" in n]) == 2
+    assert overflow(idx, 8, 4) > 0
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] != pytest.approx(reference_losses[0], rel=1e-4)
+    assert losses[2] == pytest.approx(reference_losses[0], rel=1e-5)
+
+
+def test_capacity_shrinks_the_all_to_all_buffers():
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=xtrain.Plan(capacity_factor=1.0))
+    step(*batches[0])
+    moved = [c.payload_bytes for c in step.report().collectives
+             if c.kind == "all-to-all" and "transpose" not in c.source]
+    assert sorted(moved) == [4 * 4 * 32 * 4] * 2 + [4 * 4 * 33 * 4] * 2  # peers x capacity rows x (hidden + id)
+    assert any("a capacity of 4 rows per peer (4 per expert)" in n for n in step.report().notes)
+
+
+def test_capacity_factor_must_be_positive():
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
+        xtrain.Plan(capacity_factor=0)
+
+
+def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
+    """The expert-parallel program on one trn1.32xlarge: every collective conforms (the
+    all-to-alls over 'expert' are 4 neighbouring cores; the routers' top-k is one lax.top_k, no
+    float sort). A target allowing only pairs of cores finds exactly the all-to-alls over
+    expert=4 (with the rest of its collectives over more than 2 cores), named with their MoE layer."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    assert emulate.check_step(step, *batches[0], cluster=emulate.virtual_cluster("trn1.32xlarge")) == []
+    compiled = step.compiled(*batches[0])
+    pairs = conformance.Target(name="pairs-only", devices_per_node=8, group_sizes=(1, 2), max_replica_groups=None)
+    found = conformance.check(compiled.as_text(), pairs, device_ids=emulate.device_order(compiled))
+    moved = [f for f in found if f.op.startswith("all-to-all")]
+    assert len(moved) == 8, found  # 2 layers x (dispatch, combine) x (forward, backward)
+    assert all(f.rule == "replica-groups" and ".experts/all_to_all" in f.source and "group [0, 1, 2, 3]" in f.message
+               for f in moved), moved
+
+
+def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
+    """Expert degrees dividing the devices and the experts (4) for the MoE model, none for a
+    dense one; an expert-parallel candidate lowers with its 8 all-to-alls over 'expert', costed
+    on the link that axis maps to (inside a node of 8; across nodes of 2 devices)."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    trainable = wrap(m, make_opt(m.parameters()), loss_fn)
+    experts = sorted(trainable.experts)
+    assert search.expert_degrees(trainable.model, experts, 8) == [1, 2, 4]
+    profile = hardware.emulated(8)
+    names = {c.name for c in search.candidates(8, profile, pipe_degrees=(1,), expert_degrees=[1, 2, 4])}
+    assert {"dp4xep2", "dp2xep4", "dp2xep2xtp2", "dp8", "dp4xtp2"} <= names
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    dense_trainable = wrap(dense, torch.optim.SGD(dense.parameters(), lr=0.1), lambda mod, x: mod(x).sum())
+    assert search.expert_degrees(dense_trainable.model, sorted(dense_trainable.experts), 8) == [1]
+    result = search.search(trainable.model, trainable.tx, host_batch(batches[0]), profile, 8, structure=describe(m),
+                           experts=experts, candidate_list=[search.Candidate(data=2, expert=4)])
+    (row,) = result.rows
+    assert row.usable and row.candidate.mesh == {"data": 2, "expert": 4}, row
+    moved = [c for c in row.cost.collectives if c.kind == "all-to-all"]
+    assert len(moved) == 8 and all(c.axes == ("expert",) for c in moved)
+    one_node = cost_model.communication(dataclasses.replace(row.cost, collectives=moved), profile)[0]
+    nodes_of_2 = dataclasses.replace(profile, devices_per_node=2)
+    across = cost_model.communication(dataclasses.replace(row.cost, collectives=moved), nodes_of_2)[0]
+    assert one_node[cost_model.INTER] == 0 < one_node[cost_model.INTRA]
+    assert across[cost_model.INTRA] == 0 < across[cost_model.INTER]
+
+
+def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    capped = xtrain.Plan(capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) drops MoE pairs in the explicit lowering"):
+        xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=capped,
+                       lowering="xla")(*batches[0])
+    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) is not applied by the pipeline step"):
+        xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                       plan=capped.with_pipeline(stages=2, microbatches=2))(*batches[0])
