@@ -32,6 +32,10 @@ def hf(name):
                                                       eos_token_id=0, **common))
     if name == "phi3":
         return tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, bos_token_id=0, eos_token_id=0, **common))
+    if name == "gqa3":  # 6 query heads over 3 key/value heads: tensor=2 splits the queries, not the groups
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**{**common, "hidden_size": 48, "intermediate_size": 192,
+                                                     "num_attention_heads": 6}, num_key_value_heads=3,
+                                                  bos_token_id=0, eos_token_id=0))
     if name == "bert":
         config = tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "intermediate_size": 256, "max_position_embeddings": SEQ})
