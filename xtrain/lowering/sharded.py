@@ -135,6 +135,13 @@ def axis_offset(ctx: Context, axes: Axes):
     return collectives.axis_offset(ctx.sizes, axes)
 
 
+def resolved_before(ctx: Context, x: Sharded) -> Sharded:
+    """`x` summed, if another op already resolved its pending sum (a norm's x.pow(2) reads the
+    sum, then x * rsqrt(...) would keep its own pending copy and reduce it again), else `x`."""
+    hit = ctx.memo.get(("psum", id(x.value), x.layout, x.layout.partial)) if x.layout.partial else None
+    return hit[1] if hit is not None and hit[0] is x.value else x
+
+
 def resolve(ctx: Context, x: Sharded, axes: Axes | None = None) -> Sharded:
     """Sums pending partial addends (all of them, or only `axes`) with one all-reduce."""
     axes = x.layout.partial if axes is None else tuple(a for a in x.layout.partial if a in axes)
@@ -207,6 +214,19 @@ def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     dims = list(x.layout.dims)
     dims[dim] = tuple(axes)
     return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def unsplit_to_partial(ctx: Context, x: Sharded, dim: int) -> Sharded:
+    """This device's slice of dimension `dim` placed in zeros of the whole dimension, as pending
+    addends over the dimension's axes (no communication: the sum over them is the whole value)."""
+    axes = x.layout.dims[dim]
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim]
+    zeros = jnp.zeros(x.value.shape[:dim] + (local * parts,) + x.value.shape[dim + 1:], x.value.dtype)
+    value = lax.dynamic_update_slice_in_dim(zeros, x.value, axis_offset(ctx, axes) * local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = ()
+    return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes)))
 
 
 def replicate(ctx: Context, x: Sharded) -> Sharded:
