@@ -79,7 +79,9 @@ def _bias(args) -> bool:
 
 
 def elementwise(ctx: Context, eqn, args):
-    """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear."""
+    """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear (unless
+    already summed for another reader)."""
+    args = [C.resolved_before(ctx, a) for a in args]
     keep = _partial_after(str(eqn.primitive), args)
     out_shape = tuple(out_avals(eqn)[0].shape)
     if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
