@@ -29,6 +29,7 @@ MODELS = {
     "dict_llama": (DictLlama, None),
     "mqa": (lambda: DictLlama(kv=1), None),
     "gqa3": (lambda: hf("gqa3"), lm_loss),
+    "t5": (lambda: hf("t5"), lm_loss),
     "moe": (MoE, None),
 }
 
@@ -134,8 +135,9 @@ def test_derived_plan_parity_and_sharded(name):
     assert_parity(result)
 
 
-def tensor_collectives(name):
-    """{(block, kind): count} of the forward pass's collectives over `tensor` inside blocks."""
+def tensor_collectives(name, by_stack=False):
+    """{(block, kind): count} of the forward pass's collectives over `tensor` inside blocks
+    (`by_stack`: blocks named by their path, `encoder.block.0`)."""
     model, loss_fn, data, plan = case(name)
     step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan,
                           loss_fn=loss_fn, scan_layers=False)
@@ -144,7 +146,7 @@ def tensor_collectives(name):
         path = c.source.split(" ")[0].split(".")
         layer = next((p for p in path if p.isdigit()), None)
         if "tensor" in c.axes and layer is not None and "transpose(" not in c.source:
-            counts[(int(layer), c.kind)] += 1
+            counts[(".".join(path[:path.index(layer) + 1]) if by_stack else int(layer), c.kind)] += 1
     return dict(counts)
 
 
@@ -154,6 +156,19 @@ def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
     # GPT-NeoX's parallel residual (x + attn(x) + mlp(x)) adds both pending sums (their
     # row-parallel biases on one device each) before one all-reduce
     assert tensor_collectives(name) == {(0, "all-reduce"): per_block, (1, "all-reduce"): per_block}
+
+
+def test_t5_cross_attention_is_column_row_and_reduces_once_per_sublayer():
+    _, _, _, plan = case("t5")
+    cross = "decoder.block.*.layer.1.EncDecAttention."
+    # queries from the decoder, keys and values from the encoder's output: all split by heads
+    assert all(plan.params[cross + w + ".weight"] == COL for w in "qkv") and plan.params[cross + "o.weight"] == ROW
+    assert plan.params["decoder.block.*.layer.2.DenseReluDense.wo.weight"] == ROW
+    # per block one all-reduce per sublayer (encoder: attention, MLP; decoder: self-attention,
+    # cross-attention, MLP); block 0's first is the vocab-parallel embedding's sum, read by its norm
+    assert tensor_collectives("t5", by_stack=True) == {
+        ("encoder.block.0", "all-reduce"): 3, ("encoder.block.1", "all-reduce"): 2,
+        ("decoder.block.0", "all-reduce"): 4, ("decoder.block.1", "all-reduce"): 3}
 
 
 # -- sequence parallel on the derived plan ----------------------------------------------------

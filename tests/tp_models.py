@@ -36,6 +36,10 @@ def hf(name):
         return tf.LlamaForCausalLM(tf.LlamaConfig(**{**common, "hidden_size": 48, "intermediate_size": 192,
                                                      "num_attention_heads": 6}, num_key_value_heads=3,
                                                   bos_token_id=0, eos_token_id=0))
+    if name == "t5":  # encoder-decoder: self-attention, cross-attention (queries from the decoder), MLP
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
     if name == "bert":
         config = tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "intermediate_size": 256, "max_position_embeddings": SEQ})

@@ -108,7 +108,10 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     attention, gated products, slices of fused projections) is a column -> row pair split over
     `axis`; the token embedding and LM head are split on the vocabulary where the graph reads
     them as a lookup table and logits (xtrain.sharding.tensor_parallel says how). Module names
-    and containers play no part; they only name what was found in `plan.notes`.
+    and containers play no part; they only name what was found in `plan.notes`. Grouped-query
+    attention whose key/value heads `axis` does not divide splits the query heads only: a
+    forward hook on `model` has xtrain's sdpa repeat keys and values per query head when it
+    traces the model (xtrain.frontend.sdpa.split_heads; torch eager runs unchanged).
 
     Args:
         model: a torch.nn.Module.
