@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xtrain
-from tp_models import DictLlama, MoE, batches, hf, lm_loss
+from tp_models import BiasedMLP, DictLlama, MoE, batches, hf, lm_loss
 from xtrain import plans
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
@@ -153,8 +153,8 @@ def tensor_collectives(name, by_stack=False):
 @pytest.mark.parametrize("name,per_block", [("gpt_neox", 1), ("bert", 2), ("dict_llama", 2), ("mqa", 2),
                                            ("gqa3", 2)])
 def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
-    # GPT-NeoX's parallel residual (x + attn(x) + mlp(x)) adds both pending sums (their
-    # row-parallel biases on one device each) before one all-reduce
+    # GPT-NeoX's parallel residual (x + attn(x) + mlp(x)) adds both pending sums before one
+    # all-reduce (their row-parallel biases are added after it)
     assert tensor_collectives(name) == {(0, "all-reduce"): per_block, (1, "all-reduce"): per_block}
 
 
@@ -169,6 +169,21 @@ def test_t5_cross_attention_is_column_row_and_reduces_once_per_sublayer():
     assert tensor_collectives("t5", by_stack=True) == {
         ("encoder.block.0", "all-reduce"): 3, ("encoder.block.1", "all-reduce"): 2,
         ("decoder.block.0", "all-reduce"): 4, ("decoder.block.1", "all-reduce"): 3}
+
+
+def test_a_row_parallel_bias_gradient_is_not_reduced_over_tensor():
+    # the bias is added after the row-parallel sum (as Megatron does), so its gradient is whole on
+    # every device; added as one device's addend, it took an all-reduce over tensor in the backward
+    torch.manual_seed(0)
+    model = BiasedMLP()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(4)]
+    plan = plans.megatron(model, MESH, example=data[0])
+    assert plan.params["fc2.weight"] == ROW and "fc2.bias" not in plan.params
+    assert_parity(run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=plan))
+    step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan)
+    over_tensor = [c.payload_bytes for c in step.report(*data[0]).collectives if "tensor" in c.axes]
+    assert 2 * 16 * 4 in over_tensor and 16 * 4 not in over_tensor, over_tensor  # the forward's sum; no bias
 
 
 # -- sequence parallel on the derived plan ----------------------------------------------------
@@ -200,7 +215,7 @@ def test_sequence_parallel_parity_and_collectives(name):
             counts[(int(layer), c.kind)] += 1
     # GPT-2's fused c_attn, split contiguously, is gathered where its q/k/v segments cross shards:
     # one all-gather more (a per-segment layout would remove it); its row-parallel biases are added
-    # on one device to the pending sums, which then reduce-scatter
+    # to the reduce-scattered sums (each device its slice of them)
     gathers = 3 if name == "gpt2" else 2
     assert counts == {(b, k): n for b in range(2) for k, n in (("reduce-scatter", 2), ("all-gather", gathers))}, counts
     if name == "gpt2":

@@ -169,3 +169,14 @@ class MoE(nn.Module):
         for norm, moe in zip(self.norms, self.moe):
             x = x + moe(norm(x))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class BiasedMLP(nn.Module):
+    """Two linears with biases (column, row) and a squared error: the row-parallel bias alone."""
+
+    def __init__(self, d=16, f=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x, y):
+        return ((self.fc2(F.gelu(self.fc1(x))) - y) ** 2).mean()
