@@ -156,6 +156,19 @@ def case_gather(rng):
     return (lambda x, t: jnp.take_along_axis(x, t, axis=1)), [logits, target]
 
 
+def case_scatter(rng):
+    """Writes into rows (HF's shift of labels to decoder inputs), at the start, at a column."""
+    b, n = int(rng.choice(DIMS)), int(rng.choice(DIMS[1:]))
+    x, y = normal(rng, (b, n)), normal(rng, (b, n))
+    ops = [
+        lambda x, y: jnp.asarray(x).at[:, 1:].set(y[:, :-1]),
+        lambda x, y: jnp.asarray(x).at[:, 0].set(y[:, 1]),
+        lambda x, y: jnp.asarray(x).at[: b // 2].set(y[b // 2:]),
+        lambda x, y: jnp.zeros_like(x).at[:, 1:].set(y[:, :-1]).at[:, 0].set(7.0),
+    ]
+    return ops[int(rng.integers(len(ops)))], [x, y]
+
+
 def case_structural(rng):
     x = normal(rng, rand_shape(rng, 2))
     ops = [
@@ -255,7 +268,7 @@ def case_routing(rng):
 
 CASES = {"routing": case_routing, "custom_vjp": case_custom_vjp, "loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
          "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
-         "conv": case_conv, "gather": case_gather, "structural": case_structural, "call": case_call,
+         "conv": case_conv, "gather": case_gather, "scatter": case_scatter, "structural": case_structural, "call": case_call,
          "sharding_constraint": case_sharding_constraint}
 PER_FAMILY = 32
 MORE = {"routing": 96}  # six kinds of op, each wanting several random layouts
@@ -318,3 +331,14 @@ def test_pending_sum_onto_a_split_dim_is_one_reduce_scatter():
     prims = [str(e.primitive) for e in program.jaxpr.eqns[0].params["jaxpr"].eqns]
     assert "psum_scatter" in prims or "reduce_scatter" in prims, prims
     assert "psum" not in prims and "all_gather" not in prims, prims
+
+
+def test_a_shift_of_batch_split_rows_is_written_in_place():
+    """HF's shift of labels into decoder inputs (a scatter into zeros) keeps the batch split."""
+    rng = np.random.default_rng(0)
+    x, y = normal(rng, (8, 6)), normal(rng, (8, 6))
+    shift = lambda x, y: jnp.asarray(x).at[:, 1:].set(y[:, :-1])
+    split = Layout((("a",), ()))
+    got, ctx = run_partitioned(shift, [x, y], [split, split], mesh())
+    np.testing.assert_array_equal(got[0], np.asarray(shift(x, y)))
+    assert "scatter" not in ctx.fallbacks

@@ -92,14 +92,17 @@ def test_megatron_on_llama_swiglu_and_gqa():
     assert "lm_head.weight" not in plan.params  # vocab 101
 
 
-def test_megatron_keeps_attention_whole_when_kv_groups_do_not_divide():
-    plan = tp(llama(), TP4)  # 2 kv heads, tensor=4: the queries reshape into 2 kv groups
+def test_megatron_splits_the_queries_when_kv_groups_do_not_divide():
+    plan = tp(llama(), TP4)  # 4 query heads over 2 kv heads, tensor=4: one query head per device
     layer = "model.layers.*."
-    assert not any(".self_attn." in p for p in plan.params)
+    assert plan.params[layer + "self_attn.q_proj.weight"] == ("tensor", None)
+    assert plan.params[layer + "self_attn.o_proj.weight"] == (None, "tensor")
+    assert not any(p.startswith(layer + "self_attn." + kv) for p in plan.params for kv in ("k_proj", "v_proj"))
     assert plan.params[layer + "mlp.down_proj.weight"] == (None, "tensor")
     assert ("model.layers.*.self_attn.k_proj kept whole: at model.layers.*.self_attn: 2 ((8, 16, 16) -> (8, 16, 2, "
-            "8)) its output splits into heads (or key/value groups) not divisible by tensor=4 (GQA/MQA: every device "
-            "holds all of them)") in plan.notes
+            "8)) its output splits into key/value heads not divisible by tensor=4, while the query heads that read "
+            "them split (GQA/MQA): each device computes every key/value head and its query heads read theirs; the "
+            "gradient of model.layers.*.self_attn.k_proj gathers every device's query heads") in plan.notes
 
 
 def test_megatron_keeps_attention_whole_when_heads_do_not_divide():
@@ -169,8 +172,8 @@ def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
 def test_printed_plan_lists_rules_and_notes():
     text = str(tp(llama(), TP4))
     assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis), zero=0)"
-    assert "  model.layers.*.mlp.down_proj.weight  (None, 'tensor')" in text
-    assert "  note: model.layers.*.self_attn.q_proj kept whole: at model.layers.*.self_attn: 2 " in text
+    assert "  model.layers.*.mlp.down_proj.weight     (None, 'tensor')" in text  # padded to q_proj's rule
+    assert "  note: model.layers.*.self_attn.k_proj kept whole: at model.layers.*.self_attn: 2 " in text
     assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis), zero=0)\n  (every parameter replicated)"
 
 

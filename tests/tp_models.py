@@ -32,6 +32,14 @@ def hf(name):
                                                       eos_token_id=0, **common))
     if name == "phi3":
         return tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, bos_token_id=0, eos_token_id=0, **common))
+    if name == "gqa3":  # 6 query heads over 3 key/value heads: tensor=2 splits the queries, not the groups
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**{**common, "hidden_size": 48, "intermediate_size": 192,
+                                                     "num_attention_heads": 6}, num_key_value_heads=3,
+                                                  bos_token_id=0, eos_token_id=0))
+    if name == "t5":  # encoder-decoder: self-attention, cross-attention (queries from the decoder), MLP
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
     if name == "bert":
         config = tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "intermediate_size": 256, "max_position_embeddings": SEQ})
@@ -161,3 +169,14 @@ class MoE(nn.Module):
         for norm, moe in zip(self.norms, self.moe):
             x = x + moe(norm(x))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class BiasedMLP(nn.Module):
+    """Two linears with biases (column, row) and a squared error: the row-parallel bias alone."""
+
+    def __init__(self, d=16, f=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x, y):
+        return ((self.fc2(F.gelu(self.fc1(x))) - y) ** 2).mean()

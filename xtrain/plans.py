@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from xtrain.frontend import sdpa
 from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import TorchModel
@@ -107,7 +108,10 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     attention, gated products, slices of fused projections) is a column -> row pair split over
     `axis`; the token embedding and LM head are split on the vocabulary where the graph reads
     them as a lookup table and logits (xtrain.sharding.tensor_parallel says how). Module names
-    and containers play no part; they only name what was found in `plan.notes`.
+    and containers play no part; they only name what was found in `plan.notes`. Grouped-query
+    attention whose key/value heads `axis` does not divide splits the query heads only: a
+    forward hook on `model` has xtrain's sdpa repeat keys and values per query head when it
+    traces the model (xtrain.frontend.sdpa.split_heads; torch eager runs unchanged).
 
     Args:
         model: a torch.nn.Module.
@@ -136,7 +140,9 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     presets.require_axes((axis,), sizes, "megatron")
 
     def derive(wrapped, batch: tuple) -> Plan:
-        flow = dimflow.of_model(wrapped, batch, sizes[axis])
+        with sdpa.split_heads(sizes[axis]):  # the step traces it the same way (the hooks below)
+            flow = dimflow.of_model(wrapped, batch, sizes[axis])
+        sdpa.split_heads_while_running(getattr(wrapped, "module", model), sizes[axis])
         shapes = {n: tuple(s.shape) for n, s in wrapped.param_shapes().items()}
         plan = presets.megatron(flow, shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
         if not sequence_parallel:

@@ -3,11 +3,14 @@
 Heads stay a batch dim of every product (a tensor-parallel split of the heads stays local;
 torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Grouped-query
 and multi-query attention group the query heads per key/value head instead of repeating keys
-and values. Each call site picks its implementation (`choose`): cuDNN's fused attention on
+and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`). Each call site picks its implementation (`choose`): cuDNN's fused attention on
 CUDA where it applies, else the blockwise kernel (xtrain.frontend.attention), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,43 @@ from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _backend = jax.default_backend  # the platform the trace is for (tests stand in a GPU's)
+# The tensor-parallel size the query heads are split over while the model is traced for a
+# Megatron plan (xtrain.plans.megatron installs it with `split_heads_while_running`).
+_HEAD_SPLIT: contextvars.ContextVar[int] = contextvars.ContextVar("xtrain_head_split", default=1)
+
+
+@contextlib.contextmanager
+def split_heads(n: int):
+    """Trace attention for query heads split `n` ways (see `_for_split`)."""
+    token = _HEAD_SPLIT.set(n)
+    try:
+        yield
+    finally:
+        _HEAD_SPLIT.reset(token)
+
+
+def split_heads_while_running(module, n: int) -> None:
+    """Forward hooks on `module` that trace its attention under `split_heads(n)`; they only
+    set a context variable, which torch's own attention never reads (eager runs unchanged).
+    Installed once; a later call changes `n`."""
+    first = getattr(module, "_xtrain_head_split", None) is None
+    module._xtrain_head_split = n
+    if not first:
+        return
+    tokens = []
+    module.register_forward_pre_hook(lambda m, _args: tokens.append(_HEAD_SPLIT.set(m._xtrain_head_split)))
+    module.register_forward_hook(lambda _m, _args, _out: _HEAD_SPLIT.reset(tokens.pop()), always_call=True)
+
+
+def _for_split(query, key, value):
+    """Keys and values repeated to one per query head when the query heads split evenly over the
+    tensor-parallel size and the key/value heads do not (GQA with 3 key/value heads on
+    tensor=2): grouping the query heads by key/value head would mix the split; repeated, each
+    device reads the key/value heads its query heads use and the split stays local."""
+    n, hq, hk = _HEAD_SPLIT.get(), query.shape[-3], key.shape[-3]
+    if n == 1 or hk in (1, hq) or hk % n == 0 or hq % n:
+        return key, value
+    return jnp.repeat(key, hq // hk, axis=-3), jnp.repeat(value, hq // hk, axis=-3)  # (..., Hq, S, D)
 
 
 def _heads(hq: int, hk: int, enable_gqa: bool) -> int:
@@ -76,6 +116,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
          enable_gqa=False, env=None):
     """F.scaled_dot_product_attention on (..., heads, length, dim) arrays."""
     _heads(query.shape[-3], key.shape[-3], enable_gqa)
+    key, value = _for_split(query, key, value)
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
     scale = attention.default_scale(query.shape[-1]) if scale is None else float(scale)

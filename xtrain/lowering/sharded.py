@@ -138,13 +138,46 @@ def axis_offset(ctx: Context, axes: Axes):
     return collectives.axis_offset(ctx.sizes, axes)
 
 
+def resolved_before(ctx: Context, x: Sharded) -> Sharded:
+    """`x` summed, if another op already resolved its pending sum (a norm's x.pow(2) reads the
+    sum, then x * rsqrt(...) would keep its own pending copy and reduce it again), else `x`."""
+    hit = ctx.memo.get(("psum", id(x.value), x.layout, x.layout.partial)) if x.layout.partial else None
+    return hit[1] if hit is not None and hit[0] is x.value else x
+
+
+def defer_biases(ctx: Context, value, plain, biases) -> None:
+    """Records that `value`, a pending sum with whole `biases` added on one device each (a
+    row-parallel matmul's bias), is also `plain` + `biases`: a full reduction sums `plain` and
+    adds the biases after it, as Megatron does, so their gradients need no reduction over the
+    sum's axes (the biases on one device would make them vary: an all-reduce in the backward)."""
+    ctx.memo[("biases", id(value))] = (value, (plain, tuple(biases)))
+
+
+def deferred_biases(ctx: Context, x: Sharded):
+    """(plain, biases) of `defer_biases`, or None."""
+    hit = ctx.memo.get(("biases", id(x.value)))
+    return hit[1] if hit is not None and hit[0] is x.value else None
+
+
+def _summed(ctx: Context, x: Sharded, axes: Axes, reduce, after):
+    """`reduce` of `x`'s value over `axes`, or of its plain sum then `after` of each deferred bias."""
+    deferred = deferred_biases(ctx, x) if set(axes) == set(x.layout.partial) else None
+    if deferred is None:
+        return reduce(x.value)
+    plain, biases = deferred
+    out = reduce(plain)
+    for bias in biases:
+        out = out + after(bias)
+    return out
+
+
 def resolve(ctx: Context, x: Sharded, axes: Axes | None = None) -> Sharded:
     """Sums pending partial addends (all of them, or only `axes`) with one all-reduce."""
     axes = x.layout.partial if axes is None else tuple(a for a in x.layout.partial if a in axes)
     if not axes:
         return x
     return memoized(ctx, ("psum", id(x.value), x.layout, axes), x.value, lambda: dataclasses.replace(
-        x, value=collectives.all_reduce(x.value, axes),
+        x, value=_summed(ctx, x, axes, lambda v: collectives.all_reduce(v, axes), lambda b: b),
         layout=x.layout.with_partial(tuple(a for a in x.layout.partial if a not in axes))))
 
 
@@ -155,8 +188,12 @@ def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     dims = list(x.layout.dims)
     dims[dim] = tuple(axes)
     layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes))
+    local = x.value.shape[dim] // math.prod(ctx.sizes[a] for a in axes)
+    at = lambda b: dim - (x.value.ndim - b.ndim)  # numpy broadcasting aligns trailing dims
+    piece = lambda b: b if at(b) < 0 or b.shape[at(b)] == 1 else lax.dynamic_slice_in_dim(
+        b, axis_offset(ctx, axes) * local, local, axis=at(b))
     return memoized(ctx, ("psum_scatter", id(x.value), x.layout, dim, axes), x.value, lambda: dataclasses.replace(
-        x, value=collectives.reduce_scatter(x.value, axes, dim), layout=layout))
+        x, value=_summed(ctx, x, axes, lambda v: collectives.reduce_scatter(v, axes, dim), piece), layout=layout))
 
 
 def resolve_all(ctx: Context, xs) -> list[Sharded]:
@@ -210,6 +247,19 @@ def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     dims = list(x.layout.dims)
     dims[dim] = tuple(axes)
     return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def unsplit_to_partial(ctx: Context, x: Sharded, dim: int) -> Sharded:
+    """This device's slice of dimension `dim` placed in zeros of the whole dimension, as pending
+    addends over the dimension's axes (no communication: the sum over them is the whole value)."""
+    axes = x.layout.dims[dim]
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim]
+    zeros = jnp.zeros(x.value.shape[:dim] + (local * parts,) + x.value.shape[dim + 1:], x.value.dtype)
+    value = lax.dynamic_update_slice_in_dim(zeros, x.value, axis_offset(ctx, axes) * local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = ()
+    return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes)))
 
 
 def replicate(ctx: Context, x: Sharded) -> Sharded:

@@ -43,6 +43,7 @@ class _Derivation:
         self.axis, self.tp, self.shapes = axis, tp, shapes
         self.dims: dict[str, set[int]] = {}
         self.notes: list[str] = []
+        self.query_heads: list[Use] = []   # the columns of split groups made into heads
 
     def split(self, uses: list[Use]) -> None:
         for use in uses:
@@ -58,6 +59,12 @@ class _Derivation:
             (dim,) = dims
             out[name] = tuple(self.axis if d == dim else None for d in range(len(self.shapes[name])))
         return out
+
+    def serves_split_queries(self, where: str) -> bool:
+        """Whether a split group's heads are made in the module where a group broke at its heads
+        (the attention module of key/value heads the axis does not divide)."""
+        module = where.partition(":")[0]
+        return any(u.path.startswith(module + ".") or u.path == module for u in self.query_heads)
 
     def where(self) -> str:
         return f"{self.axis}={self.tp}"
@@ -88,8 +95,14 @@ class _Derivation:
 
     def broken(self, g: Group) -> None:
         kind, op, where = next(((k, o, w) for k, o, w in g.breaks if k != "reduce"), g.breaks[0])
+        kv = kind == "heads" and self.serves_split_queries(where)
         cols, where = _names(g.columns), re.sub(r"(^|\.)\d+(\.|:|$)", r"\1*\2", where, count=1)
-        if kind == "heads":
+        if kv:
+            self.notes.append(f"{cols} kept whole: at {where} its output splits into key/value heads not divisible "
+                              f"by {self.where()}, while the query heads that read them split (GQA/MQA): each device "
+                              "computes every key/value head and its query heads read theirs; the gradient of "
+                              f"{cols} gathers every device's query heads")
+        elif kind == "heads":
             self.notes.append(f"{cols} kept whole: at {where} its output splits into heads (or key/value groups) "
                               f"not divisible by {self.where()} (GQA/MQA: every device holds all of them)")
         elif kind == "indivisible":
@@ -134,6 +147,7 @@ def derive(flow: Flow, shapes: Mapping[str, tuple[int, ...]], axis: str, tp: int
            vocab_parallel: bool = True) -> tuple[dict[str, Spec], list[str]]:
     """(parameter specs, notes) of Megatron tensor parallelism over `axis` of size `tp`."""
     d = _Derivation(axis, tp, shapes)
+    d.query_heads = [c for g in flow.groups if g.splittable and g.heads for c in g.columns]
     logits = []
     for g in flow.groups:
         if g.splittable:

@@ -102,6 +102,12 @@ def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
     (or xtrain's gradient sync) sums later; summing it here would count it n times."""
     # (an axis the primal is split on is summed: a shard's cotangent is a slice of the sum)
     keep = vma(primal.value) - set(primal.layout.split_axes())
+    # a shard of the cotangent of a primal whole over the shard's axes (a replicated value sliced
+    # inside) is this device's addend of it: zeros elsewhere, pending; gathered, it would be
+    # counted once per device
+    for dim, axes in enumerate(ct.layout.dims):
+        if axes and set(axes) <= keep and not primal.layout.dims[dim]:
+            ct = C.unsplit_to_partial(ctx, ct, dim)
     ct = C.resolve(ctx, ct, tuple(a for a in ct.layout.partial if a not in keep))
     ct = C.relayout(ctx, ct, primal.layout.with_partial(ct.layout.partial))
     return same_vma(ctx, [ct.value, primal.value])[0]

@@ -70,8 +70,9 @@ def _partial_after(prim: str, args) -> tuple | None:
 
 def _bias(args) -> bool:
     """A pending sum plus broadcast operands (a bias added to a row-parallel matmul's output):
-    the sum stays pending, each broadcast operand added on one device (Megatron adds the bias
-    after the reduction; keeping the sum pending lets a sequence split reduce-scatter it)."""
+    the sum stays pending, each broadcast operand added on one device (keeping the sum pending
+    lets a sequence split reduce-scatter it); where the sum is reduced, the bias is added after
+    the reduction instead, as Megatron does (`_defer`)."""
     partials = {a.layout.partial for a in args if a.layout.partial}
     full = max((a.shape for a in args), key=lambda shape: (len(shape), np.prod(shape)))
     return len(partials) == 1 and all(a.shape == full for a in args if a.layout.partial) and all(
@@ -79,15 +80,61 @@ def _bias(args) -> bool:
 
 
 def elementwise(ctx: Context, eqn, args):
-    """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear."""
+    """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear (unless
+    already summed for another reader)."""
+    args = [C.resolved_before(ctx, a) for a in args]
     keep = _partial_after(str(eqn.primitive), args)
     out_shape = tuple(out_avals(eqn)[0].shape)
     if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
         keep = ()
     addends = bool(keep) and str(eqn.primitive) in ADDITIVE and _bias(args)
+    plain = _align(ctx, args, out_shape, keep)[0] if keep and str(eqn.primitive) in SUMS else None
     args, dims = _align(ctx, args, out_shape, keep, addends)
     outs = bind(ctx, eqn, [a.value for a in args])
+    if plain is not None:
+        _defer(ctx, outs[0], plain, keep)
+    elif keep:
+        _carry(ctx, eqn, outs[0], args)
     return wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in out_avals(eqn)])
+
+
+SUMS = {"add", "add_any"}
+
+
+def _carry(ctx: Context, eqn, out, args) -> None:
+    """Deferred biases through an op linear in the pending sum (a scale, a cast, dropout's
+    mask): the op applied to the plain sum and to each bias."""
+    prim = str(eqn.primitive)
+    held = [i for i, a in enumerate(args) if a.layout.partial]
+    deferred = C.deferred_biases(ctx, args[held[0]]) if len(held) == 1 else None
+    if deferred is None:
+        return
+    if prim in ("mul", "div") and len(args) == 2 and (prim == "mul" or held[0] == 0):
+        other = args[1 - held[0]].value
+        apply = (lambda v: v * other) if prim == "mul" else (lambda v: v / other)
+    elif len(args) == 1 and (prim in LINEAR_UNARY or prim == "convert_element_type"):
+        apply = lambda v: bind(ctx, eqn, [v])[0]
+    else:
+        return
+    plain, biases = deferred
+    C.defer_biases(ctx, out, apply(plain), [apply(b) for b in biases])
+
+
+def _defer(ctx: Context, out, args, keep: tuple) -> None:
+    """A pending sum plus whole biases (or pending sums that carry some): the biases are added
+    after the reduction (C.defer_biases), the pending parts summed before it."""
+    parts, biases = [], []
+    for a in args:
+        deferred = C.deferred_biases(ctx, a) if a.layout.partial else None
+        if deferred is not None:
+            parts.append(deferred[0])
+            biases += deferred[1]
+        elif a.layout.partial == keep:
+            parts.append(a.value)
+        else:
+            biases.append(a.value)
+    if biases and parts:
+        C.defer_biases(ctx, out, sum(parts[1:], parts[0]), biases)
 
 
 def pow_(ctx: Context, eqn, args):

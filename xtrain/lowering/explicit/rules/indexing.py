@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import bind, out_avals, register, whole_dims_where, wrap
+from xtrain.lowering.explicit.registry import bind, fallback, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.contractions import _gather_axes, _match_pairs
 from xtrain.lowering.sharded import Context, Sharded
 
@@ -93,3 +93,38 @@ def gather(ctx: Context, eqn, args):
 
 
 register(gather, "gather")
+
+
+def _passthrough(eqn, operand: Sharded, updates: Sharded) -> dict[int, int]:
+    """{operand dim: updates dim} of a scatter's window dims that span the whole operand dim and
+    are not scattered into: rows written in place (a shift of each sequence), splittable alike."""
+    dn = eqn.params["dimension_numbers"]
+    skipped = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    operand_dims = [d for d in range(operand.ndim) if d not in skipped]
+    return {od: ud for od, ud in zip(operand_dims, dn.update_window_dims)
+            if od not in dn.scatter_dims_to_operand_dims and updates.shape[ud] == operand.shape[od]}
+
+
+def scatter(ctx: Context, eqn, args):
+    """A scatter whose split dims are all pass-through windows (`_passthrough`): the operand and
+    updates split alike on them, indices whole, each device writes its own rows. Else no rule."""
+    if len(args) != 3 or eqn.params.get("update_jaxpr") is not None:
+        return fallback(ctx, eqn, args)
+    operand, indices, updates = (C.resolve(ctx, a) for a in args)
+    through = _passthrough(eqn, operand, updates)
+    split = {od: operand.layout.dims[od] or updates.layout.dims[ud] for od, ud in through.items()}
+    other = [d for d in range(operand.ndim) if d not in through and operand.layout.dims[d]] + [
+        d for d in range(updates.ndim) if d not in through.values() and updates.layout.dims[d]]
+    if other or not any(split.values()):
+        return fallback(ctx, eqn, args)
+    dims = tuple(split.get(d, ()) for d in range(operand.ndim))
+    update_dims = [()] * updates.ndim
+    for od, ud in through.items():
+        update_dims[ud] = dims[od]
+    operand = C.relayout(ctx, operand, Layout(dims))
+    updates = C.relayout(ctx, updates, Layout(tuple(update_dims)))
+    out = bind(ctx, eqn, [operand.value, C.replicate(ctx, indices).value, updates.value])
+    return wrap(eqn, out, [Layout(dims)])
+
+
+register(scatter, "scatter")
