@@ -4,7 +4,7 @@ Heads stay a batch dim of every product (a tensor-parallel split of the heads st
 torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Grouped-query
 and multi-query attention group the query heads per key/value head instead of repeating keys
 and values. Each call site picks its implementation (`choose`): cuDNN's fused attention on
-CUDA where it applies, else the blockwise kernel (xtrain.frontend.attention), traced inside a
+CUDA where it applies, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xtrain.frontend import attention
+from xtrain.ir import blockwise as attention
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

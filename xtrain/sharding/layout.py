@@ -104,12 +104,16 @@ class StateLayout:
 def batch_spec(plan: Plan, sizes: Mapping[str, int]) -> Spec:
     """The plan's batch spec, validated against the mesh; by default the mesh's axes with data
     meaning (BATCH_AXES), major first; none on a mesh without one (every device then computes
-    the whole batch)."""
+    the whole batch). A `context` axis splits dimension 1, the sequence of (batch, sequence, ...)
+    arguments (context parallelism; a plan names other dims with its batch spec)."""
     if plan.batch is not None:
         plan.check_batch(sizes)
         return tuple(plan.batch)
     axes = tuple(a for a in sizes if a in BATCH_AXES)
-    return (axes[0] if len(axes) == 1 else axes,) if axes else ()
+    lead = (axes[0] if len(axes) == 1 else axes) if axes else None
+    if sizes.get(CONTEXT, 1) > 1:  # context parallelism: dim 1 of every batch argument is its sequence
+        return (lead, CONTEXT)
+    return (lead,) if axes else ()
 
 
 def depth(names: Iterable[str]) -> int:
@@ -191,15 +195,22 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
 
 
 def _check_context_used(layout: StateLayout, plan: Plan) -> None:
+    """A `context` axis splits the sequence (the default batch spec); a plan whose batch spec
+    leaves it unused, or that pipelines, is an error naming the fix."""
+    n = layout.sizes.get(CONTEXT, 1)
+    if n > 1 and plan.pipeline is not None:
+        raise ValueError(f"mesh axis {CONTEXT!r} (size {n}) with pipeline parallelism: context parallelism is not "
+                         f"implemented under a pipeline; drop one of them (or use {CONTEXT!r} as a data axis: "
+                         f"xtrain.Plan(batch=(({DATA!r}, {CONTEXT!r}),)))")
     if CONTEXT not in layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None):
         return
-    n = layout.sizes[CONTEXT]
     others = {a: s for a, s in layout.sizes.items() if a != CONTEXT}
     without = ", ".join(f"{a}={s}" for a, s in others.items()) or f"{DATA}=1"
-    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): xtrain does not split the sequence (context parallelism "
-                     f"is not implemented), and the plan uses {CONTEXT!r} for nothing else, so its {n} devices "
-                     f"would each compute the whole sequence. Drop the axis (xtrain.Mesh({without})), or split "
-                     f"the batch over it as data parallelism (xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})))")
+    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): the plan's batch spec {tuple(plan.batch)} does not split "
+                     f"the sequence over it and the plan uses {CONTEXT!r} for nothing else, so its {n} devices would "
+                     f"each compute the whole sequence. Split the sequence (dimension 1 of the batch arguments) over "
+                     f"it: xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})) (the default plan does), or drop the axis "
+                     f"(xtrain.Mesh({without}))")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
