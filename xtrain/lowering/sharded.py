@@ -209,6 +209,26 @@ def split_dim(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
 
 
+def subsplit(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Dimension `dim` split further over `axes` (minor): this device's slice of its block."""
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim] // parts
+    value = lax.dynamic_slice_in_dim(x.value, axis_offset(ctx, axes) * local, local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = dims[dim] + tuple(axes)
+    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def move_split(ctx: Context, x: Sharded, src: int, dst: int) -> Sharded:
+    """Dimension `src`'s split moved onto `dst` (as its minor axes), `src` made whole: one
+    all-to-all, the bytes of the local value, where a gather would hold the whole of `src`."""
+    axes = x.layout.dims[src]
+    dims = list(x.layout.dims)
+    dims[src], dims[dst] = (), dims[dst] + axes
+    return memoized(ctx, ("move_split", id(x.value), x.layout, src, dst), x.value, lambda: dataclasses.replace(
+        x, value=collectives.all_to_all(x.value, axes, dst, src), layout=x.layout.with_dims(dims)))
+
+
 def replicate(ctx: Context, x: Sharded) -> Sharded:
     x = resolve(ctx, x)
     for dim in range(x.ndim):

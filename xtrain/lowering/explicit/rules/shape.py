@@ -50,6 +50,16 @@ def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]
     return groups
 
 
+def _fold_minor(ctx: Context, x, major: int, minor: int):
+    """A merged group's minor dim made whole: its split moved onto the group's major dim where
+    the major's local size divides (a (batch, sequence) merge under context parallelism keeps
+    the logits split), else gathered."""
+    if x.layout.dims[minor] and x.layout.dims[major] and \
+            x.value.shape[major] % x.layout.factor(minor, ctx.sizes) == 0:
+        return C.move_split(ctx, x, minor, major)
+    return C.gather_dim(ctx, x, minor)
+
+
 def reshape(ctx: Context, eqn, args):
     """A split survives when it sits on the major dim of a merged/split group and divides
     the group's major output dim; any other split is gathered first."""
@@ -60,7 +70,7 @@ def reshape(ctx: Context, eqn, args):
     dims = [()] * len(new_sizes)
     for gi, gj in _reshape_groups(x.shape, new_sizes):
         for k in gi[1:]:
-            x = C.gather_dim(ctx, x, k)
+            x = _fold_minor(ctx, x, gi[0], k)
         if not gi or not x.layout.dims[gi[0]]:
             continue
         # the major output dim must take the whole split (skip leading size-1 dims)
