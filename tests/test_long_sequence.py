@@ -103,13 +103,13 @@ def test_temporaries_grow_about_linearly_with_the_sequence():
     assert long <= 48 * 2**20, long  # a score matrix per head at 4096 alone is 64 MiB
 
 
-def test_an_unused_context_axis_is_refused():
-    """Context parallelism is not implemented: a `context` axis would leave every device along it
-    computing the whole sequence, so it is an error naming the fixes, not a note."""
+def test_a_context_axis_splits_the_sequence():
+    """The default plan splits dimension 1 of the batch over `context` (context parallelism:
+    tests/test_context_parallel.py); a plan that leaves the axis unused is refused."""
     model, data, loss, _ = reference("llama", False)
-    with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): xtrain does not split the sequence .*"
-                                         r"xtrain.Mesh\(data=2\).*Plan\(batch=\('data', 'context'\)\)"):
-        xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss)
-    step = xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss,
-                          plan=xtrain.Plan(batch=("data", "context")))
-    assert step.mesh.shape == {"data": 2, "context": 4}
+    step = xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss)
+    step(*data[0])
+    assert step.layout.batch_spec == ("data", "context")
+    with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec"):
+        xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss,
+                       plan=xtrain.Plan(batch=("data",)))
