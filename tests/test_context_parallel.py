@@ -20,7 +20,7 @@ SEQ = 1024
 def gpt2(positions=SEQ):
     return GPT2LMHeadModel(GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=positions, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), attn_implementation="sdpa")
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
 
 
 @functools.cache

@@ -101,15 +101,3 @@ def test_temporaries_grow_about_linearly_with_the_sequence():
     short, long = _temporaries(1024), _temporaries(4096)
     assert long / short <= 6, (short, long)
     assert long <= 48 * 2**20, long  # a score matrix per head at 4096 alone is 64 MiB
-
-
-def test_a_context_axis_splits_the_sequence():
-    """The default plan splits dimension 1 of the batch over `context` (context parallelism:
-    tests/test_context_parallel.py); a plan that leaves the axis unused is refused."""
-    model, data, loss, _ = reference("llama", False)
-    step = xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss)
-    step(*data[0])
-    assert step.layout.batch_spec == ("data", "context")
-    with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec"):
-        xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss,
-                       plan=xtrain.Plan(batch=("data",)))

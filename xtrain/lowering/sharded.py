@@ -219,13 +219,16 @@ def subsplit(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
 
 
-def move_split(ctx: Context, x: Sharded, src: int, dst: int) -> Sharded:
-    """Dimension `src`'s split moved onto `dst` (as its minor axes), `src` made whole: one
-    all-to-all, the bytes of the local value, where a gather would hold the whole of `src`."""
-    axes = x.layout.dims[src]
+def move_split(ctx: Context, x: Sharded, src: int, dst: int, axes: Axes | None = None) -> Sharded:
+    """The minor `axes` of dimension `src`'s split (default: all) moved onto `dst` (as its
+    minor axes): one all-to-all, the bytes of the local value, where a gather would hold the
+    whole of `src`."""
+    have = x.layout.dims[src]
+    axes = have if axes is None else tuple(axes)
+    assert have[len(have) - len(axes):] == axes
     dims = list(x.layout.dims)
-    dims[src], dims[dst] = (), dims[dst] + axes
-    return memoized(ctx, ("move_split", id(x.value), x.layout, src, dst), x.value, lambda: dataclasses.replace(
+    dims[src], dims[dst] = have[:len(have) - len(axes)], dims[dst] + axes
+    return memoized(ctx, ("move_split", id(x.value), x.layout, src, dst, axes), x.value, lambda: dataclasses.replace(
         x, value=collectives.all_to_all(x.value, axes, dst, src), layout=x.layout.with_dims(dims)))
 
 

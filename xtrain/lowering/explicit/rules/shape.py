@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from xtrain.lowering import sharded as C
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, fallback, local_shape, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.elementwise import _align
@@ -81,8 +82,22 @@ def reshape(ctx: Context, eqn, args):
             continue
         dims[target] = x.layout.dims[gi[0]]
     layout = Layout(tuple(dims), x.layout.partial)
-    out = bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None)
-    return wrap(eqn, out, [layout])
+    out = wrap(eqn, bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None), [layout])
+    return [_unfold_context(ctx, out[0], _reshape_groups(x.shape, new_sizes))]
+
+
+def _unfold_context(ctx: Context, out, groups):
+    """A (batch x sequence) dim split back into (batch, sequence): a `context` split that
+    `_fold_minor` moved onto the batch goes back to the sequence (one all-to-all), so the
+    sequence stays split (a Conv1D's view(-1, E) ... view(B, L, -1) in GPT-2)."""
+    for _, gj in groups:
+        major = next((d for d in gj if out.layout.dims[d]), None)
+        if major is None or out.layout.dims[major][-1] != CONTEXT:
+            continue
+        rest = [d for d in gj if d > major and out.shape[d] % ctx.sizes[CONTEXT] == 0]
+        if rest and len(gj) > 1:
+            out = C.move_split(ctx, out, major, rest[0], (CONTEXT,))
+    return out
 
 
 def transpose(ctx: Context, eqn, args):
