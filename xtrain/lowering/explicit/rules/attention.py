@@ -12,6 +12,8 @@ runs as ring attention (`context_attention`, called by the custom_vjp rule).
 """
 from __future__ import annotations
 
+import math
+
 from xtrain.ir import blockwise
 from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
@@ -71,14 +73,32 @@ def _targets(q: Sharded, mask: Sharded | None):
     return tq, tk, Layout(dims + ((CONTEXT,) if mask.shape[n - 2] > 1 else (), ()))
 
 
+def _check_not_gathered(ctx: Context, ring, args) -> None:
+    """Attention whose operands vary over `context` on no dim: the sequence was gathered on
+    the way (a padding to whole blocks, an op without a rule), so every device would attend
+    over all of it. An error, not a silent loss of context parallelism."""
+    if any(CONTEXT in a.layout.split_axes() for a in args[:3]):
+        return  # `context` splits the batch here (a plan using it as a data axis)
+    ra.check(ring, ctx.path or "<top level>")  # names a sequence that does not split, if that is why
+    raise ValueError(f"attention in {ctx.path or '<top level>'!r}: its sequence ({ring.call.length}) reaches the "
+                     f"attention whole on every device of mesh axis {CONTEXT!r} (an op before it gathered the "
+                     f"sequence), so context parallelism would not split it. A sequence that is not a multiple of "
+                     f"the attention block is padded to one: use a multiple of "
+                     f"{math.lcm(2 * ring.size, ring.call.block_q)}; else the report's all-gathers over {CONTEXT!r} "
+                     f"name the op")
+
+
 def context_attention(ctx: Context, eqn, args):
     """The blockwise kernel's call on a sequence split over `context`: ring attention
     (xtrain.lowering.ring_attention), balanced under a causal mask. None when the sequence is
     not split (the call is interpreted as any other)."""
     b = blockwise.blocking_in(eqn.source_info.name_stack)
-    if b is None or CONTEXT not in ctx.sizes or not _splits_sequence(args):
+    if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
     ring = ra.Ring(b, CONTEXT, ctx.sizes[CONTEXT])
+    if not _splits_sequence(args):
+        _check_not_gathered(ctx, ring, args)
+        return None
     ra.check(ring, ctx.path or "<top level>")
     args = C.resolve_all(ctx, args)
     mask = args[3] if len(args) > 3 else None

@@ -7,6 +7,7 @@ import jax
 from xtrain.lowering import sharded as C
 from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit import shift
 from xtrain.lowering.explicit.registry import bind, fallback, local_shape, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.elementwise import _align
 from xtrain.lowering.sharded import Context
@@ -129,6 +130,10 @@ def slice_(ctx: Context, eqn, args):
     """Dims that are cut must be whole; untouched dims keep their split."""
     x = args[0]
     start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+    if isinstance(x, shift.PendingPad):
+        if shift.is_shift(x, start, limit, strides):
+            return [shift.shifted(ctx, x)]
+        x = shift.materialize(ctx, x)
     cut = lambda d: start[d] != 0 or limit[d] != x.shape[d] or (strides and strides[d] != 1)
     x = whole_dims_where(ctx, x, cut)
     local_limit = tuple(lim // x.layout.factor(d, ctx.sizes) for d, lim in enumerate(limit))
@@ -138,6 +143,9 @@ def slice_(ctx: Context, eqn, args):
 def pad(ctx: Context, eqn, args):
     x, value = args
     config = eqn.params["padding_config"]
+    deferred = shift.defer(ctx, x, value, config)
+    if deferred is not None:  # a shift along the context-split sequence, if a slice follows
+        return [deferred]
     x = whole_dims_where(ctx, x, lambda d: config[d] != (0, 0, 0))
     zero_pad = isinstance(value.value, (int, float)) and value.value == 0
     if x.layout.partial and not zero_pad:
