@@ -98,3 +98,43 @@ def test_what_context_parallelism_refuses():
         compile(xtrain.Mesh(data=2, context=4), xtrain.Plan(batch=("data",)))
     with pytest.raises(ValueError, match=r"'context' \(size 2\) with pipeline parallelism: .*not implemented"):
         compile(xtrain.Mesh(pipe=2, data=2, context=2), xtrain.Plan().with_pipeline(2, 2))
+
+
+class MaskedGPT(torch.nn.Module):
+    """A GPT block with learned positions (arange) that takes its own (B, 1, L, S) boolean mask."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(VOCAB, 32), torch.nn.Embedding(seq, 32)
+        self.qkv, self.out, self.head = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32), torch.nn.Linear(32, VOCAB)
+
+    def forward(self, ids, mask):
+        b, n = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(n))
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (3, B, H, L, D)
+        x = x + self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                         .transpose(1, 2).reshape(b, n, 32))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def test_a_mask_argument_names_its_sequence_dim():
+    """Plan(batch_args=...) gives the (B, 1, L, S) mask its sequence on dim 2; keys stay whole."""
+    seq = 128
+    torch.manual_seed(0)
+    model = MaskedGPT(seq)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(seq // 2, seq + 1, (8,), generator=g)
+    keep = (torch.arange(seq)[None, :] < lengths[:, None])  # (B, S) padding
+    mask = (torch.ones(seq, seq).tril().bool()[None, None] & keep[:, None, None, :])
+    data = [(torch.randint(0, VOCAB, (8, seq), generator=g), mask) for _ in range(4)]
+    loss = lambda m, ids, mask: m(ids, mask)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # the key bias's gradient is rounding noise: not Adam
+    want = torch_reference(model, sgd, data, loss)
+    plan = xtrain.Plan(batch_args={1: ("data", None, "context")})
+    candidate = copy.deepcopy(model)
+    step = xtrain.compile(candidate, xtrain.Mesh(data=2, context=4), optimizer=sgd(candidate.parameters()),
+                          loss_fn=loss, plan=plan)
+    losses = [step(*batch)["loss"] for batch in data]
+    assert_parity(ParityResult(losses, want[0], step.state_dict(), want[1], 1e-5))
+    assert any("ring attention over 'context'=4" in n for n in step.report().notes)

@@ -35,6 +35,7 @@ class StateLayout:
     Attributes:
         sizes: mesh axis sizes, in mesh order.
         batch_spec: spec of the leading dimensions of every batch argument.
+        batch_args: (argument position, spec) pairs replacing batch_spec for those arguments.
         zero: the plan's ZeRO stage.
         layer_specs, layer_optimizer_specs: per parameter under its own (per-layer) name: the
             spec of the parameter (ZeRO-3 included) and of its optimizer state (ZeRO-1/2).
@@ -63,6 +64,11 @@ class StateLayout:
     stage_starts: tuple[int, ...] | None = None
     agreement: Mapping[str, Hashable] = dataclasses.field(default_factory=dict)
     offload_optimizer: bool = False
+    batch_args: tuple[tuple[int, Spec], ...] = ()
+
+    def arg_spec(self, index: int) -> Spec:
+        """The spec of batch argument `index`."""
+        return dict(self.batch_args).get(index, self.batch_spec)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -164,7 +170,8 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
     agreement = _agreement(shapes, params, optimizer, optimized, lr_groups)
     stack = scan_layers and plan.pipeline is None and lr_groups is not None
     stacking = Stacking.find(shapes, agreement.get) if stack else Stacking({})
-    out = StateLayout(sizes=sizes, batch_spec=spec, zero=plan.zero, layer_specs=params,
+    _check_batch_args(plan, spec, sizes)
+    out = StateLayout(sizes=sizes, batch_spec=spec, batch_args=plan.batch_args, zero=plan.zero, layer_specs=params,
                       layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
                       optimizer_specs=stacking.stack_specs(optimizer),
                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
@@ -192,6 +199,20 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
                      f"data-parallel axis {DATA!r} (xtrain.Mesh({axes({unused[0]: DATA})})), say which axes split the "
                      f"batch (xtrain.Plan(batch=({unused[0]!r},))), or give a plan that splits parameters over them "
                      "(xtrain.plans.megatron, fsdp)")
+
+
+def _check_batch_args(plan: Plan, spec: Spec, sizes: Mapping[str, int]) -> None:
+    """Per-argument specs split over the batch spec's axes only (they split the same batch)."""
+    allowed = {a for e in spec for a in axes_of(e)}
+    if plan.batch_args and plan.pipeline is not None:
+        raise ValueError("Plan(batch_args=...) with pipeline parallelism is not implemented; give every batch "
+                         "argument the batch spec (Plan(batch=...))")
+    for index, arg in plan.batch_args:
+        extra = sorted({a for e in arg for a in axes_of(e)} - allowed)
+        if extra:
+            raise ValueError(f"Plan(batch_args={{{index}: {arg}}}): mesh axes {extra} are not in the batch spec "
+                             f"{spec}; a batch argument splits over the batch spec's axes only (e.g. the sequence "
+                             f"of a mask over {CONTEXT!r} with the default batch spec {(DATA, CONTEXT)})")
 
 
 def _check_context_used(layout: StateLayout, plan: Plan) -> None:
