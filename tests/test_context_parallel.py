@@ -138,3 +138,17 @@ def test_a_mask_argument_names_its_sequence_dim():
     losses = [step(*batch)["loss"] for batch in data]
     assert_parity(ParityResult(losses, want[0], step.state_dict(), want[1], 1e-5))
     assert any("ring attention over 'context'=4" in n for n in step.report().notes)
+
+
+def test_the_plan_search_offers_context_candidates_for_long_sequences():
+    from xtrain.cost import candidates as space
+    from xtrain.cost import hardware
+
+    assert space.context_degrees(8, 1024) == [] and space.context_degrees(8, 8192) == [2, 4, 8]
+    assert space.context_degrees(8, 6144) == [2]  # 4 and 8 leave chunks of 768 and 384: not whole blocks
+    names = [c.name for c in space.candidates(8, hardware.emulated(8), context=[1, 4], remat=(False,))]
+    assert "dp2xcp4" in names and "dp1xcp4xtp2" in names and "dp8" in names
+    point = space.Candidate(data=2, context=4)
+    assert point.mesh == {"data": 2, "context": 4} and point.plan().batch is None  # the default: sequence split
+    with pytest.raises(ValueError, match=r"context parallelism does not run under a pipeline"):
+        space.Candidate(data=1, context=2, pipe=2, microbatches=2)
