@@ -152,3 +152,11 @@ def test_the_plan_search_offers_context_candidates_for_long_sequences():
     assert point.mesh == {"data": 2, "context": 4} and point.plan().batch is None  # the default: sequence split
     with pytest.raises(ValueError, match=r"context parallelism does not run under a pipeline"):
         space.Candidate(data=1, context=2, pipe=2, microbatches=2)
+
+
+def test_presets_keep_the_sequence_split():
+    """HSDP's batch spans the replica axes but `context`, which splits the sequence (trained with
+    parity like FSDP and Megatron-SP, whose sequence splits over context x tensor, in development)."""
+    model = llama(layers=1)
+    assert plans.hybrid(model, {"data": 2, "context": 4}).batch == ("data", "context")
+    assert plans.fsdp(model, {"data": 2, "context": 4}).batch is None  # the default: sequence over context
