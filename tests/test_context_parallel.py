@@ -160,3 +160,21 @@ def test_presets_keep_the_sequence_split():
     model = llama(layers=1)
     assert plans.hybrid(model, {"data": 2, "context": 4}).batch == ("data", "context")
     assert plans.fsdp(model, {"data": 2, "context": 4}).batch is None  # the default: sequence over context
+
+
+def test_dropout_masks_do_not_depend_on_the_context_split():
+    """Hidden and embedding dropout on: context=4 draws the masks data=8 draws (attention
+    dropout under context is refused: xtrain.lowering.ring_attention.check)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=128,
+                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa"))
+    model.train()
+    data = batches(128, False, n=2, batch=8)
+    losses = []
+    for mesh in (xtrain.Mesh(data=8), xtrain.Mesh(data=2, context=4)):
+        m = copy.deepcopy(model)
+        step = xtrain.compile(m, mesh, optimizer=adamw(m.parameters()), loss_fn=lm_loss)
+        losses.append([step(*b)["loss"] for b in data])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    without = torch_reference(model.eval(), adamw, data[:1], lm_loss)[0][0]
+    assert abs(losses[0][0] - without) > 1e-4, (losses, without)  # dropout was on
