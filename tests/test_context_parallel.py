@@ -166,10 +166,10 @@ def test_dropout_masks_do_not_depend_on_the_context_split():
     """Hidden and embedding dropout on: context=4 draws the masks data=8 draws (attention
     dropout under context is refused: xtrain.lowering.ring_attention.check)."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=128,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
                                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa"))
     model.train()
-    data = batches(128, False, n=2, batch=8)
+    data = batches(64, False, n=2, batch=8)
     losses = []
     for mesh in (xtrain.Mesh(data=8), xtrain.Mesh(data=2, context=4)):
         m = copy.deepcopy(model)

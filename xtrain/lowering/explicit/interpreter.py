@@ -89,7 +89,13 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
         return own if ctx.layer is None else _renamed(own, *ctx.layer)
 
     return walk.evaluate(jaxpr, consts, args, bind, module_paths=ctx.module_paths, outer=outer, literal=literal,
-                         name_stack=name_stack, regions=regions, live=live)
+                         name_stack=name_stack, regions=_padding_inputs(ctx, regions), live=live)
+
+
+def _padding_inputs(ctx: Context, regions):
+    """Regions (layer scans) read their inputs as values: a deferred pad is applied first."""
+    return {i: dataclasses.replace(r, emit=lambda read, r=r: r.emit(lambda v: shift.materialize(ctx, read(v))))
+            for i, r in (regions or {}).items()}
 
 
 def _reads_pending_pad(eqn) -> bool:
