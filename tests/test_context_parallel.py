@@ -93,6 +93,13 @@ def test_what_context_parallelism_refuses():
     # 264 tokens are padded to whole blocks of 256 before the attention: the pad gathers the sequence
     with pytest.raises(ValueError, match=r"its sequence \(264\) reaches the attention whole .* 'context'"):
         compile(xtrain.Mesh(data=2, context=4))(torch.zeros(8, 264, dtype=torch.long))
+    torch.manual_seed(0)
+    dropping = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                          attn_pdrop=0.1, attn_implementation="sdpa")).train()
+    step = xtrain.compile(dropping, xtrain.Mesh(data=2, context=4), optimizer=adamw(dropping.parameters()),
+                          loss_fn=lm_loss)
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn': attention dropout under context parallelism"):
+        step(torch.zeros(8, 64, dtype=torch.long))
     with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec \('data',\) does not "
                                          r"split the sequence .*Plan\(batch=\('data', 'context'\)\)"):
         compile(xtrain.Mesh(data=2, context=4), xtrain.Plan(batch=("data",)))

@@ -122,6 +122,7 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
             holding each layer's row-parallel matmuls); their inputs and outputs are annotated
             as `xtrain.shard(x, (batch axis, axis, None))` would, by forward hooks that do nothing
             outside xtrain (torch eager runs unchanged). The activations must be (batch, sequence, ...).
+            With a `context` axis the sequence splits over context, then `axis` within each chunk.
         example: one batch as `step(*batch)` takes it (only shapes are read), to trace now.
             Without it the plan is pending: `xtrain.compile` derives its rules at the step's
             first call, and `print(plan)` says so; rules added to it before then win.
