@@ -1,9 +1,11 @@
 """Step time and temporaries against the sequence length: HF Llama (1 layer, hidden 32, 4 heads,
 2 key/value heads, intermediate 64, vocab 256, batch 8, fp32) on Mesh(data=8) over 8 emulated
-CPU devices, xtrain's blockwise attention against full attention, beside torch's own SDPA
-(eager, one device, its CPU flash kernel) training the same model.
+CPU devices, xtrain's blockwise attention against full attention, and context parallel
+(Mesh(data=8/c, context=c), c = 2, 4, 8: the sequence split, ring attention; the same 8
+devices and batch, so every device holds as many tokens as under data=8), beside torch's own
+SDPA (eager, one device, its CPU flash kernel) training the same model.
 
-    python benchmarks/long_sequence.py                       # about 10 minutes on 2 loaded cores
+    python benchmarks/long_sequence.py                       # about 20 minutes on 2 loaded cores
     python benchmarks/long_sequence.py --seqs 512 1024       # fewer sequences
 
 "full" is the same kernel with one block as long as the sequence: the whole L x S score
@@ -30,6 +32,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "long_sequence.md"
 BATCH, VOCAB, STEPS = 8, 256, 3
+CONTEXT = {"cp2": 2, "cp4": 4, "cp8": 8}  # context-parallel kinds: the context degree
 
 
 def _model(seq: int):
@@ -57,7 +60,9 @@ def measure_xtrain(seq: int, attention: str) -> dict:
     if attention == "full":
         markers.DEFAULT_BLOCK["cpu"] = seq
     model = _model(seq)
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    c = CONTEXT.get(attention, 1)
+    mesh = xtrain.Mesh(data=8 // c, context=c) if c > 1 else xtrain.Mesh(data=8)
+    step = xtrain.compile(model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                           loss_fn=_loss)
     ids = torch.randint(0, VOCAB, (BATCH, seq))
     start = time.perf_counter()
@@ -120,6 +125,13 @@ def write(rows: dict) -> None:
         lines.append(f"| {seq} | {full['temporaries'] / 1e6:.1f} | {block['temporaries'] / 1e6:.1f} "
                      f"| {full['compile_s']:.1f} | {block['compile_s']:.1f} | {_cell(full, 'step_s', 1, '{:.3f}')} "
                      f"| {_cell(block, 'step_s', 1, '{:.3f}')} | {torch_['step_s']:.3f} |")
+    lines += ["", "Context parallel: Mesh(data=8/c, context=c), the same batch and devices (as many tokens per "
+              "device as data=8); ring attention, load-balanced for the causal mask.", "",
+              "| seq | " + " | ".join(f"{k} temp MB | {k} step s" for k in CONTEXT) + " |",
+              "|---|" + "---|---|" * len(CONTEXT)]
+    for seq, r in sorted(rows.items()):
+        lines.append(f"| {seq} | " + " | ".join(f"{r[k]['temporaries'] / 1e6:.1f} | {_cell(r[k], 'step_s', 1, '{:.3f}')}"
+                                                for k in CONTEXT) + " |")
     RESULTS.write_text("\n".join(lines) + "\n")
 
 
@@ -134,7 +146,7 @@ def main() -> None:
         return
     rows = {}
     for seq in args.seqs:
-        rows[seq] = {kind: _child(seq, kind) for kind in ("blockwise", "full", "torch")}
+        rows[seq] = {kind: _child(seq, kind) for kind in ("blockwise", "full", "torch", *CONTEXT)}
         print(seq, rows[seq], flush=True)
         write(rows)
 

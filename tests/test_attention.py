@@ -1,4 +1,4 @@
-"""The blockwise attention kernel (xtrain.frontend.attention) against torch's SDPA, forward and
+"""The blockwise attention kernel (xtrain.ir.blockwise) against torch's SDPA, forward and
 gradient, with blocks small enough that every case spans several (and padded) blocks."""
 import math
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from xtrain.frontend import attention, sdpa
+from xtrain.frontend import sdpa
+from xtrain.ir import blockwise as attention
 from xtrain.ir import attention as markers
 from xtrain.ir import flops
 

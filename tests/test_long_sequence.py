@@ -101,15 +101,3 @@ def test_temporaries_grow_about_linearly_with_the_sequence():
     short, long = _temporaries(1024), _temporaries(4096)
     assert long / short <= 6, (short, long)
     assert long <= 48 * 2**20, long  # a score matrix per head at 4096 alone is 64 MiB
-
-
-def test_an_unused_context_axis_is_refused():
-    """Context parallelism is not implemented: a `context` axis would leave every device along it
-    computing the whole sequence, so it is an error naming the fixes, not a note."""
-    model, data, loss, _ = reference("llama", False)
-    with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): xtrain does not split the sequence .*"
-                                         r"xtrain.Mesh\(data=2\).*Plan\(batch=\('data', 'context'\)\)"):
-        xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss)
-    step = xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=adamw(model.parameters()), loss_fn=loss,
-                          plan=xtrain.Plan(batch=("data", "context")))
-    assert step.mesh.shape == {"data": 2, "context": 4}

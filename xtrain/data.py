@@ -8,7 +8,7 @@ through untouched.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -52,10 +52,13 @@ def _placed(index: int, x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.device_put(x, sharding)
 
 
-def shard_batch(batch: Sequence[Any], mesh: jax.sharding.Mesh, spec: Spec) -> tuple:
-    """Places each array-like batch argument on the mesh, split by `spec` (others pass through)."""
-    out = []
+def shard_batch(batch: Sequence[Any], mesh: jax.sharding.Mesh, spec: Spec, own: Mapping[int, Spec] | None = None
+                ) -> tuple:
+    """Places each array-like batch argument on the mesh, split by `spec` or its own spec in
+    `own` (argument position -> spec); others pass through."""
+    out, default = [], spec
     for index, x in enumerate(batch):
+        spec = (own or {}).get(index, default)
         if x is None or isinstance(x, (bool, int, float, str)):
             out.append(x)
             continue

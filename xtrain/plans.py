@@ -22,7 +22,7 @@ from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir.structure import Structure
 from xtrain.ir import dimflow
 from xtrain.sharding import annotate, presets, tensor_parallel
-from xtrain.sharding.mesh import DATA, TENSOR, Mesh, job_devices
+from xtrain.sharding.mesh import CONTEXT, DATA, TENSOR, Mesh, job_devices
 from xtrain.sharding.plan import PendingPlan, Plan, Spec
 from xtrain.sharding.presets import MIN_SIZE, ddp
 
@@ -92,7 +92,8 @@ def zero(stage: int, model: Any = None, mesh: Mesh | Mapping[str, int] | None = 
 def hybrid(model: Any, mesh: Mesh | Mapping[str, int], *, shard_axis: str = DATA,
            replicate_axes: tuple[str, ...] | None = None, min_size: int = MIN_SIZE) -> Plan:
     """HSDP: parameters split over `shard_axis` (FSDP within each group), replicated across
-    `replicate_axes` (default: every other mesh axis); the batch spans all of them.
+    `replicate_axes` (default: every other mesh axis); the batch spans all of them (a `context`
+    axis splits the sequence instead: context parallelism).
 
     e.g. Mesh(replica=2, data=4): 2 groups of 4 devices, each holding one full copy of the
     parameters split 4 ways; gradients reduce-scatter within a group, all-reduce across.
@@ -125,6 +126,7 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
             holding each layer's row-parallel matmuls); their inputs and outputs are annotated
             as `xtrain.shard(x, (batch axis, axis, None))` would, by forward hooks that do nothing
             outside xtrain (torch eager runs unchanged). The activations must be (batch, sequence, ...).
+            With a `context` axis the sequence splits over context, then `axis` within each chunk.
         example: one batch as `step(*batch)` takes it (only shapes are read), to trace now.
             Without it the plan is pending: `xtrain.compile` derives its rules at the step's
             first call, and `print(plan)` says so; rules added to it before then win.
@@ -147,7 +149,8 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
         plan = presets.megatron(flow, shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
         if not sequence_parallel:
             return plan
-        spec = (DATA if DATA in sizes else None, axis, None)
+        # under context parallelism the sequence is split over context, then `axis` within it
+        spec = (DATA if DATA in sizes else None, (CONTEXT, axis) if sizes.get(CONTEXT, 1) > 1 else axis, None)
         blocks = tensor_parallel.block_paths(flow)
         _annotate_blocks(getattr(wrapped, "module", model), blocks, spec)
         note = (f"sequence parallel: the inputs and outputs of {presets.listing(blocks)} split {spec} (batch, "

@@ -218,7 +218,7 @@ class TrainStep:
         return self.layout.scan_layers
 
     def _place(self, batch: tuple) -> tuple:
-        return data.shard_batch(batch, self.mesh, self.layout.batch_spec)
+        return data.shard_batch(batch, self.mesh, self.layout.batch_spec, dict(self.layout.batch_args))
 
     def _data_size(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.layout.batch_axes]))

@@ -1,5 +1,5 @@
-"""The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, expert, tensor
-and pipeline degrees, microbatches and schedule, ZeRO stage, remat, what is offloaded to host
+"""The plan search's space (xtrain.cost.search): a `Candidate` is one point (data, expert, tensor,
+context and pipeline degrees, microbatches and schedule, ZeRO stage, remat, what is offloaded to host
 memory, compute precision, the order of its mesh axes) and turns into a Plan; `candidates`
 lists the points for a device count and hardware profile, in the order the search lowers and
 lists them.
@@ -31,7 +31,11 @@ OFFLOAD_NAMES = {Offload.NONE: "", Offload.OPTIMIZER: " offload", Offload.ACTIVA
 SCHEDULES = ("gpipe", "1f1b")
 # mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices, expert
 # parallel's all-to-alls next
-DEFAULT_ORDER = ("data", "pipe", "expert", "tensor")
+DEFAULT_ORDER = ("data", "pipe", "context", "expert", "tensor")
+# context-parallel candidates for sequences at least this long (shorter ones fit without splitting)
+CONTEXT_MIN_SEQUENCE = 4096
+# sequences the ring attention splits into whole blocks on every backend (blocks of 128-512)
+_BLOCK_GRAIN = 512
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +47,8 @@ class Candidate:
         tensor: Megatron tensor-parallel degree (mesh axis "tensor"; 1: none).
         expert: expert-parallel degree (mesh axis "expert": MoE layers' experts split over it,
             the batch over data x expert; 1: none; not with a pipeline).
+        context: context-parallel degree (mesh axis "context": the sequence split, ring
+            attention; 1: none). Not with a pipeline.
         zero: ZeRO stage over "data".
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
@@ -69,12 +75,16 @@ class Candidate:
     precision: str = "fp32"
     offload: Offload = Offload.NONE
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self):
         self._check_offload()
         if self.expert > 1 and self.pipe > 1:
             raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): expert parallelism does not "
                              "compose with the pipeline yet; use pipe=1")
+        if self.context > 1 and self.pipe > 1:
+            raise ValueError(f"Candidate(context={self.context}, pipe={self.pipe}): context parallelism does not "
+                             "run under a pipeline; use pipe=1 or context=1")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
                              f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
@@ -101,7 +111,8 @@ class Candidate:
                              "each layer from its input, as remat does; use remat=False")
 
     def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
-        sizes = {"data": self.data, "pipe": self.pipe, "expert": self.expert, "tensor": self.tensor}
+        sizes = {"data": self.data, "pipe": self.pipe, "context": self.context, "expert": self.expert,
+                 "tensor": self.tensor}
         return {a: sizes[a] for a in order if a == "data" or sizes[a] > 1}
 
     @property
@@ -112,7 +123,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        short = {"data": "dp", "tensor": "tp", "pipe": "pp", "expert": "ep"}
+        short = {"data": "dp", "tensor": "tp", "pipe": "pp", "expert": "ep", "context": "cp"}
         parts = [f"{short[a]}{n}" for a, n in self.mesh.items() if a == "data" or n > 1]
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
@@ -162,8 +173,8 @@ class Candidate:
 
     def simplicity(self) -> tuple:
         offloads = list(Offload).index(self.offload)  # none, then the optimizer state, then activations
-        return (self.pipe, self.tensor, self.expert, self.zero, offloads, self.remat, self.schedule != "gpipe",
-                self.microbatches)
+        return (self.pipe, self.tensor, self.expert, self.context, self.zero, offloads, self.remat,
+                self.schedule != "gpipe", self.microbatches)
 
 
 def _divisors(n: int) -> list[int]:
@@ -175,12 +186,25 @@ def pipeline_degrees(devices: int, layers: int) -> list[int]:
     return [p for p in _divisors(devices) if 2 <= p <= layers]
 
 
+def context_degrees(devices: int, sequence: int) -> list[int]:
+    """Context-parallel degrees > 1 worth a candidate: none below CONTEXT_MIN_SEQUENCE tokens;
+    else the divisors of `devices` that cut the sequence into 2 x degree chunks of whole
+    attention blocks (ring attention's balanced chunks)."""
+    if sequence < CONTEXT_MIN_SEQUENCE or sequence % _BLOCK_GRAIN:
+        return []
+    def fits(c: int) -> bool:
+        chunk = sequence // (2 * c)
+        return sequence % (2 * c) == 0 and (chunk % _BLOCK_GRAIN == 0 or _BLOCK_GRAIN % chunk == 0)
+
+    return [c for c in _divisors(devices) if c > 1 and fits(c)]
+
+
 def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequence[int] | None = None,
                zero_stages: Sequence[int] = (0, 1, 2, 3), remat: Sequence[bool] = (False, True),
                pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
                schedules: Sequence[str] = SCHEDULES,
                offloads: Sequence[Offload] = (Offload.OPTIMIZER, Offload.ACTIVATIONS),
-               expert_degrees: Sequence[int] = (1,)) -> list[Candidate]:
+               expert_degrees: Sequence[int] = (1,), context: Sequence[int] = (1,)) -> list[Candidate]:
     """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
     devices of one instance (and, on Trainium, are replica-group sizes a node supports).
     Without a pipeline, also each of `offloads` where the profile knows its host link
@@ -189,18 +213,19 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
-    add expert-parallel points without a pipeline."""
+    add expert-parallel points without a pipeline; `context`: context-parallel degrees
+    (`context_degrees`), without a pipeline."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
         raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
                          f"divisors of {devices}, e.g. {_divisors(devices)}")
     out = []
-    for p in pipe_degrees:
-        for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p) == 0):
-            for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * e) == 0):
-                points = _points(devices // (t * p * e), t, p, zero_stages, remat, microbatches or (p, 2 * p, 4 * p),
-                                 schedules, profile, offloads)
-                out += [dataclasses.replace(c, expert=e) for c in points]
+    for p, c in ((p, c) for p in pipe_degrees for c in context if p == 1 or c == 1):
+        for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p * c) == 0):
+            for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * c * e) == 0):
+                points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,
+                                 microbatches or (p, 2 * p, 4 * p), schedules, profile, offloads)
+                out += [dataclasses.replace(x, expert=e, context=c) for x in points]
     return out
 
 

@@ -51,7 +51,8 @@ from xtrain.cost import model as cost_model
 from xtrain.cost import placement
 from xtrain.cost import program as program_mod
 # the search space lives in cost.candidates; its public names are the search's too
-from xtrain.cost.candidates import SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, candidates, pipeline_degrees
+from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, candidates, context_degrees,
+                                    pipeline_degrees)
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
 from xtrain.lowering import accounting, offload
@@ -247,6 +248,11 @@ def pick(rows: Sequence[Row]) -> Row | None:
     return min(tied, key=lambda r: (r.candidate.simplicity(), r.prediction.step_s))
 
 
+def _sequence(batch: tuple) -> int:
+    """Dimension 1 of the first batch argument with one (the sequence context parallelism splits)."""
+    return next((int(x.shape[1]) for x in batch if len(getattr(x, "shape", ())) >= 2), 0)
+
+
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, structure: Structure | None = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
@@ -257,7 +263,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         model: xtrain's wrapped model (xtrain.ir.Model); tx: the optax transformation.
         batch: one global batch (arrays or jax.ShapeDtypeStruct).
         structure: the model's module structure (for Megatron tensor-parallel candidates).
-        candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`).
+        candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`,
+            with context-parallel points where the batch's sequence is long: `context_degrees`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
         prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
@@ -271,7 +278,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         # activation offload checkpoints the layer scan: only for a model with repeated blocks
         offloads = (Offload.OPTIMIZER, Offload.ACTIVATIONS) if facts.layers else (Offload.OPTIMIZER,)
         candidate_list = candidates(devices, profile, pipe_degrees=pipes, offloads=offloads,
-                                    expert_degrees=expert_degrees(model, experts, devices))
+                                    expert_degrees=expert_degrees(model, experts, devices),
+                                    context=[1] + context_degrees(devices, _sequence(batch)))
     lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
                                model_flops=facts.matmul_flops, experts=experts)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}

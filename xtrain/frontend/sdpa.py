@@ -3,8 +3,9 @@
 Heads stay a batch dim of every product (a tensor-parallel split of the heads stays local;
 torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Grouped-query
 and multi-query attention group the query heads per key/value head instead of repeating keys
-and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`). Each call site picks its implementation (`choose`): cuDNN's fused attention on
-CUDA where it applies, else the blockwise kernel (xtrain.frontend.attention), traced inside a
+and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`).
+Each call site picks its implementation (`choose`): cuDNN's fused attention on
+CUDA where it applies, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-from xtrain.frontend import attention
+from xtrain.ir import blockwise as attention
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

@@ -262,6 +262,29 @@ def unsplit_to_partial(ctx: Context, x: Sharded, dim: int) -> Sharded:
     return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes)))
 
 
+def subsplit(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
+    """Dimension `dim` split further over `axes` (minor): this device's slice of its block."""
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    local = x.value.shape[dim] // parts
+    value = lax.dynamic_slice_in_dim(x.value, axis_offset(ctx, axes) * local, local, axis=dim)
+    dims = list(x.layout.dims)
+    dims[dim] = dims[dim] + tuple(axes)
+    return dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
+
+
+def move_split(ctx: Context, x: Sharded, src: int, dst: int, axes: Axes | None = None) -> Sharded:
+    """The minor `axes` of dimension `src`'s split (default: all) moved onto `dst` (as its
+    minor axes): one all-to-all, the bytes of the local value, where a gather would hold the
+    whole of `src`."""
+    have = x.layout.dims[src]
+    axes = have if axes is None else tuple(axes)
+    assert have[len(have) - len(axes):] == axes
+    dims = list(x.layout.dims)
+    dims[src], dims[dst] = have[:len(have) - len(axes)], dims[dst] + axes
+    return memoized(ctx, ("move_split", id(x.value), x.layout, src, dst, axes), x.value, lambda: dataclasses.replace(
+        x, value=collectives.all_to_all(x.value, axes, dst, src), layout=x.layout.with_dims(dims)))
+
+
 def replicate(ctx: Context, x: Sharded) -> Sharded:
     x = resolve(ctx, x)
     for dim in range(x.ndim):

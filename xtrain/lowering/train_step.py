@@ -95,8 +95,11 @@ class Strategy(Protocol):
         """What the report says about this lowering's program."""
 
 
-def batch_specs(batch_spec: Spec, batch: tuple) -> tuple:
-    return tuple(PartitionSpec(*batch_spec[: x.ndim]) if hasattr(x, "ndim") else None for x in batch)
+def batch_specs(batch_spec: Spec, batch: tuple, batch_args=()) -> tuple:
+    """Each batch argument's PartitionSpec: `batch_spec`, or its own from `batch_args` pairs."""
+    own = dict(batch_args)
+    return tuple(PartitionSpec(*own.get(i, batch_spec)[: x.ndim]) if hasattr(x, "ndim") else None
+                 for i, x in enumerate(batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,7 @@ class PerDevice:
     mesh: Any
     state_specs: TrainState
     batch_spec: Spec
+    batch_args: tuple = ()  # (argument position, spec) pairs replacing batch_spec
 
     @property
     def split_dims(self) -> frozenset[int]:
@@ -115,12 +119,12 @@ class PerDevice:
 
     def train(self, fn: Callable, batch: tuple) -> Callable:
         return jax.shard_map(ordering.in_order(fn), mesh=self.mesh,
-                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch), PartitionSpec()),
+                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch, self.batch_args), PartitionSpec()),
                              out_specs=(self.state_specs, PartitionSpec()), check_vma=True)
 
     def eval(self, fn: Callable, batch: tuple) -> Callable:
         return jax.shard_map(ordering.in_order(fn), mesh=self.mesh,
-                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch)),
+                             in_specs=(self.state_specs, batch_specs(self.batch_spec, batch, self.batch_args)),
                              out_specs=PartitionSpec(), check_vma=True)
 
 

@@ -35,6 +35,7 @@ class StateLayout:
     Attributes:
         sizes: mesh axis sizes, in mesh order.
         batch_spec: spec of the leading dimensions of every batch argument.
+        batch_args: (argument position, spec) pairs replacing batch_spec for those arguments.
         zero: the plan's ZeRO stage.
         layer_specs, layer_optimizer_specs: per parameter under its own (per-layer) name: the
             spec of the parameter (ZeRO-3 included) and of its optimizer state (ZeRO-1/2).
@@ -63,6 +64,11 @@ class StateLayout:
     stage_starts: tuple[int, ...] | None = None
     agreement: Mapping[str, Hashable] = dataclasses.field(default_factory=dict)
     offload_optimizer: bool = False
+    batch_args: tuple[tuple[int, Spec], ...] = ()
+
+    def arg_spec(self, index: int) -> Spec:
+        """The spec of batch argument `index`."""
+        return dict(self.batch_args).get(index, self.batch_spec)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -104,12 +110,16 @@ class StateLayout:
 def batch_spec(plan: Plan, sizes: Mapping[str, int]) -> Spec:
     """The plan's batch spec, validated against the mesh; by default the mesh's axes with data
     meaning (BATCH_AXES), major first; none on a mesh without one (every device then computes
-    the whole batch)."""
+    the whole batch). A `context` axis splits dimension 1, the sequence of (batch, sequence, ...)
+    arguments (context parallelism; a plan names other dims with its batch spec)."""
     if plan.batch is not None:
         plan.check_batch(sizes)
         return tuple(plan.batch)
     axes = tuple(a for a in sizes if a in BATCH_AXES)
-    return (axes[0] if len(axes) == 1 else axes,) if axes else ()
+    lead = (axes[0] if len(axes) == 1 else axes) if axes else None
+    if sizes.get(CONTEXT, 1) > 1:  # context parallelism: dim 1 of every batch argument is its sequence
+        return (lead, CONTEXT)
+    return (lead,) if axes else ()
 
 
 def depth(names: Iterable[str]) -> int:
@@ -160,7 +170,8 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
     agreement = _agreement(shapes, params, optimizer, optimized, lr_groups)
     stack = scan_layers and plan.pipeline is None and lr_groups is not None
     stacking = Stacking.find(shapes, agreement.get) if stack else Stacking({})
-    out = StateLayout(sizes=sizes, batch_spec=spec, zero=plan.zero, layer_specs=params,
+    _check_batch_args(plan, spec, sizes)
+    out = StateLayout(sizes=sizes, batch_spec=spec, batch_args=plan.batch_args, zero=plan.zero, layer_specs=params,
                       layer_optimizer_specs=optimizer, stacking=stacking, param_specs=stacking.stack_specs(params),
                       optimizer_specs=stacking.stack_specs(optimizer),
                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
@@ -190,16 +201,37 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
                      "(xtrain.plans.megatron, fsdp)")
 
 
+def _check_batch_args(plan: Plan, spec: Spec, sizes: Mapping[str, int]) -> None:
+    """Per-argument specs split over the batch spec's axes only (they split the same batch)."""
+    allowed = {a for e in spec for a in axes_of(e)}
+    if plan.batch_args and plan.pipeline is not None:
+        raise ValueError("Plan(batch_args=...) with pipeline parallelism is not implemented; give every batch "
+                         "argument the batch spec (Plan(batch=...))")
+    for index, arg in plan.batch_args:
+        extra = sorted({a for e in arg for a in axes_of(e)} - allowed)
+        if extra:
+            raise ValueError(f"Plan(batch_args={{{index}: {arg}}}): mesh axes {extra} are not in the batch spec "
+                             f"{spec}; a batch argument splits over the batch spec's axes only (e.g. the sequence "
+                             f"of a mask over {CONTEXT!r} with the default batch spec {(DATA, CONTEXT)})")
+
+
 def _check_context_used(layout: StateLayout, plan: Plan) -> None:
+    """A `context` axis splits the sequence (the default batch spec); a plan whose batch spec
+    leaves it unused, or that pipelines, is an error naming the fix."""
+    n = layout.sizes.get(CONTEXT, 1)
+    if n > 1 and plan.pipeline is not None:
+        raise ValueError(f"mesh axis {CONTEXT!r} (size {n}) with pipeline parallelism: context parallelism is not "
+                         f"implemented under a pipeline; drop one of them (or use {CONTEXT!r} as a data axis: "
+                         f"xtrain.Plan(batch=(({DATA!r}, {CONTEXT!r}),)))")
     if CONTEXT not in layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None):
         return
-    n = layout.sizes[CONTEXT]
     others = {a: s for a, s in layout.sizes.items() if a != CONTEXT}
     without = ", ".join(f"{a}={s}" for a, s in others.items()) or f"{DATA}=1"
-    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): xtrain does not split the sequence (context parallelism "
-                     f"is not implemented), and the plan uses {CONTEXT!r} for nothing else, so its {n} devices "
-                     f"would each compute the whole sequence. Drop the axis (xtrain.Mesh({without})), or split "
-                     f"the batch over it as data parallelism (xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})))")
+    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): the plan's batch spec {tuple(plan.batch)} does not split "
+                     f"the sequence over it and the plan uses {CONTEXT!r} for nothing else, so its {n} devices would "
+                     f"each compute the whole sequence. Split the sequence (dimension 1 of the batch arguments) over "
+                     f"it: xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})) (the default plan does), or drop the axis "
+                     f"(xtrain.Mesh({without}))")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,8 @@ import numpy as np
 
 # Axis names xtrain's presets and the batch default refer to.
 DATA, TENSOR, PIPE = "data", "tensor", "pipe"
-# The axis context parallelism would split the sequence over; not implemented: a `context` axis
-# no plan uses is refused (xtrain.sharding.layout), never silently left computing the whole sequence.
+# The axis context parallelism splits the sequence over (dimension 1 of the batch by default:
+# xtrain.sharding.layout.batch_spec); attention over it is a ring (xtrain.lowering.ring_attention).
 CONTEXT = "context"
 EXPERT = "expert"  # the expert-parallel axis: one more data axis, and MoE layers' experts split over it
 

@@ -43,7 +43,11 @@ class Plan:
             replicated; a rule that matches no parameter is an error. When several rules match
             one parameter, the first one wins.
         batch: spec of the leading dimensions of every batch argument. None means "the mesh's
-            `data` axis when it has one" (xtrain.sharding.layout.batch_spec).
+            `data` axis when it has one", and a `context` axis on dimension 1, the sequence
+            (xtrain.sharding.layout.batch_spec).
+        batch_args: per-argument specs (argument position -> spec) replacing `batch` for those
+            arguments, with the axes of the batch spec only: e.g. {1: ("data", None, "context")}
+            for a (batch, 1, L, S) attention mask passed second, whose sequence is dimension 2.
         notes: why a preset (`xtrain.plans`) chose what it did: tensors it kept whole and the
             reason, splits that are correct but not the textbook layout. Informational only.
         zero: ZeRO stage over the batch (data-parallel) axes. 0: replicated optimizer state;
@@ -71,6 +75,7 @@ class Plan:
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
     batch: Sequence[AxisEntry] | str | None = None
+    batch_args: Mapping[int, Sequence[AxisEntry]] | tuple = ()
     notes: tuple[str, ...] = ()
     zero: int = 0
     precision: Precision | str = "fp32"
@@ -96,6 +101,8 @@ class Plan:
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
         if self.batch is not None:
             object.__setattr__(self, "batch", _normalize(self.batch))
+        args = self.batch_args.items() if isinstance(self.batch_args, Mapping) else self.batch_args
+        object.__setattr__(self, "batch_args", tuple(sorted((int(i), _normalize(s)) for i, s in args)))
         object.__setattr__(self, "notes", tuple(self.notes))
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"Plan(capacity_factor={self.capacity_factor!r}): give a positive factor (e.g. 1.25), "

@@ -18,7 +18,7 @@ from xtrain.sharding import tensor_parallel
 from xtrain.sharding import zero as zero_mod
 from xtrain.sharding.tensor_parallel import escape as _escape
 from xtrain.sharding.tensor_parallel import layer_glob
-from xtrain.sharding.mesh import DATA, TENSOR
+from xtrain.sharding.mesh import CONTEXT, DATA, TENSOR
 from xtrain.sharding.plan import PendingPlan, Plan, Spec, axes_of
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -120,11 +120,14 @@ def hybrid(shapes: Shapes, sizes: Mapping[str, int], *, shard_axis: str = DATA,
     require_axes((shard_axis,), sizes, "hybrid")
     replicate = tuple(a for a in sizes if a != shard_axis) if replicate_axes is None else tuple(replicate_axes)
     require_axes(replicate, sizes, "hybrid")
-    batch_axes = tuple(a for a in sizes if a in replicate or a == shard_axis)  # mesh order
+    # mesh order; a `context` axis splits the sequence (dimension 1), not the batch
+    batch_axes = tuple(a for a in sizes if (a in replicate or a == shard_axis) and a != CONTEXT)
     inner = fsdp(shapes, sizes, axis=shard_axis, min_size=min_size)
     across = " x ".join(f"{a}={sizes[a]}" for a in replicate) or "nothing"
     note = f"HSDP: split over {shard_axis}={sizes[shard_axis]}, replicated across {across}; batch over {batch_axes}"
-    return Plan(params=inner.params, batch=(batch_axes if len(batch_axes) > 1 else batch_axes[0],),
+    sequence = (CONTEXT,) if sizes.get(CONTEXT, 1) > 1 else ()
+    lead = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
+    return Plan(params=inner.params, batch=(lead, *sequence),
                 notes=(note,) + inner.notes)
 
 

@@ -58,7 +58,7 @@ class Program:
         names = sorted(params)  # the order of a dict's leaves
         layouts = ([layout_of(self.layout.param_specs[n], params[n].ndim) for n in names]
                    + [Layout.replicated(b.ndim) for b in jax.tree.leaves(buffers)] + [Layout.replicated(key.ndim)]
-                   + [layout_of(self.layout.batch_spec, x.ndim) for x in batch if hasattr(x, "ndim")])
+                   + [layout_of(self.layout.arg_spec(i), x.ndim) for i, x in enumerate(batch) if hasattr(x, "ndim")])
         zero = [self.layout.zero_axes(n) for n in names]
         avals = jax.tree.leaves(global_args)
         return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else ())
@@ -119,7 +119,7 @@ class ExplicitStrategy:
     def __init__(self, model: Model, mesh, layout: StateLayout, state_specs: TrainState, config: StepConfig):
         self.program = Program(model, mesh, layout, config)
         self.layout, self.config = layout, config
-        self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
+        self.runner = PerDevice(mesh, state_specs, layout.batch_spec, layout.batch_args)
         self.update = zero_mod.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
         self.grad_axes = {n: layout.grad_axes(n) for n in layout.param_specs}
         # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them

@@ -17,7 +17,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from xtrain.ir import walk
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import rule_for
+from xtrain.lowering.explicit import shift
+from xtrain.lowering.explicit.registry import call_rule_for, rule_for
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.remat import KEPT
 
@@ -57,13 +58,13 @@ def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], *, regions: Mapp
     `regions` / `live`: equations emitted as a whole (the layer scan: layer_scan.regions) and
     the equations left to evaluate. `inline`: the jaxpr runs in the caller's trace (a jit or
     closed_call), so it shares the caller's conversions (sharded.memoized)."""
-    if inline:
+    if inline:  # a deferred pad may leave an inline call (torch's pad is a jit of its own)
         return _run(ctx, jaxpr, consts, args, regions, live)
     # a nested jaxpr that may run in another trace (scan body) must neither leak its
     # conversions out nor see the outer ones
     outer_memo, ctx.memo = ctx.memo, {}
     try:
-        return _run(ctx, jaxpr, consts, args, regions, live)
+        return [shift.materialize(ctx, o) for o in _run(ctx, jaxpr, consts, args, regions, live)]
     finally:
         ctx.memo = outer_memo
 
@@ -75,6 +76,8 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
 
     def bind(eqn, values, path):
         ctx.path = path
+        if not _reads_pending_pad(eqn):  # a deferred pad is read by its slice only (shift.py)
+            values = [shift.materialize(ctx, v) for v in values]
         outs = rule_for(eqn.primitive)(ctx, eqn, values)
         if ctx.remat is not None and (ctx.remat.keeps(path) or ctx.remat.tags_dots and _is_dot(eqn)):
             outs = [_kept(o) for o in outs]
@@ -86,4 +89,17 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
         return own if ctx.layer is None else _renamed(own, *ctx.layer)
 
     return walk.evaluate(jaxpr, consts, args, bind, module_paths=ctx.module_paths, outer=outer, literal=literal,
-                         name_stack=name_stack, regions=regions, live=live)
+                         name_stack=name_stack, regions=_padding_inputs(ctx, regions), live=live)
+
+
+def _padding_inputs(ctx: Context, regions):
+    """Regions (layer scans) read their inputs as values: a deferred pad is applied first."""
+    return {i: dataclasses.replace(r, emit=lambda read, r=r: r.emit(lambda v: shift.materialize(ctx, read(v))))
+            for i, r in (regions or {}).items()}
+
+
+def _reads_pending_pad(eqn) -> bool:
+    """A slice, or a plain call (interpreted inline, its own equations decide)."""
+    if eqn.primitive is lax.slice_p:
+        return True
+    return str(eqn.primitive) in walk.CALLS and call_rule_for(str(eqn.params.get("name", ""))) is None

@@ -9,7 +9,8 @@ this package registers them all (xtrain.lowering.explicit.registry).
     routing.py        mixture-of-experts routing: top-k, sorts, grouped matmuls, routed-experts calls
     experts.py        expert parallel: a routed-experts call's all-to-all dispatch and combine
     control.py        calls, custom derivative rules, scan and while loops, replicated ops
-    attention.py      cuDNN's fused attention, on each device's batch and head shard
+    attention.py      cuDNN's fused attention, on each device's batch and head shard; ring attention
+                      of the blockwise kernel over a sequence split along `context`
 """
 from xtrain.lowering.explicit.rules import (attention, contractions, control, elementwise, indexing, reductions,
                                            routing, shape)

@@ -1,4 +1,4 @@
-"""Partition rule of cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, which the
+"""Partition rules of attention: cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, which the
 front end picks there: xtrain.frontend.sdpa).
 
 Its forward and backward primitives take (batch, length, heads, dim) arrays and per-row
@@ -6,12 +6,20 @@ statistics (batch, heads, length); batch and heads are independent, so a split o
 (data parallel, tensor-parallel heads) stays local and each device runs the kernel on its
 shard. Lengths and head dims are made whole. Empty placeholder operands (no bias, no mask)
 are replicated.
+
+The blockwise kernel's call (a custom_vjp) on a sequence split over the mesh axis `context`
+runs as ring attention (`context_attention`, called by the custom_vjp rule).
 """
 from __future__ import annotations
 
+import math
+
+from xtrain.ir import blockwise
+from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.registry import bind, register, wrap
 from xtrain.lowering.sharded import Context, Layout, Sharded
+from xtrain.sharding.mesh import CONTEXT
 
 
 def _target(x: Sharded, batch, heads) -> Layout:
@@ -43,3 +51,66 @@ def fused_attention(ctx: Context, eqn, args):
 
 
 register(fused_attention, "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper")
+
+
+# -- the blockwise kernel over a sequence split along `context`: ring attention -------------------
+
+def _splits_sequence(args) -> bool:
+    q, k = args[0], args[1]
+    return CONTEXT in q.layout.dims[-2] or CONTEXT in k.layout.dims[-2]
+
+
+def _targets(q: Sharded, mask: Sharded | None):
+    """q (..., Hk, G, L, D) with its leading splits and the sequence over `context`; k, v
+    (..., Hk, S, D) alike; a mask with q's splits where it is not broadcast, keys whole."""
+    n = q.ndim
+    lead = tuple(tuple(a for a in d if a != CONTEXT) for d in q.layout.dims[:n - 2])
+    tq = Layout(lead + ((CONTEXT,), ()))
+    tk = Layout(lead[:n - 3] + ((CONTEXT,), ()))
+    if mask is None:
+        return tq, tk, None
+    dims = tuple(lead[d] if mask.shape[d] == q.shape[d] else () for d in range(n - 2))
+    return tq, tk, Layout(dims + ((CONTEXT,) if mask.shape[n - 2] > 1 else (), ()))
+
+
+def _check_not_gathered(ctx: Context, ring, args) -> None:
+    """Attention whose operands vary over `context` on no dim: the sequence was gathered on
+    the way (a padding to whole blocks, an op without a rule), so every device would attend
+    over all of it. An error, not a silent loss of context parallelism."""
+    if any(CONTEXT in a.layout.split_axes() for a in args[:3]):
+        return  # `context` splits the batch here (a plan using it as a data axis)
+    ra.check(ring, ctx.path or "<top level>")  # names a sequence that does not split, if that is why
+    raise ValueError(f"attention in {ctx.path or '<top level>'!r}: its sequence ({ring.call.length}) reaches the "
+                     f"attention whole on every device of mesh axis {CONTEXT!r} (an op before it gathered the "
+                     f"sequence), so context parallelism would not split it. A sequence that is not a multiple of "
+                     f"the attention block is padded to one: use a multiple of "
+                     f"{math.lcm(2 * ring.size, ring.call.block_q)}; else the report's all-gathers over {CONTEXT!r} "
+                     f"name the op")
+
+
+def context_attention(ctx: Context, eqn, args):
+    """The blockwise kernel's call on a sequence split over `context`: ring attention
+    (xtrain.lowering.ring_attention), balanced under a causal mask. None when the sequence is
+    not split (the call is interpreted as any other)."""
+    b = blockwise.blocking_in(eqn.source_info.name_stack)
+    if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
+        return None
+    ring = ra.Ring(b, CONTEXT, ctx.sizes[CONTEXT])
+    if not _splits_sequence(args):
+        _check_not_gathered(ctx, ring, args)
+        return None
+    ra.check(ring, ctx.path or "<top level>")
+    args = C.resolve_all(ctx, args)
+    mask = args[3] if len(args) > 3 else None
+    tq, tk, tm = _targets(args[0], mask)
+    q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
+    m = None if mask is None else C.relayout(ctx, mask, tm).value
+    dim, c = q.ndim - 2, ring.size
+    if b.causal:
+        qv, kv, vv = (ra.balance(x.value, CONTEXT, c, dim if x is q else dim - 1) for x in (q, k, v))
+        out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m), CONTEXT, c, dim)
+    else:
+        out = ra.ring_attention(ring, q.value, k.value, v.value, m)
+    ctx.note(f"attention in {ctx.path or '<top level>'!r}: ring attention over {CONTEXT!r}={c}"
+             + (" (causal, load-balanced chunks)" if b.causal else ""))
+    return wrap(eqn, [out], [tq])

@@ -3,6 +3,7 @@ sums over split contracting dims) and convolutions (batch split only)."""
 from __future__ import annotations
 
 from xtrain.lowering import sharded as C
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, register, same_vma, whole_dims_where, wrap
 from xtrain.lowering.sharded import Context, Sharded
@@ -13,6 +14,12 @@ def _match_pairs(ctx, lhs, rhs, pairs):
     for l, r in pairs:
         a, b = lhs.layout.dims[l], rhs.layout.dims[r]
         if a == b:
+            continue
+        if a and b and _context_extra(lhs, rhs, a, b):
+            # the sequence split further over `context` on one side (logits vs. labels of a
+            # cross-entropy): the other side is sliced locally, nothing is gathered
+            lhs, rhs = (lhs, C.subsplit(ctx, rhs, r, a[len(b):])) if len(a) > len(b) else \
+                (C.subsplit(ctx, lhs, l, b[len(a):]), rhs)
             continue
         if a and b and (a == b[:len(a)] or b == a[:len(b)]):
             # one side is split further (e.g. a row-parallel weight also split over data by
@@ -29,6 +36,14 @@ def _match_pairs(ctx, lhs, rhs, pairs):
         else:
             lhs, rhs = C.gather_dim(ctx, lhs, l), C.gather_dim(ctx, rhs, r)
     return lhs, rhs
+
+
+def _context_extra(lhs, rhs, a, b) -> bool:
+    """One side's split is the other's plus `context` only, an axis the other does not use."""
+    short, long, other = (b, a, rhs) if len(a) > len(b) else (a, b, lhs)
+    extra = long[len(short):]
+    return long[:len(short)] == short and extra == (CONTEXT,) and \
+        CONTEXT not in other.layout.split_axes() + other.layout.partial
 
 
 def _frees_axes_of_lhs(ctx, lhs, axes) -> bool:

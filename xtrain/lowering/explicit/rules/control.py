@@ -13,6 +13,7 @@ from jax.extend import core as jcore
 from xtrain.lowering.collectives import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
+from xtrain.lowering.explicit.rules.attention import context_attention
 from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import call_rule_for, fallback, register, replicated, same_vma, wrap
@@ -124,6 +125,9 @@ def custom_vjp(ctx, eqn, args):
     """Keeps the user's VJP: primal, fwd and bwd are all interpreted on shards. Outputs and
     cotangents cross the boundary whole along pending sums (partial sums are resolved). fwd
     is traced knowing which inputs autodiff perturbs (a torch Function's needs_input_grad)."""
+    ring = context_attention(ctx, eqn, args)
+    if ring is not None:
+        return ring
     p = eqn.params
     call, n_consts = p["call_jaxpr"], p["num_consts"]
     if n_consts:

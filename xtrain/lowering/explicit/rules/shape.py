@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 
 from xtrain.lowering import sharded as C
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit import shift
 from xtrain.lowering.explicit.registry import bind, fallback, local_shape, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.elementwise import _align
 from xtrain.lowering.sharded import Context
@@ -50,6 +52,16 @@ def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]
     return groups
 
 
+def _fold_minor(ctx: Context, x, major: int, minor: int):
+    """A merged group's minor dim made whole: a `context` split moved onto the group's major
+    dim where the major's local size divides (a (batch, sequence) merge under context
+    parallelism keeps the logits split), else gathered."""
+    if x.layout.dims[minor] == (CONTEXT,) and x.layout.dims[major] and \
+            x.value.shape[major] % x.layout.factor(minor, ctx.sizes) == 0:
+        return C.move_split(ctx, x, minor, major)
+    return C.gather_dim(ctx, x, minor)
+
+
 def reshape(ctx: Context, eqn, args):
     """A split survives when it sits on the major dim of a merged/split group and divides
     the group's major output dim; any other split is gathered first."""
@@ -60,7 +72,7 @@ def reshape(ctx: Context, eqn, args):
     dims = [()] * len(new_sizes)
     for gi, gj in _reshape_groups(x.shape, new_sizes):
         for k in gi[1:]:
-            x = C.gather_dim(ctx, x, k)
+            x = _fold_minor(ctx, x, gi[0], k)
         if not gi or not x.layout.dims[gi[0]]:
             continue
         # the major output dim must take the whole split (skip leading size-1 dims)
@@ -71,8 +83,22 @@ def reshape(ctx: Context, eqn, args):
             continue
         dims[target] = x.layout.dims[gi[0]]
     layout = Layout(tuple(dims), x.layout.partial)
-    out = bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None)
-    return wrap(eqn, out, [layout])
+    out = wrap(eqn, bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None), [layout])
+    return [_unfold_context(ctx, out[0], _reshape_groups(x.shape, new_sizes))]
+
+
+def _unfold_context(ctx: Context, out, groups):
+    """A (batch x sequence) dim split back into (batch, sequence): a `context` split that
+    `_fold_minor` moved onto the batch goes back to the sequence (one all-to-all), so the
+    sequence stays split (a Conv1D's view(-1, E) ... view(B, L, -1) in GPT-2)."""
+    for _, gj in groups:
+        major = next((d for d in gj if out.layout.dims[d]), None)
+        if major is None or out.layout.dims[major][-1] != CONTEXT:
+            continue
+        rest = [d for d in gj if d > major and out.shape[d] % ctx.sizes[CONTEXT] == 0]
+        if rest and len(gj) > 1:
+            out = C.move_split(ctx, out, major, rest[0], (CONTEXT,))
+    return out
 
 
 def transpose(ctx: Context, eqn, args):
@@ -104,6 +130,10 @@ def slice_(ctx: Context, eqn, args):
     """Dims that are cut must be whole; untouched dims keep their split."""
     x = args[0]
     start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+    if isinstance(x, shift.PendingPad):
+        if shift.is_shift(x, start, limit, strides):
+            return [shift.shifted(ctx, x)]
+        x = shift.materialize(ctx, x)
     cut = lambda d: start[d] != 0 or limit[d] != x.shape[d] or (strides and strides[d] != 1)
     x = whole_dims_where(ctx, x, cut)
     local_limit = tuple(lim // x.layout.factor(d, ctx.sizes) for d, lim in enumerate(limit))
@@ -113,6 +143,9 @@ def slice_(ctx: Context, eqn, args):
 def pad(ctx: Context, eqn, args):
     x, value = args
     config = eqn.params["padding_config"]
+    deferred = shift.defer(ctx, x, value, config)
+    if deferred is not None:  # a shift along the context-split sequence, if a slice follows
+        return [deferred]
     x = whole_dims_where(ctx, x, lambda d: config[d] != (0, 0, 0))
     zero_pad = isinstance(value.value, (int, float)) and value.value == 0
     if x.layout.partial and not zero_pad:

@@ -1,5 +1,8 @@
 """Scaled-dot-product attention computed block by block, with its own derivative rule.
 
+Pure JAX (no torch): the front end calls it for each attention site, and the lowering's ring
+attention (xtrain.lowering.ring_attention) runs its forward and backward on sequence chunks.
+
 The scores of one query block against one key block at a time, combined by an online
 softmax (running max and sum per query row); the backward pass keeps the output and the
 log-sum-exp of each row, not the L x S weights, and recomputes each block's scores. Memory is
@@ -281,7 +284,26 @@ def blockwise(q, k, v, mask, key, b: Blocking):
         # the key dim is blocked, so it is made whole; a broadcast query dim stays 1
         mask = jnp.broadcast_to(mask, mask.shape[:-1] + (b.source,))
         mask = _pad(_pad(mask, -1, sp), -2, lp)
-    return _attention(b, q, k, v, mask, key)[..., :b.length, :]
+    with jax.named_scope(blocking_scope(b)):
+        return _attention(b, q, k, v, mask, key)[..., :b.length, :]
+
+
+_BLOCKING = "xtrain_blocking="
+
+
+def blocking_scope(b: Blocking) -> str:
+    """The named_scope of the kernel's call: its Blocking, for a lowering that computes the
+    call another way (ring attention over a context-split sequence)."""
+    return _BLOCKING + ";".join(repr(getattr(b, f.name)) for f in dataclasses.fields(b))
+
+
+def blocking_in(name_stack) -> Blocking | None:
+    """The Blocking of the innermost kernel call in a name stack, else None."""
+    parts = [p for p in str(name_stack).split("/") if p.startswith(_BLOCKING)]
+    if not parts:
+        return None
+    scale, causal, bq, bk, length, source, dropout = parts[-1][len(_BLOCKING):].split(";")
+    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout))
 
 
 def default_scale(dim: int) -> float:

@@ -1,0 +1,247 @@
+"""Ring attention: blockwise attention over a sequence split along the mesh axis `context`.
+
+Each of the c devices of the ring holds a chunk of the queries, keys and values. Key/value
+chunks travel around the ring (one collective permute per step) while each device combines
+its queries' attention over every chunk with an online softmax across steps (the per-chunk
+output and log-sum-exp, merged). The derivative rule rings again: key/value chunks travel with
+their dK/dV accumulators, which arrive back home after the last step; only the output and the
+log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise kernel
+(xtrain.ir.blockwise), its own forward and backward.
+
+Load balance under a causal mask: the sequence is cut into 2c chunks and device i computes
+with chunks i and 2c-1-i (`balance` moves them there from the contiguous split, `unbalance`
+moves the output back), so every device does the same work at every step: at step 0 its own
+two chunks under the causal mask, later either all its queries against the arriving first
+chunk (it comes from a device of lower index) or its second query chunk against both arriving
+chunks (from a higher index). Without a causal mask every device computes all pairs and no
+balancing is needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from xtrain.ir import blockwise as bw
+from xtrain.lowering import collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """One attention call on a ring of `size` devices along mesh axis `axis`.
+
+    Attributes:
+        call: the call's blocking over the whole sequence (scale, causal, block sizes).
+        axis, size: the context axis and its size.
+    """
+
+    call: bw.Blocking
+    axis: str
+    size: int
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per balancing chunk (causal) or per device."""
+        return self.call.length // (2 * self.size if self.call.causal else self.size)
+
+    @property
+    def block(self) -> int:
+        return min(self.call.block_q, self.chunk)
+
+    def piece(self, length: int, source: int, causal: bool) -> bw.Blocking:
+        return bw.Blocking(self.call.scale, causal, min(self.block, length), min(self.block, source), length, source)
+
+    @property
+    def forward_pairs(self) -> list[tuple[int, int]]:
+        return [(i, (i + 1) % self.size) for i in range(self.size)]
+
+
+def check(ring: Ring, where: str) -> None:
+    """A clear error for what the ring does not compute."""
+    b, c = ring.call, ring.size
+    fix = f"use a sequence that is a multiple of {2 * c * ring.block} (2 x context x block)"
+    if b.length != b.source:
+        raise ValueError(f"attention in {where!r}: {b.length} queries over {b.source} keys; context parallelism "
+                         f"(mesh axis {ring.axis!r}={c}) splits self-attention over one sequence only")
+    if b.length % (2 * c) or ring.chunk % ring.block:
+        raise ValueError(f"attention in {where!r}: sequence {b.length} does not split into {2 * c} chunks of whole "
+                         f"attention blocks (block {ring.block}) over mesh axis {ring.axis!r}={c}; {fix}")
+    if b.dropout:
+        raise ValueError(f"attention in {where!r}: attention dropout under context parallelism (mesh axis "
+                         f"{ring.axis!r}) is not implemented; set the attention dropout to 0 or drop the axis")
+
+
+# -- per-piece forward and backward (the blockwise kernel on chunks) ------------------------------
+
+def _piece_forward(b: bw.Blocking, q, k, v, mask):
+    """(out f32, lse with -inf for rows that saw nothing) of q over k, v."""
+    out, lse, _ = bw._forward(b, q, k, v, mask, None)
+    return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def _piece_backward(b: bw.Blocking, q, k, v, mask, out, lse, d_out):
+    dq, dk, dv, _ = bw._backward(b, (q, k, v, mask, None, out, lse, None), d_out)
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+def _merge(acc, new):
+    """Two (out, lse) partials over disjoint keys as one (the online softmax across steps)."""
+    (out_a, lse_a), (out_b, lse_b) = acc, new
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    return out_a * jnp.exp(lse_a - safe)[..., None] + out_b * jnp.exp(lse_b - safe)[..., None], lse
+
+
+def _rows(x, start: int, size: int):
+    return lax.slice_in_dim(x, start, start + size, axis=x.ndim - 2) if x is not None else None
+
+
+def _mask_cols(ring: Ring, mask, source):
+    """The mask's columns of the key chunk held by ring position `source` (non-causal ring)."""
+    if mask is None:
+        return None
+    n = ring.chunk
+    return lax.dynamic_slice_in_dim(mask, source * n, n, axis=mask.ndim - 1)
+
+
+def _pad_rows(x, before: int, after: int):
+    widths = [(0, 0)] * x.ndim
+    widths[-2] = (before, after)
+    return jnp.pad(x, widths)
+
+
+def _late_forward(ring: Ring, lower, q, k, v):
+    """Causal step > 0: all queries over the first arriving chunk (from a lower device), or the
+    second query chunk over both arriving chunks (from a higher one)."""
+    h = ring.chunk
+
+    def from_lower():
+        return _piece_forward(ring.piece(2 * h, h, False), q, _rows(k, 0, h), _rows(v, 0, h), None)
+
+    def from_higher():
+        out, lse = _piece_forward(ring.piece(h, 2 * h, False), _rows(q, h, h), k, v, None)
+        lse = jnp.concatenate([jnp.full(lse.shape[:-1] + (h,), -jnp.inf, lse.dtype), lse], axis=-1)
+        return _pad_rows(out, h, 0), lse
+
+    return lax.cond(lower, from_lower, from_higher)
+
+
+def _late_backward(ring: Ring, lower, q, k, v, out, lse, d_out):
+    h = ring.chunk
+
+    def from_lower():
+        dq, dk, dv = _piece_backward(ring.piece(2 * h, h, False), q, _rows(k, 0, h), _rows(v, 0, h), None,
+                                     out, lse, d_out)
+        return dq, _pad_rows(dk, 0, h), _pad_rows(dv, 0, h)
+
+    def from_higher():
+        second = lambda x: _rows(x, h, h)
+        dq, dk, dv = _piece_backward(ring.piece(h, 2 * h, False), second(q), k, v, None, second(out),
+                                     lse[..., h:], second(d_out))
+        return _pad_rows(dq, h, 0), dk, dv
+
+    return lax.cond(lower, from_lower, from_higher)
+
+
+def _step_forward(ring: Ring, t: int, here, source, q, k, v, mask):
+    n = q.shape[-2]
+    if not ring.call.causal:
+        return _piece_forward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source))
+    if t == 0:
+        return _piece_forward(ring.piece(n, n, True), q, k, v, None)
+    return _late_forward(ring, source < here, q, k, v)
+
+
+def _step_backward(ring: Ring, t: int, here, source, q, k, v, mask, out, lse, d_out):
+    n = q.shape[-2]
+    if not ring.call.causal:
+        return _piece_backward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), out, lse, d_out)
+    if t == 0:
+        return _piece_backward(ring.piece(n, n, True), q, k, v, None, out, lse, d_out)
+    return _late_backward(ring, source < here, q, k, v, out, lse, d_out)
+
+
+# -- the ring -------------------------------------------------------------------------------------
+
+def _pass(ring: Ring, *xs):
+    return [collectives.permute(x, ring.axis, ring.forward_pairs) for x in xs]
+
+
+def _ring_forward(ring: Ring, q, k, v, mask):
+    here, acc = lax.axis_index(ring.axis), None
+    for t in range(ring.size):
+        part = _step_forward(ring, t, here, (here - t) % ring.size, q, k, v, mask)
+        acc = part if acc is None else _merge(acc, part)
+        if t < ring.size - 1:
+            k, v = _pass(ring, k, v)
+    out, lse = acc
+    return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)  # +inf: the kernel's "saw nothing"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ring_attention(ring: Ring, q, k, v, mask):
+    """Local q (..., Hk, G, n, D), k, v (..., Hk, n, D|Dv), mask None or (..., n|1, L) with the
+    whole key sequence: this device's attention output (..., Hk, G, n, Dv)."""
+    return _ring_forward(ring, q, k, v, mask)[0]
+
+
+def _ring_fwd(ring: Ring, q, k, v, mask):
+    out, lse = _ring_forward(ring, q, k, v, mask)
+    return out, (q, k, v, mask, out, lse)
+
+
+def _ring_bwd(ring: Ring, res, d_out):
+    q, k, v, mask, out, lse = res
+    here = lax.axis_index(ring.axis)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for t in range(ring.size):
+        dq_t, dk_t, dv_t = _step_backward(ring, t, here, (here - t) % ring.size, q, k, v, mask, out, lse, d_out)
+        dq, dk, dv = dq + dq_t, dk + dk_t, dv + dv_t
+        # the accumulators travel with their chunk; after the last step one more pass takes them home
+        k, v, dk, dv = _pass(ring, k, v, dk, dv) if t < ring.size - 1 else (k, v, *_pass(ring, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+# -- load balancing: contiguous halves <-> chunks i and 2c-1-i ------------------------------------
+
+def _moves(c: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(source half, target half) -> (source device, target device) of each chunk j of 2c:
+    contiguously, device j // 2 holds it as half j % 2; balanced, device j (j < c) as half 0,
+    device 2c-1-j as half 1."""
+    moves: dict = {}
+    for j in range(2 * c):
+        target = (j, 0) if j < c else (2 * c - 1 - j, 1)
+        moves.setdefault((j % 2, target[1]), []).append((j // 2, target[0]))
+    return moves
+
+
+def _exchange(x, axis: str, moves, dim: int):
+    halves = jnp.split(x, 2, axis=dim)
+    here, out = lax.axis_index(axis), [None, None]
+    for (src, dst), pairs in moves.items():
+        stay = [a for a, b in pairs if a == b]
+        away = [(a, b) for a, b in pairs if a != b]
+        parts = [collectives.permute(halves[src], axis, away)] if away else []
+        if stay:
+            parts.append(jnp.where(jnp.isin(here, jnp.array(stay)), halves[src], jnp.zeros_like(halves[src])))
+        for p in parts:
+            out[dst] = p if out[dst] is None else out[dst] + p
+    return jnp.concatenate(out, axis=dim)
+
+
+def balance(x, axis: str, c: int, dim: int):
+    """This device's contiguous slice of the sequence (dim `dim`) -> its chunks i and 2c-1-i."""
+    return _exchange(x, axis, _moves(c), dim)
+
+
+def unbalance(x, axis: str, c: int, dim: int):
+    """The inverse of `balance`."""
+    inverse = {(dst, src): [(b, a) for a, b in pairs] for (src, dst), pairs in _moves(c).items()}
+    return _exchange(x, axis, inverse, dim)
