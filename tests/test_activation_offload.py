@@ -26,11 +26,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
-def trained(model, batches, reference, mesh, plan):
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def trained(model, batches, reference, mesh, plan, optimizer=adamw):
     candidate = copy.deepcopy(model)
-    step = xtrain.compile(candidate, mesh, optimizer=adamw(candidate.parameters()), plan=plan)
+    step = xtrain.compile(candidate, mesh, optimizer=optimizer(candidate.parameters()), plan=plan)
     losses = [step(*b)["loss"] for b in batches]
-    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+    atol = 1e-5 if optimizer is sgd else 5e-5
+    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], atol))
     return step
 
 
@@ -67,8 +72,10 @@ def test_dots_offloaded_under_megatron_train_like_torch_and_move_more_to_the_hos
     model, batches = GPT(layers=2, d=D, seq=SEQ), token_batches(n=4, batch=BATCH)
     mesh = xtrain.Mesh(data=4, tensor=2)
     plan = xtrain.plans.megatron(model, mesh)
-    dots = trained(model, batches, torch_reference(model, adamw, batches), mesh,
-                   xtrain.Plan(params=plan.params, offload="activations", remat="dots"))
+    # SGD: AdamW turns rounding noise in near-zero gradients into lr-sized steps (the parity
+    # standard's note); under the tensor split v.weight's reached 5.4e-5 against 5e-5
+    dots = trained(model, batches, torch_reference(model, sgd, batches), mesh,
+                   xtrain.Plan(params=plan.params, offload="activations", remat="dots"), optimizer=sgd)
     # the layers' matmul outputs go too (projections, MLP, attention scores): several times their inputs
     layer_inputs = 2 * (BATCH // 4) * SEQ * D * 4
     assert dots.report().memory["activations_host"] > 3 * layer_inputs
