@@ -132,10 +132,11 @@ def main(argv=None) -> None:
         "tensor); a per-segment stored layout would remove them. BERT's remaining 6.4% is the position and "
         "token-type tables, the LayerNorms and the MLM transform (64x64 followed by a LayerNorm over its output, "
         "kept whole as in Megatron); at these tiny sizes the data-parallel gradient sync dominates the wire bytes. "
-        "Row-parallel biases are added to the pending sums on one device (so sequence parallelism can "
-        "reduce-scatter them, and GPT-NeoX's parallel residual needs one all-reduce per block, not two); their "
-        "gradients then take a bias-sized all-reduce over tensor each in the backward pass (GPT-2's, BERT's "
-        "extra collectives).",
+        "In `derived`, row-parallel biases were added to the pending sums on one device (so sequence parallelism "
+        "can reduce-scatter them, and GPT-NeoX's parallel residual needs one all-reduce per block, not two); their "
+        "gradients then took a bias-sized all-reduce over tensor each in the backward pass. `bias_after` adds "
+        "them after the reduction that resolves the sum (Megatron's order, keeping both properties): their "
+        "gradients are whole on every device, and those all-reduces are gone (GPT-2, GPT-NeoX, BERT).",
         ""]))
 
 

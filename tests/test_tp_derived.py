@@ -171,13 +171,14 @@ def test_t5_cross_attention_is_column_row_and_reduces_once_per_sublayer():
         ("decoder.block.0", "all-reduce"): 4, ("decoder.block.1", "all-reduce"): 3}
 
 
-def test_a_row_parallel_bias_gradient_is_not_reduced_over_tensor():
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_a_row_parallel_bias_gradient_is_not_reduced_over_tensor(conv1d):
     # the bias is added after the row-parallel sum (as Megatron does), so its gradient is whole on
     # every device; added as one device's addend, it took an all-reduce over tensor in the backward
     torch.manual_seed(0)
-    model = BiasedMLP()
+    model = BiasedMLP(conv1d=conv1d)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(4)]
+    data = [(torch.randn(8, 1, 16, generator=g), torch.randn(8, 1, 16, generator=g)) for _ in range(4)]
     plan = plans.megatron(model, MESH, example=data[0])
     assert plan.params["fc2.weight"] == ROW and "fc2.bias" not in plan.params
     assert_parity(run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=plan))

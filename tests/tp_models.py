@@ -172,11 +172,17 @@ class MoE(nn.Module):
 
 
 class BiasedMLP(nn.Module):
-    """Two linears with biases (column, row) and a squared error: the row-parallel bias alone."""
+    """Two linears with biases (column, row) and a squared error: the row-parallel bias alone;
+    `conv1d`: the second as GPT-2's Conv1D writes it (a 2-D addmm, then a view back)."""
 
-    def __init__(self, d=16, f=64):
+    def __init__(self, d=16, f=64, conv1d=False):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
+        self.fc1, self.fc2, self.conv1d = nn.Linear(d, f), nn.Linear(f, d), conv1d
 
     def forward(self, x, y):
-        return ((self.fc2(F.gelu(self.fc1(x))) - y) ** 2).mean()
+        h = F.gelu(self.fc1(x))
+        if self.conv1d:
+            out = torch.addmm(self.fc2.bias, h.reshape(-1, h.shape[-1]), self.fc2.weight.T).reshape(y.shape)
+        else:
+            out = self.fc2(h)
+        return ((out - y) ** 2).mean()

@@ -142,9 +142,11 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     presets.require_axes((axis,), sizes, "megatron")
 
     def derive(wrapped, batch: tuple) -> Plan:
-        with sdpa.split_heads(sizes[axis]):  # the step traces it the same way (the hooks below)
-            flow = dimflow.of_model(wrapped, batch, sizes[axis])
+        # the step traces the model as this plan sees it: the hooks set the split first (a model
+        # planned before for another size traces for this one)
         sdpa.split_heads_while_running(getattr(wrapped, "module", model), sizes[axis])
+        with sdpa.split_heads(sizes[axis]):
+            flow = dimflow.of_model(wrapped, batch, sizes[axis])
         shapes = {n: tuple(s.shape) for n, s in wrapped.param_shapes().items()}
         plan = presets.megatron(flow, shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
         if not sequence_parallel:

@@ -159,6 +159,16 @@ def deferred_biases(ctx: Context, x: Sharded):
     return hit[1] if hit is not None and hit[0] is x.value else None
 
 
+def carry_biases(ctx: Context, source, out, move) -> None:
+    """`out` = `move`(`source`) (a reshape or transpose of a pending sum): its deferred biases,
+    broadcast to the sum's local shape, moved alike."""
+    hit = ctx.memo.get(("biases", id(source)))
+    if hit is None or hit[0] is not source:
+        return
+    plain, biases = hit[1]
+    defer_biases(ctx, out, move(plain), [move(jnp.broadcast_to(b, plain.shape)) for b in biases])
+
+
 def _summed(ctx: Context, x: Sharded, axes: Axes, reduce, after):
     """`reduce` of `x`'s value over `axes`, or of its plain sum then `after` of each deferred bias."""
     deferred = deferred_biases(ctx, x) if set(axes) == set(x.layout.partial) else None

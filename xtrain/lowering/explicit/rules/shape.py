@@ -3,6 +3,7 @@ joining) and of layout annotations (xtrain.shard / with_sharding_constraint)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from xtrain.lowering import sharded as C
 from xtrain.sharding.mesh import CONTEXT
@@ -83,7 +84,10 @@ def reshape(ctx: Context, eqn, args):
             continue
         dims[target] = x.layout.dims[gi[0]]
     layout = Layout(tuple(dims), x.layout.partial)
-    out = wrap(eqn, bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None), [layout])
+    out = bind(ctx, eqn, [x.value], new_sizes=local_shape(new_sizes, layout, ctx), sharding=None)
+    if x is args[0] and layout.partial:  # nothing gathered: a row-parallel sum's biases follow
+        C.carry_biases(ctx, x.value, out[0], lambda v: jnp.reshape(v, out[0].shape))
+    out = wrap(eqn, out, [layout])
     return [_unfold_context(ctx, out[0], _reshape_groups(x.shape, new_sizes))]
 
 
@@ -105,7 +109,10 @@ def transpose(ctx: Context, eqn, args):
     x = args[0]
     perm = eqn.params["permutation"]
     layout = Layout(tuple(x.layout.dims[p] for p in perm), x.layout.partial)
-    return wrap(eqn, bind(ctx, eqn, [x.value]), [layout])
+    out = bind(ctx, eqn, [x.value])
+    if layout.partial:
+        C.carry_biases(ctx, x.value, out[0], lambda v: jnp.transpose(v, perm))
+    return wrap(eqn, out, [layout])
 
 
 def squeeze(ctx: Context, eqn, args):
