@@ -19,7 +19,7 @@ from transformers.integrations.moe import use_experts_implementation
 import xtrain
 from xtrain.ir import flops
 from xtrain.ir.model import TraceError
-from xtrain.testing import assert_parity, run_parity, torch_reference
+from xtrain.testing import ParityResult, assert_parity, run_parity, torch_reference
 
 VOCAB = 101
 TOP_K, EXPERTS = 2, 4
@@ -231,6 +231,20 @@ def test_moe_parity(name, layout):
     result = run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference)
     assert_parity(result)
     assert_same_routing(model, result, loss_fn, batches)
+
+
+def test_expert_parallel_inside_pipeline_stages():
+    """Qwen3-MoE (no router loss read after the blocks) on 2 stages x data=2 x expert=2: each
+    stage stores its layers' experts split over `expert` and moves tokens by all-to-all."""
+    model, make_opt, loss_fn, batches, reference = case("qwen3_moe")
+    mesh, plan = xtrain.Mesh(pipe=2, data=2, expert=2), xtrain.Plan().with_pipeline(2, 2)
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=plan)
+    result = ParityResult([step(*b)["loss"] for b in batches], reference[0], step.state_dict(), reference[1], 1e-5)
+    assert_parity(result)
+    assert_same_routing(model, result, loss_fn, batches)
+    assert step.layout.param_specs["model.layers.*.mlp.experts.down_proj"] == ("pipe", "expert", None, None)
+    assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in step.report().collectives)
 
 
 def test_moe_layers_run_on_local_tokens():

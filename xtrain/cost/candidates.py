@@ -80,8 +80,9 @@ class Candidate:
     def __post_init__(self):
         self._check_offload()
         if self.expert > 1 and self.pipe > 1:
-            raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): expert parallelism does not "
-                             "compose with the pipeline yet; use pipe=1")
+            raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
+                             "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
+                             "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
         if self.context > 1 and self.pipe > 1:
             raise ValueError(f"Candidate(context={self.context}, pipe={self.pipe}): context parallelism does not "
                              "run under a pipeline; use pipe=1 or context=1")
