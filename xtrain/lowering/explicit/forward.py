@@ -47,7 +47,7 @@ class Program:
         self.capacity_factor = config.capacity_factor
         self.ctx: Context | None = None
         self.repeated: list = []
-        self.block_notes: list[str] = []  # families with per-layer variants; numbered blocks that are not one
+        self.block_notes: list[str] = []  # families with per-layer variants or outputs; blocks that are not one
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
@@ -103,7 +103,11 @@ class Program:
         examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
         self.repeated = examined.found
         self.block_notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
-                            f"{b.variants.describe()}" for b in examined.found if b.variants] + examined.notes
+                            f"{b.variants.describe()}" for b in examined.found if b.variants]
+        self.block_notes += [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: {len(b.collected)} value(s) each layer "
+                             f"computes are read after the blocks and leave them per layer (stacked along a layer "
+                             f"dim in the layer scan), e.g. {b.collected[0].what}" for b in examined.found if b.collected]
+        self.block_notes += examined.notes
         if self.remat is not None and not self.repeated:
             why = f" ({'; '.join(examined.notes)})" if examined.notes else " (no run of identical blocks.0, blocks.1, ...)"
             raise ValueError(

@@ -1,0 +1,51 @@
+"""Per-layer outputs of repeated blocks: a value each layer computes that is read after the
+blocks (HF Mixtral's router logits, which its load-balancing loss reads once the layers are
+done) leaves the layer scan as a per-layer output, and the model trains as torch does (the
+parity standard) as one layer scan. The pipeline, whose stages pass on only the residual
+stream, refuses such outputs naming the value and its module."""
+import copy
+
+import pytest
+
+import xtrain
+from xtrain.testing import assert_parity, run_parity
+
+from test_moe import case
+
+PER_LAYER = "value(s) each layer computes are read after the blocks and leave them per layer"
+
+
+def notes_of(model, make_opt, loss_fn, batch, mesh, plan, scan):
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=plan, scan_layers=scan)
+    return step.report(*batch).notes
+
+
+@pytest.mark.parametrize("layout", ["data8", "megatron", "unrolled"])
+def test_router_logits_leave_the_layer_scan_and_training_matches_torch(layout):
+    """Mixtral with output_router_logits: both layers' router logits (64 tokens x 4 experts
+    each) are read by the load-balancing loss after the layers; one layer scan (or, with
+    scan_layers=False, the same blocks one after another), torch's training."""
+    model, make_opt, loss_fn, batches, reference = case("mixtral")
+    mesh = xtrain.Mesh(data=4, tensor=2) if layout == "megatron" else xtrain.Mesh(data=8)
+    plan = xtrain.plans.megatron(model, mesh, example=batches[0], loss_fn=loss_fn) if layout == "megatron" else None
+    scan = layout != "unrolled"
+    notes = notes_of(model, make_opt, loss_fn, batches[0], mesh, plan, scan)
+    how = "as one layer scan (scan_layers=True)" if scan else "unrolled, one after another (scan_layers=False)"
+    assert f"repeated blocks (2 layers) run {how}" in notes, notes
+    collected = [n for n in notes if PER_LAYER in n]
+    assert len(collected) == 1 and "model.layers.0.mlp.gate" in collected[0], notes
+    assert_parity(run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference,
+                             scan_layers=scan))
+
+
+def test_pipeline_refuses_per_layer_outputs_naming_the_value_and_module():
+    model, make_opt, loss_fn, batches, _ = case("mixtral")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
+    with pytest.raises(ValueError, match=r"pipeline parallelism of .*: the result of op \w+ in "
+                                         r"model\.layers\.0\.mlp\.gate \(float32\[\d+,4\]\) is read after the blocks "
+                                         r"model\.layers\.0 \.\. model\.layers\.1, once per layer .* "
+                                         r"output_router_logits=False"):
+        step(*batches[0])
