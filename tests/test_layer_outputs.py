@@ -1,8 +1,10 @@
 """Per-layer outputs of repeated blocks: a value each layer computes that is read after the
 blocks (HF Mixtral's router logits, which its load-balancing loss reads once the layers are
 done) leaves the layer scan as a per-layer output, and the model trains as torch does (the
-parity standard) as one layer scan. The pipeline, whose stages pass on only the residual
-stream, refuses such outputs naming the value and its module."""
+parity standard) as one layer scan. A model whose own loop adds up such a term between the
+layers (tests/test_moe.py's MoE) has that side computation moved after the blocks. The
+pipeline, whose stages pass on only the residual stream, refuses per-layer outputs naming the
+value and its module."""
 import copy
 
 import pytest
@@ -37,6 +39,18 @@ def test_router_logits_leave_the_layer_scan_and_training_matches_torch(layout):
     assert len(collected) == 1 and "model.layers.0.mlp.gate" in collected[0], notes
     assert_parity(run_parity(model, make_opt, batches, mesh, plan=plan, loss_fn=loss_fn, reference=reference,
                              scan_layers=scan))
+
+
+def test_a_load_balancing_term_summed_between_the_layers_moves_after_the_layer_scan():
+    """The MoE written in tests/test_moe.py adds each layer's balance term inside its own layer
+    loop; the blocks still run as one layer scan (the term reads the per-layer router logits
+    after it) and train as torch does."""
+    model, make_opt, loss_fn, batches, reference = case("moe")
+    mesh = xtrain.Mesh(data=8)
+    notes = notes_of(model, make_opt, loss_fn, batches[0], mesh, None, True)
+    assert "repeated blocks (2 layers) run as one layer scan (scan_layers=True)" in notes, notes
+    assert any(PER_LAYER in n and "blocks.0.gate (float32[64,4])" in n for n in notes), notes
+    assert_parity(run_parity(model, make_opt, batches, mesh, loss_fn=loss_fn, reference=reference, scan_layers=True))
 
 
 def test_pipeline_refuses_per_layer_outputs_naming_the_value_and_module():

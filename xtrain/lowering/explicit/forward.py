@@ -17,6 +17,7 @@ from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.blocks import examine
+from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.sharded import Context, Sharded
@@ -75,6 +76,7 @@ class Program:
 
         with tracing_for(self.mesh):  # xtrain.shard calls in the model become sharding_constraint
             closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
+        closed = gather_blocks(closed, self.model.module_paths())  # per-layer side terms after the blocks
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
         self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
