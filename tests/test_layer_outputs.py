@@ -8,11 +8,15 @@ value and its module."""
 import copy
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import xtrain
 from xtrain.testing import assert_parity, run_parity
 
-from test_moe import case
+from models import mlp_batches
+from test_moe import case, sgd
 
 PER_LAYER = "value(s) each layer computes are read after the blocks and leave them per layer"
 
@@ -51,6 +55,32 @@ def test_a_load_balancing_term_summed_between_the_layers_moves_after_the_layer_s
     assert "repeated blocks (2 layers) run as one layer scan (scan_layers=True)" in notes, notes
     assert any(PER_LAYER in n and "blocks.0.gate (float32[64,4])" in n for n in notes), notes
     assert_parity(run_parity(model, make_opt, batches, mesh, loss_fn=loss_fn, reference=reference, scan_layers=True))
+
+
+class EveryLayer(nn.Module):
+    """3 identical layers; the loss also reads the hidden states of the first two (the residual
+    stream, which the next layer reads as well)."""
+
+    def __init__(self, d=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x, y):
+        states = []
+        for block in self.blocks:
+            x = block(x)
+            states.append(x)
+        return F.cross_entropy(self.head(x), y) + 0.1 * sum((h * h).mean() for h in states[:-1])
+
+
+def test_every_layers_hidden_states_leave_the_layer_scan():
+    torch.manual_seed(0)
+    model, batches = EveryLayer(), mlp_batches(n=4)
+    notes = notes_of(model, sgd, None, batches[0], xtrain.Mesh(data=8), None, True)
+    assert "repeated blocks (3 layers) run as one layer scan (scan_layers=True)" in notes, notes
+    assert any(PER_LAYER in n and "blocks.0.1 (float32[16,12])" in n for n in notes), notes
+    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), scan_layers=True))
 
 
 def test_pipeline_refuses_per_layer_outputs_naming_the_value_and_module():
