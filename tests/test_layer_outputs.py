@@ -83,6 +83,24 @@ def test_every_layers_hidden_states_leave_the_layer_scan():
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), scan_layers=True))
 
 
+class Halved(EveryLayer):
+    """The loop halves the residual stream between layers: the next layer reads that, so it
+    cannot move after the blocks."""
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x) * 0.5
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_a_term_between_the_layers_that_the_next_layer_reads_stays_in_place():
+    torch.manual_seed(0)
+    model, batches = Halved(), mlp_batches(n=4)
+    notes = notes_of(model, sgd, None, batches[0], xtrain.Mesh(data=8), None, True)
+    assert any("the 3 numbered layers run as traced" in n for n in notes), notes
+    assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), scan_layers=True))
+
+
 def test_pipeline_refuses_per_layer_outputs_naming_the_value_and_module():
     model, make_opt, loss_fn, batches, _ = case("mixtral")
     m = copy.deepcopy(model)
