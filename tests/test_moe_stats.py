@@ -80,7 +80,7 @@ def test_capacity_factor_drops_the_pairs_past_each_experts_capacity():
                          (4.0, xtrain.Mesh(data=2, expert=4))):
         m = copy.deepcopy(model)
         step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
-                              plan=xtrain.Plan(capacity_factor=factor))
+                              plan=xtrain.Plan(capacity_factor=factor), scan_layers=False)  # a note per layer
         out = step(*batches[0])
         losses.append(out["loss"])
         capacity = math.ceil(8 * TOP_K / EXPERTS * factor)
@@ -96,7 +96,7 @@ def test_capacity_shrinks_the_all_to_all_buffers():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)
     step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
-                          plan=xtrain.Plan(capacity_factor=1.0))
+                          plan=xtrain.Plan(capacity_factor=1.0), scan_layers=False)  # each layer's all-to-alls
     step(*batches[0])
     moved = [c.payload_bytes for c in step.report().collectives
              if c.kind == "all-to-all" and "transpose" not in c.source]
@@ -116,7 +116,8 @@ def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
     expert=4 (with the rest of its collectives over more than 2 cores), named with their MoE layer."""
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)
-    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          scan_layers=False)  # each layer's all-to-alls in the program
     assert emulate.check_step(step, *batches[0], cluster=emulate.virtual_cluster("trn1.32xlarge")) == []
     compiled = step.compiled(*batches[0])
     pairs = conformance.Target(name="pairs-only", devices_per_node=8, group_sizes=(1, 2), max_replica_groups=None)

@@ -30,6 +30,7 @@ from xtrain.lowering import state as state_mod
 from xtrain.lowering import ordering, platforms
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
+from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import lower
 from xtrain.lowering.options import StepOptions
@@ -154,7 +155,7 @@ def model_facts(model: Model, batch: tuple) -> ModelFacts:
     key = jax.ShapeDtypeStruct((2,), np.uint32)
     shaped = _shaped(batch)
     apply = lambda p, b, k, x: model.apply(p, b, k, x, training=True)
-    forward = jax.make_jaxpr(apply)(params, buffers, key, shaped)
+    forward = gather_blocks(jax.make_jaxpr(apply)(params, buffers, key, shaped), model.module_paths())
     param_vars = forward.jaxpr.invars[:len(params)]  # a dict's leaves come in sorted key order
     runs = find_repeated_blocks(forward.jaxpr, model.module_paths(), param_vars)
     return ModelFacts(max((r.length for r in runs), default=0), flops.model_flops(model, params, buffers, key, shaped))

@@ -11,6 +11,9 @@ output, the same shared value, or that block's own parameters) and describes one
     shared   <- values every block reads (masks, positions)
     variants <- constants that differ per layer, and shared values a layer picks among
                 (Gemma's sliding / full masks and rotary tables): explicit/variants.py
+    collected-> values every block defines at one position that are read after the blocks
+                (each layer's router logits for a load-balancing loss, every layer's hidden
+                states): the scan's per-layer outputs, layer k's row read as block k's value
 
 Blocks that do not match equation for equation are compared again leaving out equations whose
 results nothing uses (a KV cache the loss never reads, which differs between sliding-window and
@@ -37,6 +40,15 @@ _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerOutput:
+    """A value every block defines at the same position and something after the blocks reads
+    (not a later block, other than as the next one's input): a per-layer output of the blocks."""
+
+    per_layer: tuple   # per block: its var at this position
+    what: str          # in words: "the result of op X in <module path> (<type>)"
+
+
+@dataclasses.dataclass(frozen=True)
 class RepeatedBlocks:
     """L identical segments of a jaxpr's equations, [start, stop) in eqn indices."""
 
@@ -44,7 +56,8 @@ class RepeatedBlocks:
     start: int
     stop: int
     length: int                # L
-    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer + variant inputs
+    body: jcore.Jaxpr          # block 0's equations: invars = carry + shared + per-layer + variant inputs;
+    #                            outvars = carry outputs + collected outputs
     num_carry: int
     num_shared: int
     init: list                 # carry inputs of block 0 (vars outside the blocks)
@@ -54,6 +67,7 @@ class RepeatedBlocks:
     stacked: list = dataclasses.field(default_factory=list)  # per param position: the (L, ...) input
     #                            whose layer k block k reads (stacked storage), or None
     variants: Variants = Variants()  # per-layer constants and selections (explicit/variants.py)
+    collected: tuple[LayerOutput, ...] = ()  # per-layer outputs read after the blocks, in body outvar order
 
     def stacked_input(self, position: int):
         return self.stacked[position] if self.stacked else None
@@ -137,9 +151,10 @@ def _input_kinds(ins: list[list], defs: list[dict], param_vars: set, inside: set
     return kinds, carry_src
 
 
-def _escapes(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> tuple[int, object] | None:
-    """(block, var) of the first var a block defines that is used elsewhere than inside it, by
-    the next block as carry, or (last block) after the run; None when every var stays inside."""
+def _escapes(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> tuple[int, object] | list:
+    """(block, var) of the first var a block defines that a later block reads other than as the
+    next block's input; else the positions (eqn, outvar) whose values are read after the run
+    other than as the last block's carry output: the blocks' per-layer outputs."""
     carry_positions = {src for _, src in carry_src}
     users: dict = {}
     for k, block in enumerate(blocks):
@@ -149,14 +164,19 @@ def _escapes(jaxpr, run, blocks: list, defs: list[dict], carry_src: list) -> tup
                     users.setdefault(v, set()).add(k)
     after = {v for e in jaxpr.eqns[run[-1][2]:] for v in e.invars if isinstance(v, jcore.Var)}
     after |= {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    last = len(blocks) - 1
+    last, collected = len(blocks) - 1, set()
     for k in range(len(blocks)):
         for v, position in defs[k].items():
             if users.get(v, set()) - {k, k + 1}:
                 return k, v
             if v in after and not (k == last and position in carry_positions):
-                return k, v
-    return None
+                collected.add(position)
+    return sorted(collected)
+
+
+def _collected(blocks: list, positions: list, paths) -> tuple[LayerOutput, ...]:
+    return tuple(LayerOutput(tuple(b[i].outvars[j] for b in blocks),
+                             compare.produced(blocks[0], blocks[0][i].outvars[j], paths)) for i, j in positions)
 
 
 def live_equations(jaxpr) -> set[int]:
@@ -229,14 +249,15 @@ def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlo
     if isinstance(found, int):
         return compare.input_source(blocks, ins, found, names, paths)
     escape = _escapes(jaxpr, run, blocks, defs, found[1])
-    if escape is not None:
+    if isinstance(escape, tuple):
         return compare.escape(blocks, names, paths, *escape)
     kinds, carry_src = found
     positions = lambda kind: [p for p, k in enumerate(kinds) if k == kind]
     carry_in = [p for p, _ in carry_src]
     body = jcore.Jaxpr(constvars=[], invars=[ins[0][p] for p in carry_in + positions("shared") + positions("param")
                                              + positions("select")] + literal_vars,
-                       outvars=[blocks[0][i].outvars[j] for _, (i, j) in carry_src], eqns=body_eqns,
+                       outvars=[blocks[0][i].outvars[j] for _, (i, j) in carry_src]
+                       + [blocks[0][i].outvars[j] for i, j in escape], eqns=body_eqns,
                        effects=jcore.no_effects if hasattr(jcore, "no_effects") else set(),
                        debug_info=jcore.DebugInfo("xtrain layer scan", run[0][0][0], None, None))
     variants = Variants(variants_mod.selections([[i[p] for i in ins] for p in positions("select")]), tuple(tables))
@@ -245,7 +266,8 @@ def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlo
         num_carry=len(carry_src), num_shared=kinds.count("shared"),
         init=[ins[0][p] for p in carry_in], shared=[ins[0][p] for p in positions("shared")],
         per_layer=[[i[p] for p in positions("param")] for i in ins],
-        outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src], variants=variants)
+        outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src], variants=variants,
+        collected=_collected(blocks, escape, paths))
 
 
 def layer_views(jaxpr, param_vars) -> dict:

@@ -86,8 +86,14 @@ def input_source(blocks: list[list], ins: list[list], position: int, names: list
             "some, a value computed inside the blocks or not the previous block's output in others)")
 
 
+def produced(block: list, var, paths) -> str:
+    """The value `var` of `block` in words: the op that computes it, its module path and type."""
+    eqn = next(e for e in block if var in e.outvars)
+    return f"the result of op {eqn.primitive} in {_where(eqn, paths)} ({var.aval.str_short()})"
+
+
 def escape(blocks: list[list], names: list[str], paths, k: int, var) -> str:
-    """Why a value block k computes leaves the block other than as the residual stream."""
-    eqn = next(e for e in blocks[k] if var in e.outvars)
-    return (f"the result of op {eqn.primitive} in {_where(eqn, paths)} ({var.aval.str_short()}) is read after "
-            f"{names[k]} other than as the next block's input (by a later block or after the blocks)")
+    """Why a value block k computes leaves the block other than as the residual stream or a
+    per-layer output read after the blocks."""
+    return (f"{produced(blocks[k], var, paths)} is read by a block after {names[k]} other than as the next "
+            "block's input")

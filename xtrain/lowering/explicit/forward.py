@@ -17,6 +17,7 @@ from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.blocks import examine
+from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.sharded import Context, Sharded
@@ -47,7 +48,7 @@ class Program:
         self.capacity_factor = config.capacity_factor
         self.ctx: Context | None = None
         self.repeated: list = []
-        self.block_notes: list[str] = []  # families with per-layer variants; numbered blocks that are not one
+        self.block_notes: list[str] = []  # families with per-layer variants or outputs; blocks that are not one
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
@@ -75,6 +76,7 @@ class Program:
 
         with tracing_for(self.mesh):  # xtrain.shard calls in the model become sharding_constraint
             closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
+        closed = gather_blocks(closed, self.model.module_paths())  # per-layer side terms after the blocks
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
         self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
@@ -103,7 +105,11 @@ class Program:
         examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
         self.repeated = examined.found
         self.block_notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
-                            f"{b.variants.describe()}" for b in examined.found if b.variants] + examined.notes
+                            f"{b.variants.describe()}" for b in examined.found if b.variants]
+        self.block_notes += [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: {len(b.collected)} value(s) each layer "
+                             f"computes are read after the blocks and leave them per layer (stacked along a layer "
+                             f"dim in the layer scan), e.g. {b.collected[0].what}" for b in examined.found if b.collected]
+        self.block_notes += examined.notes
         if self.remat is not None and not self.repeated:
             why = f" ({'; '.join(examined.notes)})" if examined.notes else " (no run of identical blocks.0, blocks.1, ...)"
             raise ValueError(

@@ -2,7 +2,9 @@
 the first block's equations, or, with scan_layers=False, the same equations emitted once per
 layer one after another. Either way each layer's ZeRO-3 shards are gathered with one flat
 all-gather and each layer is checkpointed (remat) alike. Carries keep one layout across
-iterations.
+iterations. Values each layer computes that are read after the blocks (a load-balancing loss
+over every layer's router logits) leave the scan as its per-layer outputs: stacked along a
+leading layer dim, each reader taking layer k's row with the layout the body gave it.
 
 `regions` hands the interpreter the repeated blocks to emit this way (xtrain.ir.walk.Region)
 and the equations left live around them.
@@ -88,7 +90,9 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     (compile(scan_layers=False)), emitted once per layer one after another. Both gather each
     layer's ZeRO-3 shards with one flat all-gather and checkpoint each layer alike. What
     differs per layer besides the parameters (explicit/variants.py) comes from the layer
-    number, scanned alongside. Returns the env entries of the last block's outputs."""
+    number, scanned alongside. Returns the env entries of the last block's outputs and of
+    each layer's collected outputs (blocks.collected: the scan's per-layer outputs, stacked
+    along a leading layer dim; layer k's row keeps the layout the body gave it)."""
     unrolled = ctx.unroll
     init = [C.resolve(ctx, read(v)) for v in blocks.init]  # carries hold whole values
     shared = [read(v) for v in blocks.shared]
@@ -96,7 +100,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     positions = [_layer_position(ctx, blocks, k, read, unrolled) for k in range(len(blocks.per_layer[0]))]
     first = [layer for layer, _ in positions]
     carry_layouts = [x.layout for x in init]
-    path = ctx.path
+    path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
 
     def body(carry, xs, index=None):
         ctx.path = path
@@ -112,25 +116,40 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
         before = set(ctx.counts)
         outs = interpret(ctx, blocks.body, [], ins)
+        collected[:] = outs[len(init):]
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
         ctx.layer = None
         counts = {key: C.replicate(ctx, ctx.counts.pop(key)).value for key in set(ctx.counts) - before}
-        return [o.value for o in outs], counts  # per-layer counts leave the scan as its outputs
+        # per-layer counts and collected values leave the scan as its outputs
+        return [o.value for o in outs], (counts, [o.value for o in collected])
 
-    final = [x.value for x in init]
-    if unrolled:
+    final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], [values for _, values in positions])
+    env = {}
+    for k, (counts, values) in enumerate(rows):
+        _record_counts(ctx, blocks.prefix, k, counts)
+        env.update({out.per_layer[k]: dataclasses.replace(x, value=v)
+                    for out, x, v in zip(blocks.collected, collected, values)})
+    env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
+    return env
+
+
+def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, positions: list) -> tuple[list, list]:
+    """(final carry, per layer (counts, collected values)) of `body` run over the layers: one
+    call per layer unrolled, else one lax.scan whose stacked outputs are cut into layers."""
+    final, rows = init, []
+    if ctx.unroll:
         for k in range(blocks.length):
             layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
-            final, counts = layer(final, [values[k] for _, values in positions])
-            _record_counts(ctx, blocks.prefix, k, counts)
-    else:
-        numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
-        final, counts = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
-                                               [values[0] for _, values in positions] + numbers,
-                                               length=blocks.length)
-        for k in range(blocks.length):
-            _record_counts(ctx, blocks.prefix, k, {key: c[k] for key, c in counts.items()})
-    return {v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)}
+            final, row = layer(final, [values[k] for values in positions])
+            rows.append(row)
+        return final, rows
+    numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
+    final, (counts, stacked) = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
+                                                      [values[0] for values in positions] + numbers,
+                                                      length=blocks.length)
+    for k in range(blocks.length):
+        rows.append(({key: c[k] for key, c in counts.items()}, [s[k] for s in stacked]))
+    return final, rows
 
 
 def _record_counts(ctx: Context, prefix: str, k: int, counts: dict) -> None:

@@ -64,7 +64,16 @@ def _pick_blocks(examined: Examined, where: str) -> RepeatedBlocks:
             f"pipeline parallelism needs repeated blocks (e.g. blocks.0, blocks.1, ... with identical "
             f"structure) in the top level of {where}; none were found, so there is nothing to split into "
             "stages. Give the model an nn.ModuleList of identical layers")
-    return max(examined.found, key=lambda b: b.length)
+    blocks = max(examined.found, key=lambda b: b.length)
+    if blocks.collected:
+        out = blocks.collected[0]
+        raise ValueError(
+            f"pipeline parallelism of {where}: {out.what} is read after the blocks {blocks.prefix}.0 .. "
+            f"{blocks.prefix}.{blocks.length - 1}, once per layer (e.g. router logits for a load-balancing loss, "
+            "every layer's hidden states); pipeline stages pass on only the residual stream between layers, so "
+            "per-layer outputs are not supported: compute that term inside the blocks or leave it out (e.g. "
+            "HF's output_router_logits=False), or train without a pipeline (the layer scan supports them)")
+    return blocks
 
 
 def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffers: int, where: str) -> Cut:

@@ -12,6 +12,7 @@ from jax.extend import core as jcore
 
 from xtrain.ir.model import Model
 from xtrain.lowering.sharded import Context
+from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.pipeline import executors, graph, partition, schedule
 from xtrain.lowering.pipeline.stage import Layers
 from xtrain.sharding.annotate import tracing_for
@@ -70,6 +71,7 @@ class PipelineProgram:
 
         with tracing_for(self.mesh):
             closed = jax.make_jaxpr(apply)(*args)
+        closed = gather_blocks(closed, self.model.module_paths())  # per-layer side terms after the blocks
         names = sorted(params)  # the order of a dict's leaves, so of the graph's parameter invars
         cut = graph.cut(closed, self.model.module_paths(), names, len(jax.tree.leaves(buffers)),
                         self.model.name)
