@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import xtrain
 from xtrain import plans
@@ -27,6 +27,13 @@ def falcon():
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
         new_decoder_architecture=False, alibi=False, hidden_dropout=0.0, attention_dropout=0.0,
         bos_token_id=0, eos_token_id=0))
+
+
+def mistral():
+    # a sliding window of 16 over 64 tokens: HF passes a boolean mask built from positions
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=16, bos_token_id=0, eos_token_id=0))
 
 
 def adamw(params):
@@ -64,7 +71,7 @@ def blocks_of_16(monkeypatch):
 @functools.cache
 def reference(name, padded):
     torch.manual_seed(0)
-    model = {"llama": llama, "falcon": falcon}[name]()
+    model = {"llama": llama, "falcon": falcon, "mistral": mistral}[name]()
     data = batches(64, padded)
     loss = padded_loss if padded else lm_loss
     return model, data, loss, torch_reference(model, adamw, data, loss)
@@ -72,7 +79,7 @@ def reference(name, padded):
 
 @pytest.mark.parametrize("name,padded,mesh", [
     ("llama", False, dict(data=8)), ("llama", True, dict(data=8)),
-    ("falcon", False, dict(data=8)), ("falcon", False, dict(data=4, tensor=2))])
+    ("falcon", False, dict(data=8)), ("falcon", False, dict(data=4, tensor=2)), ("mistral", True, dict(data=8))])
 def test_blockwise_attention_trains_like_torch(blocks_of_16, name, padded, mesh):
     model, data, loss, want = reference(name, padded)
     plan = plans.megatron(model, mesh) if "tensor" in mesh else None
@@ -86,6 +93,16 @@ def test_report_names_each_attention(blocks_of_16):
     notes = [n for n in step.report().notes if n.startswith("attention")]
     assert notes == ["attention in 'model.layers.0.self_attn': blockwise (block 16, 10 block pairs, "
                      "6 of 16 blocks skipped by the causal mask)"], notes
+
+
+def test_report_names_the_sliding_window_skip(blocks_of_16):
+    """Window 16 in blocks of 16: each query block sees itself and the one before (7 of 16 pairs)."""
+    model, data, loss, _ = reference("mistral", True)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=loss)
+    step(*data[0])
+    notes = [n for n in step.report().notes if n.startswith("attention")]
+    assert notes == ["attention in 'model.layers.0.self_attn': blockwise (block 16, 7 block pairs, 9 of 16 "
+                     "blocks skipped by the mask's static band)"], notes
 
 
 def _temporaries(seq: int) -> int:

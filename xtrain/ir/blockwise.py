@@ -41,6 +41,8 @@ class Blocking:
         block_q, block_k: block sizes (the sequences are padded to whole blocks).
         length, source: query and key lengths before padding.
         dropout: probability of dropping an attention weight (0: none).
+        visible: per query block, the [start, stop) key blocks a static bound of the mask
+            leaves visible (a sliding window: xtrain.frontend.static_mask); () = all.
     """
 
     scale: float
@@ -50,6 +52,7 @@ class Blocking:
     length: int
     source: int
     dropout: float = 0.0
+    visible: tuple[tuple[int, int], ...] = ()
 
     @property
     def n_q(self) -> int:
@@ -60,7 +63,10 @@ class Blocking:
         return -(-self.source // self.block_k)
 
     def key_blocks(self, i: int) -> range:
-        """The key blocks query block i must see: all, or up to its last row under causal."""
+        """The key blocks query block i must see: all, up to its last row under causal, or
+        those its mask's static bound leaves visible."""
+        if self.visible:
+            return range(*self.visible[i])
         if not self.causal:
             return range(self.n_k)
         last_row = min((i + 1) * self.block_q, self.length) - 1
@@ -77,13 +83,16 @@ class Blocking:
 
 
 def blocking_for(length: int, source: int, block: int, *, scale: float, causal: bool,
-                 dropout: float = 0.0) -> Blocking:
-    """A blocking of `block` (shorter sequences are one block)."""
-    return Blocking(scale, causal, min(block, length), min(block, source), length, source, dropout)
+                 dropout: float = 0.0, visible=None) -> Blocking:
+    """A blocking of `block` (shorter sequences are one block); `visible(block_q, block_k)`, when
+    given, says which key blocks each query block sees (see Blocking.visible)."""
+    bq, bk = min(block, length), min(block, source)
+    return Blocking(scale, causal, bq, bk, length, source, dropout, visible(bq, bk) if visible else ())
 
 
 def site(b: Blocking, why: str = "") -> Site:
-    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why)
+    by = "causal mask" if b.causal else "mask's static band"
+    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by)
 
 
 def _pad(x, axis: int, size: int):
@@ -294,7 +303,8 @@ _BLOCKING = "xtrain_blocking="
 def blocking_scope(b: Blocking) -> str:
     """The named_scope of the kernel's call: its Blocking, for a lowering that computes the
     call another way (ring attention over a context-split sequence)."""
-    return _BLOCKING + ";".join(repr(getattr(b, f.name)) for f in dataclasses.fields(b))
+    fields = [repr(getattr(b, f.name)) for f in dataclasses.fields(b) if f.name != "visible"]
+    return _BLOCKING + ";".join(fields + [",".join(f"{lo}-{hi}" for lo, hi in b.visible)])
 
 
 def blocking_in(name_stack) -> Blocking | None:
@@ -302,8 +312,10 @@ def blocking_in(name_stack) -> Blocking | None:
     parts = [p for p in str(name_stack).split("/") if p.startswith(_BLOCKING)]
     if not parts:
         return None
-    scale, causal, bq, bk, length, source, dropout = parts[-1][len(_BLOCKING):].split(";")
-    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout))
+    scale, causal, bq, bk, length, source, dropout, visible = parts[-1][len(_BLOCKING):].split(";")
+    ranges = tuple(tuple(int(x) for x in r.split("-")) for r in visible.split(",") if r)
+    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout),
+                    ranges)
 
 
 def default_scale(dim: int) -> float:
