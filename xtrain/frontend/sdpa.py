@@ -129,10 +129,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if kind is Implementation.CUDNN:
         with jax.named_scope(scope_name(Site(kind))):
             return _cudnn(query, key, value, is_causal, scale)
+    return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
+
+
+def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, causal=False, dropout=0.0, rng=None):
+    """The blockwise kernel on (..., heads, length, dim) arrays, inside its report marker."""
     block = DEFAULT_BLOCK.get(_backend(), DEFAULT_BLOCK["cpu"])
     length, source = query.shape[-2], key.shape[-2]
     band = static_mask.bound(attn_mask)  # a sliding window built from positions: skip blocks outside it
-    b = attention.blocking_for(length, source, block, scale=scale, causal=is_causal, dropout=float(dropout_p),
+    b = attention.blocking_for(length, source, block, scale=scale, causal=causal, dropout=dropout,
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
     with jax.named_scope(scope_name(attention.site(b, why))):
         return _blockwise(b, query, key, value, attn_mask, rng)

@@ -20,6 +20,7 @@ class Implementation(enum.Enum):
 
     BLOCKWISE = "blockwise"  # key blocks with an online softmax; backward keeps out + log-sum-exp
     CUDNN = "cudnn"          # jax.nn.dot_product_attention(implementation="cudnn") on CUDA
+    EAGER = "eager"          # HF's eager matmul -> softmax -> matmul left as written (full L x S weights)
 
 
 # The key/query block of the blockwise path per JAX backend: big enough for efficient matmuls,
@@ -50,6 +51,8 @@ class Site:
     def describe(self) -> str:
         if self.implementation is Implementation.CUDNN:
             return "cuDNN fused attention"
+        if self.implementation is Implementation.EAGER:
+            return f"eager matmul-softmax-matmul left as written (full score matrix): {self.why}"
         skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the {self.skipped_by}" \
             if self.blocks < self.total else ""
         return f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}){'; ' + self.why if self.why else ''}"
