@@ -156,3 +156,23 @@ def test_eager_attention_temporaries_grow_about_linearly():
     """HF's eager attention, recognised: no L x S weights kept (quadratic would be 16x for 4x)."""
     short, long = _temporaries(512, "eager"), _temporaries(2048, "eager")
     assert long / short <= 6, (short, long)
+
+
+def test_t5_eager_attention_with_its_learned_position_bias_trains_like_torch():
+    """T5's scores are q.k^T + a learned position bias + the mask: the bias reaches the kernel as an
+    additive mask and its gradient comes back through the kernel's mask cotangent."""
+    from tp_models import VOCAB as T5_VOCAB, batches as t5_batches, lm_loss as t5_loss
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=T5_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager"))
+    data = t5_batches(n=4)
+    want = torch_reference(model, adamw, data, t5_loss)
+    result = run_parity(model, adamw, data, xtrain.Mesh(data=8), loss_fn=t5_loss, reference=want)
+    assert_parity(result)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=t5_loss)
+    step(*data[0])
+    notes = [n for n in step.report().notes if n.startswith("attention")]
+    assert len(notes) == 3 and all(n.endswith("HF eager attention recognised") for n in notes), notes

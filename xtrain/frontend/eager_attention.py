@@ -20,6 +20,8 @@ layers (Gemma-3) then has two layer structures, so at those lengths its layers a
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +64,7 @@ def _scalar(t):
 
 
 def _dot(t):
-    """(q, k) when t is the batched q (..., L, D) . k^T (..., D, S), else None."""
+    """(q, k^T) when t is the batched q (..., L, D) . k^T (..., D, S), else None."""
     eqn = _parent(t)
     if eqn is None or eqn.primitive is not lax.dot_general_p:
         return None
@@ -72,43 +74,52 @@ def _dot(t):
     if n < 3 or kt.ndim != n or tuple(lc) != (n - 1,) or tuple(rc) != (n - 2,) or \
             tuple(lb) != tuple(range(n - 2)) or tuple(rb) != tuple(range(n - 2)):
         return None
-    return q, jnp.swapaxes(kt, -1, -2)
+    return q, kt
+
+
+def _scaled_dot(t):
+    """(q, k^T, scale) when t is q.k^T, optionally times or divided by a constant, else None."""
+    t = _strip_casts(t)
+    eqn = _parent(t)
+    if eqn is not None and eqn.primitive in (lax.mul_p, lax.div_p):
+        a, b = eqn.in_tracers
+        for s, c in (((a, b), (b, a)) if eqn.primitive is lax.mul_p else ((a, b),)):
+            qk, value = _dot(_strip_casts(s)), _scalar(c)
+            if qk is not None and value is not None:
+                return (*qk, value if eqn.primitive is lax.mul_p else 1.0 / value)
+        return None
+    qk = _dot(t)
+    return None if qk is None else (*qk, 1.0)
+
+
+def _terms(t, depth: int = 3) -> list:
+    """The summands of a (nested) sum t."""
+    eqn = _parent(_strip_casts(t))
+    if depth == 0 or eqn is None or eqn.primitive is not lax.add_p:
+        return [t]
+    return [x for term in eqn.in_tracers for x in _terms(term, depth - 1)]
 
 
 def _scores(t):
     """(q, k, scale, additive mask or None) of scores t, or a reason they are not q.k^T (+ mask)."""
-    t, mask = _strip_casts(t), None
-    eqn = _parent(t)
-    if eqn is not None and eqn.primitive is lax.add_p:
-        a, b = eqn.in_tracers
-        for s, m in ((a, b), (b, a)):
-            inner = _parent(_strip_casts(s))
-            if inner is not None and inner.primitive in (lax.mul_p, lax.div_p, lax.dot_general_p):
-                t, mask = _strip_casts(s), m
-                break
-        else:
-            return "the softmax's input adds two terms neither of which is q.k^T"
-        eqn = _parent(t)
-    scale = 1.0
-    if eqn is not None and eqn.primitive in (lax.mul_p, lax.div_p):
-        a, b = eqn.in_tracers
-        operands = ((a, b), (b, a)) if eqn.primitive is lax.mul_p else ((a, b),)
-        for s, c in operands:
-            value = _scalar(c)
-            if value is not None and _dot(s) is not None:
-                t, scale = s, (value if eqn.primitive is lax.mul_p else 1.0 / value)
-                break
-        else:
-            return "the scores are scaled by a non-constant or are not q.k^T"
-    qk = _dot(t)
-    if qk is None and eqn is not None and eqn.primitive is lax.select_n_p:
+    t = _strip_casts(t)
+    found, mask, eqn = _scaled_dot(t), None, _parent(t)
+    if found is None and eqn is not None and eqn.primitive is lax.add_p:
+        terms = _terms(t)  # T5: (q.k^T + position bias) + mask
+        dots = [n for n, term in enumerate(terms) if _scaled_dot(term) is not None]
+        if len(dots) == 1:
+            found = _scaled_dot(terms[dots[0]])
+            mask = functools.reduce(jnp.add, [term for n, term in enumerate(terms) if n != dots[0]])
+    if found is None and eqn is not None and eqn.primitive is lax.select_n_p:
         return "the scores are masked by masked_fill / where (an additive mask is recognised)"
-    if qk is None:
-        return "the softmax's input is not a batched q.k^T"
-    if mask is not None and (mask.ndim != t.ndim or mask.shape[-1] != t.shape[-1]
-                             or any(m not in (1, s) for m, s in zip(mask.shape, t.shape))):
-        return f"a mask of shape {tuple(mask.shape)} against scores of {tuple(t.shape)}"
-    return (*qk, scale, mask)
+    if found is None:
+        return "the softmax's input is not q.k^T (times a constant) plus an optional mask"
+    q, kt, scale = found
+    scores = q.shape[:-1] + kt.shape[-1:]
+    if mask is not None and (mask.ndim != len(scores) or mask.shape[-1] != scores[-1]
+                             or any(m not in (1, s) for m, s in zip(mask.shape, scores))):
+        return f"a mask of shape {tuple(mask.shape)} against scores of {scores}"
+    return q, jnp.swapaxes(kt, -1, -2), scale, mask
 
 
 def matmul(x, y):
