@@ -11,7 +11,7 @@ import torch
 from xtrain.frontend import sdpa
 from xtrain.ir import blockwise as attention
 from xtrain.ir import attention as markers
-from xtrain.ir import flops
+from xtrain.ir import flops, walk
 
 B, HQ, L, S, D = 2, 4, 10, 13, 8
 
@@ -207,3 +207,48 @@ def test_cudnn_attention_runs_on_each_devices_shard(monkeypatch):
     assert not inside, [(c.kind, c.axes, c.source) for c in inside]
     sites = markers.sites(program.jaxpr, model_paths := step.model.module_paths())
     assert {s.implementation for s in sites.values()} == {markers.Implementation.CUDNN}, (sites, len(model_paths))
+
+
+def _band(length, size):
+    """A sliding-window mask built inside the traced function from positions, as HF builds it."""
+    i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    return ((j <= i) & (j > i - size))[None, None]
+
+
+def test_sliding_window_mask_built_from_positions_matches_torch_and_skips_blocks():
+    q, k, v, _ = case("window")
+    want, want_grads = torch_sdpa(q, k, v, dict(attn_mask=window(L, L, 3)))
+    f = lambda q, k, v: sdpa.sdpa(q, k, v, attn_mask=_band(L, 3) & (q[:1, :1, :, :1] == q[:1, :1, :, :1]))
+
+    @jax.jit
+    def out_and_grads(*args):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape))
+
+    x = [jnp.asarray(t.numpy()) for t in (q, k, v)]
+    got, got_grads = out_and_grads(*x)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=2e-5, rtol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), w.numpy(), atol=5e-5, rtol=1e-4, err_msg=name)
+    sites = {markers.marker_in(e.source_info.name_stack) for e, _ in walk.equations(jax.make_jaxpr(f)(*x).jaxpr, frozenset())}
+    site = next(s for s in sites if s is not None)
+    # 3 query blocks of 4 over a window of 3: 1 + 2 + 2 pairs of 9 (the padding operand is runtime, the band static)
+    assert (site.blocks, site.total, site.skipped_by) == (5, 9, "mask's static band"), site
+
+
+def _window_flops(mask_of, length=256, block=32) -> float:
+    q = jnp.zeros((1, 2, length, 16))
+    loss = lambda q, k, v: jnp.sum(sdpa.sdpa(q, k, v, **mask_of(length)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(markers.DEFAULT_BLOCK, "cpu", block)
+        return flops.count(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, q, q)).matmul
+
+
+def test_sliding_window_skips_blocks_outside_the_window():
+    """FLOPs counted on the forward + backward program, window 32 at 256 tokens in blocks of 32:
+    15 block pairs against causal's 36 and no mask's 64."""
+    causal = _window_flops(lambda n: dict(is_causal=True))
+    windowed = _window_flops(lambda n: dict(attn_mask=_band(n, 32)))
+    assert windowed <= 0.45 * causal, (windowed, causal)
+    full = _window_flops(lambda n: {})
+    assert windowed <= 0.25 * full, (windowed, full)

@@ -6,7 +6,9 @@ and multi-query attention group the query heads per key/value head instead of re
 and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`).
 Each call site picks its implementation (`choose`): cuDNN's fused attention on
 CUDA where it applies, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
-marker naming the choice (xtrain.ir.attention) for `step.report()`.
+marker naming the choice (xtrain.ir.attention) for `step.report()`. A boolean mask the program
+builds from positions (HF's sliding window) lets the kernel skip the key blocks its static
+bound hides (xtrain.frontend.static_mask).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
+from xtrain.frontend import static_mask
 from xtrain.ir import blockwise as attention
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
@@ -126,8 +129,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if kind is Implementation.CUDNN:
         with jax.named_scope(scope_name(Site(kind))):
             return _cudnn(query, key, value, is_causal, scale)
+    return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
+
+
+def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, causal=False, dropout=0.0, rng=None):
+    """The blockwise kernel on (..., heads, length, dim) arrays, inside its report marker."""
     block = DEFAULT_BLOCK.get(_backend(), DEFAULT_BLOCK["cpu"])
-    b = attention.blocking_for(query.shape[-2], key.shape[-2], block, scale=scale, causal=is_causal,
-                               dropout=float(dropout_p))
+    length, source = query.shape[-2], key.shape[-2]
+    band = static_mask.bound(attn_mask)  # a sliding window built from positions: skip blocks outside it
+    b = attention.blocking_for(length, source, block, scale=scale, causal=causal, dropout=dropout,
+                               visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
     with jax.named_scope(scope_name(attention.site(b, why))):
         return _blockwise(b, query, key, value, attn_mask, rng)

@@ -32,7 +32,7 @@ import torchax
 from torchax.decompositions import DECOMPOSITIONS
 from torchax.ops import jaten, mappings, ops_registry
 
-from xtrain.frontend import sdpa
+from xtrain.frontend import eager_attention, sdpa
 from xtrain.ir import index_ops
 
 aten = torch.ops.aten
@@ -108,8 +108,9 @@ def _nll_loss_forward(*args):
 def _matmul(x, y):
     """torch.matmul as one batched dot_general. torch decomposes a 4-D matmul (attention's
     q @ k^T over batch and heads) into reshapes to 3-D and bmm; merging the batch and head
-    dims would force a gather of heads split for tensor parallelism."""
-    return jnp.matmul(x, y)
+    dims would force a gather of heads split for tensor parallelism. HF's eager attention
+    (softmax(q @ k^T ...) @ v) is computed by the blockwise kernel (xtrain.frontend.eager_attention)."""
+    return eager_attention.matmul(x, y)
 
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)

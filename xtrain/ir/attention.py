@@ -20,6 +20,7 @@ class Implementation(enum.Enum):
 
     BLOCKWISE = "blockwise"  # key blocks with an online softmax; backward keeps out + log-sum-exp
     CUDNN = "cudnn"          # jax.nn.dot_product_attention(implementation="cudnn") on CUDA
+    EAGER = "eager"          # HF's eager matmul -> softmax -> matmul left as written (full L x S weights)
 
 
 # The key/query block of the blockwise path per JAX backend: big enough for efficient matmuls,
@@ -37,6 +38,7 @@ class Site:
         blocks: (query block, key block) pairs computed.
         total: pairs a full score matrix would need; blocks < total when a causal mask skips some.
         why: why a fused kernel was not used ("" when it was).
+        skipped_by: what let it skip blocks (the causal mask, or a mask's static band).
     """
 
     implementation: Implementation
@@ -44,11 +46,14 @@ class Site:
     blocks: int = 1
     total: int = 1
     why: str = ""
+    skipped_by: str = "causal mask"
 
     def describe(self) -> str:
         if self.implementation is Implementation.CUDNN:
             return "cuDNN fused attention"
-        skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the causal mask" \
+        if self.implementation is Implementation.EAGER:
+            return f"eager matmul-softmax-matmul left as written (full score matrix): {self.why}"
+        skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the {self.skipped_by}" \
             if self.blocks < self.total else ""
         return f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}){'; ' + self.why if self.why else ''}"
 
@@ -56,15 +61,15 @@ class Site:
 def scope_name(site: Site) -> str:
     """The named_scope of a call ("/" separates name-stack levels, so none here)."""
     why = site.why.replace("/", "|").replace(";", ",")
-    return f"{_PREFIX}{site.implementation.value};{site.block};{site.blocks};{site.total};{why}"
+    return f"{_PREFIX}{site.implementation.value};{site.block};{site.blocks};{site.total};{site.skipped_by};{why}"
 
 
 def marker_in(name_stack: str) -> Site | None:
     """The site of the outermost attention marker of a name stack."""
     for part in str(name_stack).split("/"):
         if part.startswith(_PREFIX):
-            kind, block, blocks, total, why = part[len(_PREFIX):].split(";", 4)
-            return Site(Implementation(kind), int(block), int(blocks), int(total), why.replace("|", "/"))
+            kind, block, blocks, total, by, why = part[len(_PREFIX):].split(";", 5)
+            return Site(Implementation(kind), int(block), int(blocks), int(total), why.replace("|", "/"), by)
     return None
 
 

@@ -41,6 +41,8 @@ class Blocking:
         block_q, block_k: block sizes (the sequences are padded to whole blocks).
         length, source: query and key lengths before padding.
         dropout: probability of dropping an attention weight (0: none).
+        visible: per query block, the [start, stop) key blocks a static bound of the mask
+            leaves visible (a sliding window: xtrain.frontend.static_mask); () = all.
     """
 
     scale: float
@@ -50,6 +52,7 @@ class Blocking:
     length: int
     source: int
     dropout: float = 0.0
+    visible: tuple[tuple[int, int], ...] = ()
 
     @property
     def n_q(self) -> int:
@@ -60,7 +63,10 @@ class Blocking:
         return -(-self.source // self.block_k)
 
     def key_blocks(self, i: int) -> range:
-        """The key blocks query block i must see: all, or up to its last row under causal."""
+        """The key blocks query block i must see: all, up to its last row under causal, or
+        those its mask's static bound leaves visible."""
+        if self.visible:
+            return range(*self.visible[i])
         if not self.causal:
             return range(self.n_k)
         last_row = min((i + 1) * self.block_q, self.length) - 1
@@ -77,13 +83,16 @@ class Blocking:
 
 
 def blocking_for(length: int, source: int, block: int, *, scale: float, causal: bool,
-                 dropout: float = 0.0) -> Blocking:
-    """A blocking of `block` (shorter sequences are one block)."""
-    return Blocking(scale, causal, min(block, length), min(block, source), length, source, dropout)
+                 dropout: float = 0.0, visible=None) -> Blocking:
+    """A blocking of `block` (shorter sequences are one block); `visible(block_q, block_k)`, when
+    given, says which key blocks each query block sees (see Blocking.visible)."""
+    bq, bk = min(block, length), min(block, source)
+    return Blocking(scale, causal, bq, bk, length, source, dropout, visible(bq, bk) if visible else ())
 
 
 def site(b: Blocking, why: str = "") -> Site:
-    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why)
+    by = "causal mask" if b.causal else "mask's static band"
+    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by)
 
 
 def _pad(x, axis: int, size: int):
@@ -192,7 +201,7 @@ def _reduce_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _backward_block(b: Blocking, res, d_out, i: int):
+def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool):
     """dq of query block i and, per key block it sees, (dk, dv, dmask) blocks."""
     q, k, v, mask, key, out, lse, weights = res
     rows = slice(i * b.block_q, (i + 1) * b.block_q)
@@ -203,7 +212,7 @@ def _backward_block(b: Blocking, res, d_out, i: int):
     mask_xs = None if mask is None else _mask_stack(mask, rows, start, count, b.block_k)
     xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k), mask_xs,
           jnp.arange(start, start + count, dtype=jnp.int32), weights)
-    want_dmask = mask is not None and mask.dtype != jnp.bool_
+    want_dmask = want_dmask and mask is not None and mask.dtype != jnp.bool_
 
     def step(dq, x):
         k_j, v_j, mask_j, j, kept = x
@@ -233,13 +242,13 @@ def _assemble_dmask(b: Blocking, mask, parts):
     return full.astype(mask.dtype)
 
 
-def _backward(b: Blocking, res, d_out):
+def _backward(b: Blocking, res, d_out, want_dmask: bool = True):
     q, k, v, mask = res[:4]
     dq_parts, dk = [], [None] * b.n_k
     dv, dmask = [None] * b.n_k, [[None] * b.n_k for _ in range(b.n_q)]
     add = lambda acc, x: x if acc is None else acc + x
     for i in range(b.n_q):
-        dq_i, dk_i, dv_i, dm_i = _backward_block(b, res, d_out, i)
+        dq_i, dk_i, dv_i, dm_i = _backward_block(b, res, d_out, i, want_dmask)
         dq_parts.append(dq_i)
         for t, j in enumerate(b.key_blocks(i)):
             dk[j], dv[j] = add(dk[j], dk_i[t]), add(dv[j], dv_i[t])
@@ -251,7 +260,7 @@ def _backward(b: Blocking, res, d_out):
     dq = jnp.concatenate(dq_parts, axis=-2).astype(q.dtype)
     dk = jnp.concatenate(dk, axis=-2).astype(k.dtype)
     dv = jnp.concatenate(dv, axis=-2).astype(v.dtype)
-    d_mask = None if mask is None or mask.dtype == jnp.bool_ else _assemble_dmask(b, mask, dmask)
+    d_mask = None if not want_dmask or mask is None or mask.dtype == jnp.bool_ else _assemble_dmask(b, mask, dmask)
     return dq, dk, dv, d_mask
 
 
@@ -261,16 +270,24 @@ def _attention(b: Blocking, q, k, v, mask, key):
 
 
 def _attention_fwd(b: Blocking, q, k, v, mask, key):
+    """With symbolic zeros: each input comes with whether it is differentiated; a mask that is not
+    (HF's, built from positions and the batch) gets no L x S cotangent computed for it."""
+    perturbed = mask is not None and mask.perturbed
+    q, k, v, mask, key = (None if x is None else x.value for x in (q, k, v, mask, key))
     out, lse, weights = _forward(b, q, k, v, mask, key)
-    return out, (q, k, v, mask, key, out, lse, weights)
+    return out, ((q, k, v, mask, key, out, lse, weights), (jnp.zeros((0,)),) if perturbed else ())
 
 
-def _attention_bwd(b: Blocking, res, d_out):
-    dq, dk, dv, d_mask = _backward(b, res, d_out)
+def _attention_bwd(b: Blocking, saved, d_out):
+    res, perturbed = saved
+    q = res[0]
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros(q.shape[:-1] + (res[2].shape[-1],), q.dtype)
+    dq, dk, dv, d_mask = _backward(b, res, d_out, bool(perturbed))
     return dq, dk, dv, d_mask, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def blockwise(q, k, v, mask, key, b: Blocking):
@@ -294,7 +311,8 @@ _BLOCKING = "xtrain_blocking="
 def blocking_scope(b: Blocking) -> str:
     """The named_scope of the kernel's call: its Blocking, for a lowering that computes the
     call another way (ring attention over a context-split sequence)."""
-    return _BLOCKING + ";".join(repr(getattr(b, f.name)) for f in dataclasses.fields(b))
+    fields = [repr(getattr(b, f.name)) for f in dataclasses.fields(b) if f.name != "visible"]
+    return _BLOCKING + ";".join(fields + [",".join(f"{lo}-{hi}" for lo, hi in b.visible)])
 
 
 def blocking_in(name_stack) -> Blocking | None:
@@ -302,8 +320,10 @@ def blocking_in(name_stack) -> Blocking | None:
     parts = [p for p in str(name_stack).split("/") if p.startswith(_BLOCKING)]
     if not parts:
         return None
-    scale, causal, bq, bk, length, source, dropout = parts[-1][len(_BLOCKING):].split(";")
-    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout))
+    scale, causal, bq, bk, length, source, dropout, visible = parts[-1][len(_BLOCKING):].split(";")
+    ranges = tuple(tuple(int(x) for x in r.split("-")) for r in visible.split(",") if r)
+    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout),
+                    ranges)
 
 
 def default_scale(dim: int) -> float:

@@ -83,7 +83,7 @@ def _piece_forward(b: bw.Blocking, q, k, v, mask):
 
 
 def _piece_backward(b: bw.Blocking, q, k, v, mask, out, lse, d_out):
-    dq, dk, dv, _ = bw._backward(b, (q, k, v, mask, None, out, lse, None), d_out)
+    dq, dk, dv, _ = bw._backward(b, (q, k, v, mask, None, out, lse, None), d_out, want_dmask=False)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
