@@ -42,9 +42,9 @@ def mixtral(**kw):
         output_router_logits=True, router_aux_loss_coef=0.1, bos_token_id=0, eos_token_id=0, **kw))
 
 
-def qwen3_moe():
+def qwen3_moe(layers=2):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
         norm_topk_prob=True, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
 

@@ -16,7 +16,7 @@ from xtrain.cost import model as cost_model
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.step import host_batch
-from test_moe import EXPERTS, TOP_K, case, lm_batches, routing
+from test_moe import CASES, EXPERTS, TOP_K, case, lm_batches, qwen3_moe, routing, with_routing_margin
 
 
 def torch_expert_tokens(model, loss_fn, batch, paths):
@@ -59,6 +59,36 @@ def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
     paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)
 
+
+def test_expert_tokens_under_the_pipeline_schedules():
+    """Qwen3-MoE on 2 stages x 2 microbatches, 1F1B with expert parallel inside the stages and
+    GPipe over data=4: each layer's counts come from its stage, only from the ticks that run a
+    real forward (not the bubble's, nor a backward tick's recomputation), summed over the
+    microbatches and the devices: torch's router counts on the same batch."""
+    model, make_opt, loss_fn, batches, _ = case("qwen3_moe")
+    paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    expected = torch_expert_tokens(model, loss_fn, batches[0], paths)
+    assert sum(map(sum, expected.values())) == batches[0][0].numel() * TOP_K * 2
+    for mesh, schedule in ((xtrain.Mesh(pipe=2, data=2, expert=2), "1f1b"), (xtrain.Mesh(pipe=2, data=4), "gpipe")):
+        m = copy.deepcopy(model)
+        step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                              plan=xtrain.Plan().with_pipeline(2, 2, schedule=schedule))
+        out = step(*batches[0])
+        assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == expected, schedule
+
+
+def test_expert_tokens_under_the_interleaved_schedule_with_padding_slots():
+    """5 layers in 2 x 2 chunks (one chunk holds 2 layers, the others 1 and a padding slot):
+    each layer's counts reach its own module path, the padding slots count nothing."""
+    _, make_opt, loss_fn = CASES["qwen3_moe"]
+    torch.manual_seed(0)
+    model, batch = with_routing_margin(qwen3_moe(layers=5)), lm_batches(n=1)[0]
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=xtrain.Plan().with_pipeline(2, 2, schedule="interleaved", virtual_stages=2))
+    out = step(*batch)
+    paths = [f"model.layers.{k}.mlp.experts" for k in range(5)]
+    assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)
 
 
 def overflow(idx, devices, capacity):

@@ -155,8 +155,13 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
 def _record_counts(ctx: Context, prefix: str, k: int, counts: dict) -> None:
     """Layer k's counts (recorded under block 0's module path inside the body), whole."""
     for (name, path), count in counts.items():
-        at = f"{prefix}.{k}" + path[len(f"{prefix}.0"):] if path.startswith(f"{prefix}.0") else f"{path}[{k}]"
+        at = layer_path(prefix, k, path)
         ctx.counts[name, at] = Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype)
+
+
+def layer_path(prefix: str, k: int, path: str) -> str:
+    """The module path in layer k of what the layer body records under block 0's `path`."""
+    return f"{prefix}.{k}" + path[len(f"{prefix}.0"):] if path.startswith(f"{prefix}.0") else f"{path}[{k}]"
 
 
 def _live(jaxpr, repeated) -> set[int]:

@@ -138,9 +138,11 @@ def _store(buffer, arrived, entry):
 
 
 def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
-    """(loss sum, count) over all microbatches on this stage (nonzero on the last stage).
+    """(loss sum, count, layer counts) over all microbatches on this stage (the loss nonzero on
+    the last stage; layer counts {key: (1, Lc, ...)} summed over the active ticks).
 
-    run(x, (batch_mb, i), active) -> (activation out, sum, count) is this stage's function."""
+    run(x, (batch_mb, i), active) -> (activation out, sum, count, layer counts) is this stage's
+    function."""
     stage = lax.axis_index(axis)
     send = ring(axis, p, 1)
 
@@ -149,22 +151,37 @@ def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
         i = t - stage
         active = (i >= 0) & (i < m)
         i = jnp.clip(i, 0, m - 1)
-        y, s, c = run(x, (microbatch(batch, i), i), active)
+        y, s, c, counts = run(x, (microbatch(batch, i), i), active)
         zero = jnp.zeros_like(s)
         total, count = total + jnp.where(active, s, zero), count + jnp.where(active, c, zero)
-        return ([send(v) for v in y], total, count), None
+        return ([send(v) for v in y], total, count), _masked(counts, active)
 
     zero = jnp.zeros((), jnp.float32)
-    (_, total, count), _ = scan_tree(tick, ([lax.stop_gradient(v) for v in x0], zero, zero),
-                                     jnp.arange(m + p - 1), m + p - 1)
-    return total, count
+    (_, total, count), counts = scan_tree(tick, ([lax.stop_gradient(v) for v in x0], zero, zero),
+                                          jnp.arange(m + p - 1), m + p - 1)
+    return total, count, {key: c.sum(axis=0)[None] for key, c in counts.items()}
+
+
+def _masked(counts: dict, keep, chunk=None, chunks: int = 1) -> dict:
+    """A tick's layer counts where it is a real forward (zero otherwise), at row `chunk` of
+    (chunks, Lc, ...) when given."""
+    out = {key: jnp.where(keep, c, jnp.zeros_like(c)) for key, c in counts.items()}
+    if chunk is None:
+        return out
+    return {key: jnp.zeros((chunks,) + c.shape, c.dtype).at[chunk].set(c) for key, c in out.items()}
+
+
+def _with_aux(out):
+    """Splits a stage function's (activation, sum, count, layer counts) for jax.vjp's has_aux."""
+    return out[:3], out[3]
 
 
 def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: TickTables,
                 p: int, v: int, axis: str):
-    """(loss sum, count, chunk grads (v, Lc, ...), other grads) for the 1F1B-family tables.
+    """(loss sum, count, chunk grads (v, Lc, ...), other grads, layer counts {key: (v, Lc, ...)}
+    summed over the forward ticks) for the 1F1B-family tables.
 
-    run(chunk_params, other, x, (batch_mb, i), chunk) -> (activation out, sum, count)."""
+    run(chunk_params, other, x, (batch_mb, i), chunk) -> (activation out, sum, count, layer counts)."""
     stage = lax.axis_index(axis)
     forward, backward = ring(axis, p, 1), ring(axis, p, -1)
     K = tables.slots
@@ -178,12 +195,13 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         """A warm-up tick: no stage runs a backward yet, so no vjp and no cotangents."""
         inputs, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
-        y, s, n = run([w[c] for w in chunks], other, [b[c, i % K] for b in inputs], (microbatch(batch, i), i), c)
+        y, s, n, counts = run([w[c] for w in chunks], other, [b[c, i % K] for b in inputs],
+                              (microbatch(batch, i), i), c)
         keep = (kind == Kind.FORWARD) & last_stage(c)
         total, count = total + jnp.where(keep, s, jnp.zeros_like(s)), count + jnp.where(keep, n, jnp.zeros_like(n))
         act_in = take(tables.act_in, t)[stage]
         inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
-        return (inputs, cotangents, g_chunks, g_other, total, count), None
+        return (inputs, cotangents, g_chunks, g_other, total, count), _masked(counts, kind == Kind.FORWARD, c, v)
 
     def tick(carry, t):
         inputs, cotangents, g_chunks, g_other, total, count = carry
@@ -192,7 +210,8 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         x = [b[c, slot] for b in inputs]
         mb = (microbatch(batch, i), i)
         params_c = [w[c] for w in chunks]
-        (y, s, n), vjp = jax.vjp(lambda w, o, x: run(w, o, x, mb, c), params_c, other, x)
+        (y, s, n), vjp, counts = jax.vjp(lambda w, o, x: _with_aux(run(w, o, x, mb, c)), params_c, other, x,
+                                         has_aux=True)
         is_b, is_f, last = kind == Kind.BACKWARD, kind == Kind.FORWARD, last_stage(c)
         gy = iter(_like([jnp.where(is_b & ~last, b[c, slot], jnp.zeros_like(b[c, slot])) for b in cotangents],
                         [a for a, r in zip(y, real) if r]))
@@ -206,11 +225,12 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         act_in, grad_in = take(tables.act_in, t)[stage], take(tables.grad_in, t)[stage]
         inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
         cotangents = [_store(b, backward(d), grad_in) for b, d in zip(cotangents, [d for d, r in zip(dx, real) if r])]
-        return (inputs, cotangents, g_chunks, g_other, total, count), None
+        return (inputs, cotangents, g_chunks, g_other, total, count), _masked(counts, is_f, c, v)
 
     zero = jnp.zeros((), jnp.float32)
     init = (buf(x0), buf([x for x, r in zip(x0, real) if r]), [jnp.zeros_like(w) for w in chunks], jax.tree.map(jnp.zeros_like, other), zero, zero)
     T, warm = tables.kind.shape[0], tables.warmup
-    carry, _ = scan_tree(forward_tick, init, jnp.arange(warm), warm) if warm else (init, None)
-    (_, _, g_chunks, g_other, total, count), _ = scan_tree(tick, carry, jnp.arange(warm, T), T - warm)
-    return total, count, g_chunks, g_other
+    carry, early = scan_tree(forward_tick, init, jnp.arange(warm), warm) if warm else (init, {})
+    (_, _, g_chunks, g_other, total, count), counts = scan_tree(tick, carry, jnp.arange(warm, T), T - warm)
+    counts = {key: c.sum(axis=0) + (early[key].sum(axis=0) if key in early else 0) for key, c in counts.items()}
+    return total, count, g_chunks, g_other, counts

@@ -19,7 +19,7 @@ from jax import lax
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
-from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
+from xtrain.lowering.explicit.layer_scan import layer_path, scan_with_stable_carry
 from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.pipeline.graph import Cut
@@ -67,9 +67,11 @@ class Stage:
         return init
 
     def layers(self, carry: list[Sharded], shared: list[Sharded], picker: Picker, params: list[Sharded],
-               numbers, valid) -> list:
+               numbers, valid) -> tuple[list, dict]:
         """The chunk's layers as one scan; `params` hold (Lc, ...) stacked values, `numbers` (Lc,)
-        the layer numbers (for what differs per layer: explicit/variants.py), `valid` (Lc,)."""
+        the layer numbers (for what differs per layer: explicit/variants.py), `valid` (Lc,).
+        Also the counts the rules recorded per slot ({(name, block 0's path): (Lc, ...)}, whole,
+        zero in padding slots), e.g. each MoE layer's tokens per expert."""
         ctx, body, path = self.ctx, self.cut.blocks.body, self.ctx.path
 
         def step(values, xs):
@@ -77,12 +79,16 @@ class Stage:
             layer, number, ok = xs[:-2], xs[-2], xs[-1]
             ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry, values)] + shared
                    + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)] + picker.at(number))
+            before = set(ctx.counts)
             outs = interpret(ctx, body, [], ins)
             outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
-            return [jnp.where(ok, o, v) for o, v in zip(outs, values)], None  # padding slot: identity
+            counts = {key: C.replicate(ctx, ctx.counts.pop(key)).value for key in set(ctx.counts) - before}
+            counts = {key: jnp.where(ok, c, jnp.zeros_like(c)) for key, c in counts.items()}
+            return [jnp.where(ok, o, v) for o, v in zip(outs, values)], counts  # padding slot: identity
 
-        final, _ = scan_with_stable_carry(step, [x.value for x in carry], [p.value for p in params] + [numbers, valid])
-        return [dataclasses.replace(x, value=v) for x, v in zip(carry, final)]
+        final, counts = scan_with_stable_carry(step, [x.value for x in carry],
+                                               [p.value for p in params] + [numbers, valid])
+        return [dataclasses.replace(x, value=v) for x, v in zip(carry, final)], counts
 
     def epilogue(self, env: dict) -> tuple:
         """(sum, count) of the loss over the microbatch, replicated (count 1 when unweighted)."""
@@ -93,19 +99,19 @@ class Stage:
         return total, count
 
     def __call__(self, env: dict, x: list, params: list[Sharded], slots: tuple, first, last):
-        """(activation out, loss sum, count) of one microbatch. `x`: the incoming activation
-        (local values); `slots`: (layer numbers, valid) of the chunk's slots; `first` / `last`:
-        traced booleans."""
+        """(activation out, loss sum, count, layer counts) of one microbatch. `x`: the incoming
+        activation (local values); `slots`: (layer numbers, valid) of the chunk's slots; `first` /
+        `last`: traced booleans; layer counts: see `layers`."""
         env = dict(env)
         init = self.prologue(env)
         carry = [dataclasses.replace(i, value=jnp.where(first, i.value, v)) for i, v in zip(init, x)]
         shared = [env[v] for v in self.cut.blocks.shared]
         picker = Picker(self.ctx, self.cut.blocks.variants, env.__getitem__, stacked=True)
-        out = self.layers(carry, shared, picker, params, *slots)
+        out, counts = self.layers(carry, shared, picker, params, *slots)
         env.update(zip(self.cut.blocks.outputs, out))
         total, count = self.epilogue(env)
         zero = jnp.zeros((), total.dtype)
-        return [o.value for o in out], jnp.where(last, total, zero), jnp.where(last, count, zero)
+        return [o.value for o in out], jnp.where(last, total, zero), jnp.where(last, count, zero), counts
 
 
 def ring(axis: str, size: int, shift: int):
@@ -134,3 +140,15 @@ def stage_rows(stacked: list, layers: Layers, stage) -> list:
     index = take(layers.index, stage)  # (v, Lc)
     return [jnp.take(s, index, axis=0) for s in stacked]
 
+
+def layer_counts(counts: dict, layers: Layers, stage, prefix: str, num_layers: int, axis: str) -> dict:
+    """{name: {module path: count}} of every layer, summed over the stages: `counts` holds this
+    stage's {(name, block 0's path): (v, Lc, ...)} per chunk and slot (zero in padding slots)."""
+    index = take(layers.index, stage).reshape(-1)  # (v * Lc,) layer of each slot
+    out: dict = {}
+    for (name, path), c in sorted(counts.items()):
+        per_layer = jnp.zeros((num_layers,) + c.shape[2:], c.dtype).at[index].add(c.reshape((-1,) + c.shape[2:]))
+        per_layer = collectives.all_reduce(per_layer, (axis,))
+        for k in range(num_layers):
+            out.setdefault(name, {})[layer_path(prefix, k, path)] = per_layer[k]
+    return out

@@ -8,6 +8,8 @@ the `pipe` mesh axis.
               the schedule's executor (executors.py) over the stage function (stage.py):
               GPipe by autodiff of the forward ticks, 1F1B / interleaved by per-tick vjp
     loss      sum of per-token losses over all microbatches / their total count of tokens
+    counts    what the rules count per layer (an MoE layer's tokens per expert), from the ticks
+              that run a real forward, summed over microbatches, devices and stages
     sync      one bucketed all-reduce of gradients over the data axes and `pipe`: a stage's
               gradient is zero for the layers it does not run, and a weight used by two stages
               (tied embedding and head) gets both stages' contributions
@@ -44,7 +46,7 @@ from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline import executors
 from xtrain.lowering.pipeline.program import PipelineProgram
-from xtrain.lowering.pipeline.stage import Layers, Stage, stack_layers, stage_rows, take
+from xtrain.lowering.pipeline.stage import Layers, Stage, layer_counts, stack_layers, stage_rows, take
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import Gradients, PerDevice, StepConfig
 from xtrain.sharding.layout import StateLayout
@@ -201,25 +203,25 @@ class PipelineStrategy:
         def loss_of(block, other):
             chunks = [w[0] for w in rows(block)]
             tick = lambda x, mb, active: run(chunks, other, x, mb, 0)
-            total, count = executors.gpipe_forward(jax.checkpoint(tick) if pipe.checkpoint else tick,
-                                                   x0, mbs, pipe.stages, pipe.microbatches, pipe.axis)
+            total, count, counts = executors.gpipe_forward(jax.checkpoint(tick) if pipe.checkpoint else tick,
+                                                           x0, mbs, pipe.stages, pipe.microbatches, pipe.axis)
             total, count = collectives.all_reduce(total, (pipe.axis,)), collectives.all_reduce(count, (pipe.axis,))
-            return total / count, (total, count)
+            return total / count, counts
 
-        (loss, _), (g_block, g_other) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(block, other)
-        return loss, g_block, g_other
+        (loss, counts), (g_block, g_other) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(block, other)
+        return loss, g_block, g_other, counts
 
     def _table_grads(self, run, rows, block, other, x0, mbs):
         """The 1F1B-family table: gradients of the loss *sum*, divided by the total count at the
         end (the count is known only after the last forward; the scaling is linear)."""
         pipe = self.pipeline
         chunks, pull = jax.vjp(rows, block)
-        total, count, g_chunks, g_other = executors.table_grads(run, chunks, other, x0, mbs, self.program.ticks,
-                                                                pipe.stages, pipe.virtual_stages, pipe.axis)
+        total, count, g_chunks, g_other, counts = executors.table_grads(
+            run, chunks, other, x0, mbs, self.program.ticks, pipe.stages, pipe.virtual_stages, pipe.axis)
         (g_block,) = pull(g_chunks)
         total, count = collectives.all_reduce(total, (pipe.axis,)), collectives.all_reduce(count, (pipe.axis,))
         scale = lambda g: g / count.astype(g.dtype)
-        return total / count, jax.tree.map(scale, g_block), jax.tree.map(scale, g_other)
+        return total / count, jax.tree.map(scale, g_block), jax.tree.map(scale, g_other), counts
 
     def gradients(self, state: TrainState, batch: tuple):
         shapes = self._global_args(state, batch)
@@ -239,9 +241,11 @@ class PipelineStrategy:
             rows = lambda block: _chunk_rows(runner.cut, self.program.layers, self.storage, block, index,
                                              self.pipeline.virtual_stages)
             grads_of = self._gpipe_grads if self.pipeline.schedule == "gpipe" else self._table_grads
-            loss, g_block, g_other = grads_of(run, rows, block, other, x0, mbs)
+            loss, g_block, g_other, counts = grads_of(run, rows, block, other, x0, mbs)
             grads = {n: g for n, g in {**g_block, **g_other}.items() if n in state.params}
-            return Gradients(loss, {}, grads, self.pending)
+            blocks = runner.cut.blocks  # each MoE layer's tokens per expert, under its own module path
+            counts = layer_counts(counts, self.program.layers, index, blocks.prefix, blocks.length, self.pipeline.axis)
+            return Gradients(loss, {}, grads, self.pending, counts)
 
         return compute
 
@@ -258,10 +262,11 @@ class PipelineStrategy:
             chunks = _chunk_rows(runner.cut, self.program.layers, self.storage, named, lax.axis_index(pipe.axis),
                                  pipe.virtual_stages)
             if pipe.virtual_stages == 1:
-                total, count = executors.gpipe_forward(lambda x, mb, active: run([w[0] for w in chunks], {}, x, mb, 0),
-                                                       x0, mbs, pipe.stages, pipe.microbatches, pipe.axis)
+                total, count, _ = executors.gpipe_forward(
+                    lambda x, mb, active: run([w[0] for w in chunks], {}, x, mb, 0), x0, mbs, pipe.stages,
+                    pipe.microbatches, pipe.axis)
             else:  # the interleaved table's forwards (its backwards run too, on zero cotangents: eval is rare)
-                total, count, _, _ = executors.table_grads(run, chunks, {}, x0, mbs, self.program.ticks, pipe.stages,
+                total, count, _, _, _ = executors.table_grads(run, chunks, {}, x0, mbs, self.program.ticks, pipe.stages,
                                                            pipe.virtual_stages, pipe.axis)
             return collectives.all_reduce(total, (pipe.axis,)) / collectives.all_reduce(count, (pipe.axis,))
 
