@@ -13,6 +13,7 @@ and the program read on its own terms (tests/program_text.py, not xtrain's accou
 This is the program before XLA's GPU passes, which run only when compiling on a GPU.
 """
 import collections
+import copy
 import dataclasses
 import functools
 
@@ -194,6 +195,39 @@ def test_zero2_without_its_reduce_scatter_fails_the_checks(monkeypatch):
         check_family("zero2", broken)
     with pytest.raises(AssertionError, match="reduce-scatter"):
         assert_program_matches(broken.program_collectives(), as_counter(explain.collectives(healthy.step, *BATCH), healthy.mesh))
+
+
+def _moe():
+    from test_moe import case  # the in-repo MoE: top-2 of 4 experts and a shared expert, 2 layers
+    model, _, loss_fn, batches, _ = case("moe")
+    return copy.deepcopy(model), loss_fn, batches[0]
+
+
+def _long_llama():
+    from test_long_sequence import batches, llama, lm_loss
+    torch.manual_seed(0)  # 1024 tokens: 8 chunks of one 128-token CUDA attention block
+    return llama(layers=1, positions=1024), lm_loss, batches(1024, n=1, batch=2)[0]
+
+
+# family -> (model, loss_fn, batch; mesh; the collective that defines it, over its axis)
+MORE = {"expert": (_moe, dict(data=2, expert=4), ("all-to-all", ("expert",))),
+        "context": (_long_llama, dict(data=2, context=4), ("collective-permute", ("context",)))}
+
+
+@pytest.mark.parametrize("family", list(MORE))
+def test_expert_and_context_parallel_cuda_programs_match_the_report(family):
+    """Expert parallel's all-to-alls and context parallel's ring of permutes, lowered for CUDA:
+    the program runs exactly the collectives the report lists, and no CPU-only ordering chain."""
+    make, mesh, (kind, axes) = MORE[family]
+    model, loss_fn, batch = make()
+    step = xtrain.compile(model, xtrain.Mesh(**mesh), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=loss_fn)
+    text = step.lower(*batch, platform="cuda").as_text(dialect="hlo")
+    order = dict(step.mesh.shape)
+    program = program_text.collectives(text, order)
+    assert_program_matches(program, as_counter(explain.collectives(step, *batch), order))
+    assert sum(n for (k, a, _), n in program.items() if k == kind and a == axes) > 0, program
+    assert not [n for n in program_text.instruction_names(text) if n.startswith("xtrain_after")]
 
 
 @pytest.mark.parametrize("family", ["dp", "megatron", "gpipe"])
