@@ -92,21 +92,23 @@ def test_blockwise_attention_trains_like_torch(blocks_of_16, name, padded, mesh)
     assert_parity(run_parity(model, adamw, data, xtrain.Mesh(**mesh), plan=plan, loss_fn=loss, reference=want))
 
 
-def test_report_names_each_attention(blocks_of_16):
-    model, data, loss, _ = reference("llama", False)
+def attention_notes(name, padded):
+    """The report's attention lines of one data=8 step of a reference model."""
+    model, data, loss, _ = reference(name, padded)
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=loss)
     step(*data[0])
-    notes = [n for n in step.report().notes if n.startswith("attention")]
+    return [n for n in step.report().notes if n.startswith("attention")]
+
+
+def test_report_names_each_attention(blocks_of_16):
+    notes = attention_notes("llama", False)
     assert notes == ["attention in 'model.layers.0.self_attn': blockwise (block 16, 10 block pairs, "
                      "6 of 16 blocks skipped by the causal mask)"], notes
 
 
 def test_report_names_the_sliding_window_skip(blocks_of_16):
     """Window 16 in blocks of 16: each query block sees itself and the one before (7 of 16 pairs)."""
-    model, data, loss, _ = reference("mistral", True)
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=loss)
-    step(*data[0])
-    notes = [n for n in step.report().notes if n.startswith("attention")]
+    notes = attention_notes("mistral", True)
     assert notes == ["attention in 'model.layers.0.self_attn': blockwise (block 16, 7 block pairs, 9 of 16 "
                      "blocks skipped by the mask's static band)"], notes
 
