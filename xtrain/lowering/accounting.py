@@ -6,7 +6,10 @@ With each collective goes the compute it could overlap with: every equation of i
 region (the jaxpr it sits in: the per-device step, or one iteration of a layer scan) that
 neither feeds it nor consumes its result. The matmul/convolution FLOPs of those equations are
 what a scheduler (XLA's latency-hiding scheduler on GPU and Neuron) can hide it behind; 0 means
-the collective is on the critical path wherever it is placed."""
+the collective is on the critical path wherever it is placed. In a loop body (the layer scan),
+a collective whose result feeds no loop carry (a layer's gradients, leaving as the scan's
+per-layer output) can finish during the next iteration (XLA's collective pipeliner): it gets
+the FLOPs of a whole iteration."""
 from __future__ import annotations
 
 import math
@@ -39,14 +42,15 @@ def _source(eqn, module_paths) -> str:
 
 
 def collectives(closed, sizes: dict[str, int], module_paths=frozenset()) -> list[Collective]:
-    """Every collective in a (nested) jaxpr; scan bodies count once per iteration."""
+    """Every collective in a (nested) jaxpr, in program order; a scan body's once per iteration."""
+    return _walk(closed.jaxpr, sizes, module_paths)
+
+
+def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collective]:
+    """The collectives of one run of `jaxpr`; `carries`: for a scan body, how many of its
+    outputs are loop carries."""
+    region = Region(jaxpr, carries) if any(str(e.primitive) in _KIND for e in jaxpr.eqns) else None
     found: list[Collective] = []
-    _walk(closed.jaxpr, sizes, module_paths, 1, found)
-    return found
-
-
-def _walk(jaxpr, sizes, module_paths, times, found):
-    region = Region(jaxpr) if any(str(e.primitive) in _KIND for e in jaxpr.eqns) else None
     for i, eqn in enumerate(jaxpr.eqns):
         name = str(eqn.primitive)
         if name in _KIND:
@@ -55,12 +59,13 @@ def _walk(jaxpr, sizes, module_paths, times, found):
             payload = _bytes([v.aval for v in eqn.invars])
             if _KIND[name] == "all-gather":
                 payload *= n
-            overlap = region.overlap(i)
-            for _ in range(times):
-                found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, overlap))
-        repeat = times * eqn.params["length"] if name == "scan" else times
+            found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, region.overlap(i)))
         for sub in jcore.jaxprs_in_params(eqn.params):
-            _walk(sub, sizes, module_paths, repeat, found)
+            if name == "scan":  # iteration by iteration
+                found += _walk(sub, sizes, module_paths, eqn.params["num_carry"]) * eqn.params["length"]
+            else:
+                found += _walk(sub, sizes, module_paths)
+    return found
 
 
 # -- overlap ---------------------------------------------------------------------------------------
@@ -90,10 +95,20 @@ def independent_flops(jaxpr, index: int, anc: list[int], flops: list[float]) -> 
 class Region:
     """Dependency facts of one jaxpr, computed once for all its collectives."""
 
-    def __init__(self, jaxpr):
+    def __init__(self, jaxpr, carries: int | None = None):
         self.jaxpr = jaxpr
         self.anc = _ancestors(jaxpr)
         self.flops = [flops.of_eqn(e).matmul for e in jaxpr.eqns]
+        self.carried = 0  # scan body: bitset of the equations its loop carries depend on
+        if carries is not None:
+            producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+            for v in jaxpr.outvars[:carries]:
+                p = producer.get(v) if isinstance(v, jcore.Var) else None
+                if p is not None:
+                    self.carried |= (1 << p) | self.anc[p]
+        self.loop = carries is not None
 
     def overlap(self, index: int) -> float:
+        if self.loop and not (self.carried >> index) & 1:  # pipelined into the next iteration
+            return float(sum(self.flops))
         return independent_flops(self.jaxpr, index, self.anc, self.flops)

@@ -8,6 +8,13 @@ Gradients are grouped into buckets of about `bucket_bytes`; each bucket is one f
                   all-reduce of the 1/inner shard over the outer axes, all-gather over the
                   inner axes: the slow outer links carry 1/inner of the bytes.
 
+In the layer scan, each layer's gradients are reduced inside the backward pass by default
+(`in_backward`, `in_layer`): one bucket per layer, issued where the backward scan produces it,
+so the rest of the backward pass runs while it is on the wire (an async collective on GPU and
+Neuron; XLA's collective pipeliner moves it out of the loop's critical path). The layers'
+parameters enter the scan invariant and are cast to varying inside the body by an identity
+whose derivative is that all-reduce.
+
 `comm_dtype="int8"` quantizes each bucket instead (xtrain.lowering.int8_sync: int8 all-to-all,
 fp32 sums, int8 all-gather, flat or hierarchical) and keeps what quantization dropped on each
 device as error feedback (`with_feedback` adds it to the next step's gradients).
@@ -26,6 +33,10 @@ from jax import lax
 from xtrain.lowering import collectives, int8_sync
 
 INT8 = "int8"
+# GradSync(in_backward=None): a layer whose gradients reach this many bytes is all-reduced inside
+# the backward pass. At 1 MiB a ring all-reduce's transfer time is well above a collective's
+# fixed cost on every backend (tens of microseconds: NCCL, Neuron's CC cores, gloo).
+LAYER_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +53,12 @@ class GradSync:
             False = one flat all-reduce over all of them.
         inner_axes: the fast (intra-node) axes of a hierarchical reduction; None = the last of
             the gradient axes in the batch spec's order (`local` of batch=(("node", "local"),)).
+        in_backward: the layer scan's parameters' gradients are all-reduced per layer inside
+            the backward pass (not with int8, which keeps residuals per step, nor with gradient
+            accumulation, which would reduce every microbatch); False = all after the backward;
+            None (default) = per layer where one layer's gradients reach LAYER_BYTES (smaller
+            layers are cheaper in the post-backward buckets: a collective's fixed launch cost
+            per layer outweighs the little compute it could hide behind).
     """
 
     bucket_bytes: int | None = 25 * 2**20
@@ -49,6 +66,7 @@ class GradSync:
     hierarchical: bool = True
     inner_axes: tuple[str, ...] | None = None
     int8_chunk: int = 512  # comm_dtype="int8": elements that share one fp32 scale
+    in_backward: bool | None = None
 
     def __post_init__(self):
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
@@ -128,6 +146,39 @@ def _all_reduce(grads: list, axes: tuple[str, ...], config: GradSync) -> tuple[l
     flat = jnp.concatenate([g.astype(dtype).ravel() for g in grads])
     flat = _hierarchical(flat, inner, outer) if inner else collectives.all_reduce(flat, axes)
     return _unflatten(flat, grads), None
+
+
+def reduces_in_backward(config: GradSync, accumulate: int) -> bool:
+    """Whether the layer scan may all-reduce its parameters' gradients inside the backward pass
+    (`per_layer` then says for each layer scan)."""
+    return config.in_backward is not False and not config.int8 and accumulate == 1
+
+
+def per_layer(config: GradSync, layer_bytes: int) -> bool:
+    """Whether a layer scan whose layers have `layer_bytes` of gradients to all-reduce does so
+    per layer inside the backward pass."""
+    return bool(config.in_backward) or (config.in_backward is None and layer_bytes >= LAYER_BYTES)
+
+
+def in_layer(values: list, axes: tuple[str, ...], config: GradSync, label: str) -> list:
+    """`values` (one layer's parameters, invariant over `axes`) cast to varying over `axes` by an
+    identity whose derivative all-reduces their gradients over `axes` as one bucket, inside the
+    backward pass where it reaches this layer (named `xtrain.grad_sync.in_backward[label]`)."""
+
+    @jax.custom_vjp
+    def identity(values):
+        return [lax.pcast(v, axes, to="varying") for v in values]
+
+    def forward(values):
+        return identity(values), None
+
+    def backward(_, grads):
+        with jax.named_scope(f"xtrain.grad_sync.in_backward[{label}]"):
+            reduced, _ = _all_reduce(list(grads), axes, config)
+        return (reduced,)
+
+    identity.defvjp(forward, backward)
+    return identity(list(values))
 
 
 def with_feedback(grads: Mapping[str, jnp.ndarray], residual: Mapping[str, jnp.ndarray] | None) -> dict:

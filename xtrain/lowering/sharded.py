@@ -107,6 +107,10 @@ class Context:
     # per-step counts for the step's outputs: (name, module path) -> Sharded, e.g. ("expert_tokens", MoE layer)
     counts: dict[tuple[str, str], "Sharded"] = dataclasses.field(default_factory=dict)
     capacity_factor: float | None = None  # MoE layers drop the pairs past each expert's capacity (Plan)
+    # parameters whose gradients the layer scan all-reduces inside the backward pass: jaxpr var
+    # -> mesh axes (xtrain.lowering.gradient_sync.in_layer), with `sync` the GradSync to use
+    synced: Mapping = dataclasses.field(default_factory=dict)
+    sync: Any = None
 
     def note(self, text: str) -> None:
         self.notes[text] = None

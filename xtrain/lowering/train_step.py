@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.lowering import gradient_sync, input_checks, offload
+from xtrain.lowering import collectives, gradient_sync, input_checks, offload
 from xtrain.lowering import ordering
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.gradient_sync import GradSync
@@ -169,8 +169,19 @@ def _checks(model, config: StepConfig, runner, state: TrainState, batch: tuple, 
 
 def _poisoned(grads, bad) -> dict:
     """NaN gradients when `bad`: the gradient sync spreads them to every device, whose norm
-    then skips the step (finish_step). Exact otherwise (times 1)."""
-    return {n: g * jnp.where(bad, jnp.nan, 1.0).astype(g.dtype) for n, g in grads.items()}
+    then skips the step (finish_step). Exact otherwise (times 1). A gradient already summed
+    (invariant over axes `bad` varies over: the layer scan's in-backward sync) takes the flag
+    of any device first."""
+    flags: dict[frozenset, Any] = {}
+
+    def flag(g):
+        missing = frozenset(collectives.vma(bad) - collectives.vma(g))
+        if missing and missing not in flags:
+            with jax.named_scope("xtrain.input_checks.any_device"):
+                flags[missing] = collectives.all_reduce(bad.astype(jnp.int32), tuple(sorted(missing))) > 0
+        return flags[missing] if missing else bad
+
+    return {n: g * jnp.where(flag(g), jnp.nan, 1.0).astype(g.dtype) for n, g in grads.items()}
 
 
 def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.Found) -> Callable:

@@ -11,7 +11,7 @@ import jax
 from jax import lax
 
 from xtrain.ir.model import Model
-from xtrain.lowering import accumulation
+from xtrain.lowering import accumulation, gradient_sync
 from xtrain.lowering import zero as zero_mod
 from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
@@ -50,6 +50,9 @@ class Program:
         self.repeated: list = []
         self.block_notes: list[str] = []  # families with per-layer variants or outputs; blocks that are not one
         self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
+        self.sync = config.sync
+        self.in_layer: dict[str, tuple[str, ...]] = {}  # name -> axes: may be all-reduced inside the layer scan
+        self.synced: set[str] = set()  # those the traced layer scans do all-reduce in their backward pass
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
 
@@ -80,19 +83,33 @@ class Program:
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
         self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
+        synced = self._synced(repeated, by_var) if training else {}
 
         def local(params, buffers, key, batch):
             ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
                                remat=self.remat if training else None,
                                regather=self.regather if training else None, unroll=not self.layout.scan_layers,
-                               capacity_factor=self.capacity_factor)
+                               capacity_factor=self.capacity_factor, synced=synced, sync=self.sync)
             regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(self.ctx, o).value for o in outs]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs), self._counts()
 
         return local
+
+    def _synced(self, repeated: list, by_var: dict) -> dict:
+        """jaxpr var -> axes of the `in_layer` parameters the layer scans read (recorded in `synced`)."""
+        wanted = {v: self.in_layer[n] for v, n in by_var.items() if n in self.in_layer}
+        out = {}
+        for blocks in repeated:
+            found = {v: wanted[v] for position in layer_scan.synced_positions(wanted, blocks)
+                     for v in layer_scan.position_sources(blocks, position)}
+            layer_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in found) // blocks.length
+            if gradient_sync.per_layer(self.sync, layer_bytes):
+                out.update(found)
+        self.synced = {by_var[v] for v in out}
+        return out
 
     def _counts(self) -> dict:
         """The per-step counts the rules recorded, summed over the devices that split them."""
@@ -130,6 +147,9 @@ class ExplicitStrategy:
         self.grad_axes = {n: layout.grad_axes(n) for n in layout.param_specs}
         # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
         self.pending = {n: () if self.update.scatters(n) else a for n, a in self.grad_axes.items()}
+        if gradient_sync.reduces_in_backward(config.sync, config.options.accumulate):
+            self.program.in_layer = {n: a for n, a in self.grad_axes.items()
+                                     if a and not layout.zero_axes(n) and not self.update.scatters(n)}
 
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
         steps = self.config.options.accumulate
@@ -149,10 +169,12 @@ class ExplicitStrategy:
                 # inside it, the layer scan's remat policy included; the layers' weights are
                 # then gathered again by that policy, the rest stay gathered (FSDP's root).
                 loss_of = jax.checkpoint(loss_of, policy=regather)
-            params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] else p
+            synced = self.program.synced  # all-reduced by the layer scan inside the backward pass
+            params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] and n not in synced else p
                       for n, p in state.params.items()}
             loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
-            return Gradients(loss, buffers, grads, self.pending, counts)
+            pending = {n: () if n in synced else a for n, a in self.pending.items()}
+            return Gradients(loss, buffers, grads, pending, counts)
 
         return compute
 

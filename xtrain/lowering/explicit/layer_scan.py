@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from xtrain.ir import walk
+from xtrain.lowering import gradient_sync
 from xtrain.lowering import remat as remat_policy
 from xtrain.lowering import zero
 from xtrain.lowering.collectives import vma
@@ -100,6 +102,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     positions = [_layer_position(ctx, blocks, k, read, unrolled) for k in range(len(blocks.per_layer[0]))]
     first = [layer for layer, _ in positions]
     carry_layouts = [x.layout for x in init]
+    synced = synced_positions(ctx.synced, blocks)
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
 
     def body(carry, xs, index=None):
@@ -112,6 +115,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             # alive to the end of the step; apart, only the small vectors' buffer stays
             params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
                                    vectors_apart=unrolled)
+        params = _synced(ctx, synced, params, blocks.prefix)  # gradients all-reduced in this layer's backward
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
         before = set(ctx.counts)
@@ -131,6 +135,39 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
                     for out, x, v in zip(blocks.collected, collected, values)})
     env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
     return env
+
+
+def synced_positions(synced: Mapping, blocks: RepeatedBlocks) -> dict[int, tuple[str, ...]]:
+    """Parameter positions whose gradients the scan all-reduces per layer (position -> axes):
+    those whose every source (the stacked input, or each layer's parameter) is in `synced`
+    (jaxpr var -> mesh axes), all with the same axes."""
+    out = {}
+    for position in range(len(blocks.per_layer[0])):
+        axes = {synced.get(v) if isinstance(v, jcore.Var) else None for v in position_sources(blocks, position)}
+        if len(axes) == 1 and None not in axes:
+            out[position] = axes.pop()
+    return out
+
+
+def position_sources(blocks: RepeatedBlocks, position: int) -> list:
+    """The vars a parameter position reads: the stacked input, or else each layer's parameter."""
+    source = blocks.stacked_input(position)
+    return [source] if source is not None else [layer[position] for layer in blocks.per_layer]
+
+
+def _synced(ctx: Context, synced: dict, params: list[Sharded], prefix: str) -> list[Sharded]:
+    """`params` with those at `synced` positions cast to varying by gradient_sync.in_layer: one
+    all-reduce per group of (axes, dtype, varying axes) in this layer's backward pass."""
+    groups: dict[tuple, list[int]] = {}
+    for position, axes in synced.items():
+        p = params[position]
+        groups.setdefault((axes, str(p.value.dtype), tuple(sorted(vma(p.value)))), []).append(position)
+    out = list(params)
+    for (axes, _, _), positions in groups.items():
+        values = gradient_sync.in_layer([params[k].value for k in positions], axes, ctx.sync, f"{prefix}.*")
+        for k, v in zip(positions, values):
+            out[k] = dataclasses.replace(params[k], value=v)
+    return out
 
 
 def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, positions: list) -> tuple[list, list]:
