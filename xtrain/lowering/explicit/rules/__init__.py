@@ -5,6 +5,7 @@ this package registers them all (xtrain.lowering.explicit.registry).
     shape.py          broadcast, reshape, transpose, slices, pads, joins; layout annotations
     reductions.py     sums (pending partial sums), max/min (combined over shards), the rest whole
     contractions.py   dot_general (tensor parallel products), convolutions
+    linear_grad.py    (helper) activation x 2-D weight whose weight gradient takes XLA:CPU's fast orientation
     indexing.py       gathers, vocab-parallel embedding lookups
     routing.py        mixture-of-experts routing: top-k, sorts, grouped matmuls, routed-experts calls
     experts.py        expert parallel: a routed-experts call's all-to-all dispatch and combine

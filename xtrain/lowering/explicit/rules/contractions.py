@@ -5,6 +5,7 @@ from __future__ import annotations
 from xtrain.lowering import sharded as C
 from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
+from xtrain.lowering.explicit.rules import linear_grad
 from xtrain.lowering.explicit.registry import bind, register, same_vma, whole_dims_where, wrap
 from xtrain.lowering.sharded import Context, Sharded
 
@@ -114,8 +115,18 @@ def _local_dot(ctx: Context, eqn, x, y):
         return bind(ctx, eqn, [x, y], **extra)[0]
     x, y = same_vma(ctx, [x, y])  # before the reshape: one cast of x (ctx caches it), so one
     # sum of its gradient over the cast's axes for every product reading x (q, k and v's)
-    flat = bind(ctx, eqn, [x.reshape(-1, x.shape[-1]), y], dimension_numbers=(((1,), tuple(rc)), ((), ())),
-                 **extra)[0]
+    numbers = (((1,), tuple(rc)), ((), ()))
+
+    def forward(x2, w):
+        return bind(ctx, eqn, [x2, w], dimension_numbers=numbers, **extra)[0]
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if y.ndim == 2 and ctx.remat is None and ctx.regather is None and x.dtype == y.dtype:
+        # the weight's gradient in the orientation XLA:CPU runs fastest (rules/linear_grad.py);
+        # not under remat / ZeRO-3's re-gather, whose policies name the dots they save
+        flat = linear_grad.linear(x2, y, rc[0], eqn.params, forward)
+    else:
+        flat = forward(x2, y)
     return flat.reshape(*x.shape[:-1], *flat.shape[1:])
 
 
