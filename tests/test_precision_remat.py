@@ -4,6 +4,7 @@ import copy
 import functools
 import re
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -146,18 +147,26 @@ def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     torch.manual_seed(0)
     model, batches = GPT(layers=3, d=32, seq=16), token_batches(n=4, batch=32)
     reference = torch_reference(model, adamw, batches)
+    asked = set()
+
+    def policy(prim, *avals, **params):  # a residual policy of one's own: the Plan(remat=...) hook
+        asked.add(str(prim))
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
     temps = {}
-    for remat, keep in (("full", ()), ("selective", ("blocks.*.attn",))):
+    for remat, keep in (("full", ()), ("selective", ("blocks.*.attn",)), (policy, ())):
         candidate = copy.deepcopy(model)
-        step = xtrain.compile(candidate, xtrain.Mesh(data=8), optimizer=adamw(candidate.parameters()),
-                              plan=xtrain.Plan(remat=remat, remat_keep=keep))
+        plan = xtrain.Plan(remat=remat, remat_keep=keep)
+        step = xtrain.compile(candidate, xtrain.Mesh(data=8), optimizer=adamw(candidate.parameters()), plan=plan)
         losses = [step(*b)["loss"] for b in batches]
         assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
-        temps[remat] = remat_note(step)
-    (full, off), (selective, off_again) = temps["full"], temps["selective"]
-    assert off == off_again
-    # keeping the attention activations costs memory that full recomputation saves
+        temps[plan.remat.value] = remat_note(step)
+    (full, off), (selective, off_again), (saved_dots, off_third) = temps["full"], temps["selective"], temps["policy"]
+    assert off == off_again == off_third
+    # keeping the attention activations costs memory that full recomputation saves; the policy
+    # keeps the projections' outputs (2-D products) but not the attention scores (batched)
     assert full < selective < off, temps
+    assert full < saved_dots < off and "dot_general" in asked, (temps, asked)
 
 
 def test_remat_under_zero3_recomputes_the_layers_and_gathers_their_weights_again():
@@ -186,8 +195,12 @@ def test_remat_without_a_layer_scan_is_an_error():
     with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
                                          r"MLP has none \(no run of identical blocks.0, blocks.1, ...\); use remat='off'"):
         step(*mlp_batches(n=1)[0])
-    with pytest.raises(ValueError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots', 'selective'\]"):
+    with pytest.raises(ValueError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots', 'selective', 'policy'\]"):
         xtrain.Plan(remat="some")
+    with pytest.raises(ValueError, match=r"pass the JAX checkpoint policy itself"):
+        xtrain.Plan(remat="policy")
+    with pytest.raises(ValueError, match=r"a policy callable decides what stays on the device"):
+        xtrain.Plan(remat=jax.checkpoint_policies.dots_saveable, offload="activations")
     with pytest.raises(ValueError, match=r"Plan\(remat='selective', remat_keep=\(\)\): remat='selective' needs remat_keep"):
         xtrain.Plan(remat="selective")
     with pytest.raises(ValueError, match=r"Plan\(remat='full'\) checkpoints each layer of the explicit lowering"):

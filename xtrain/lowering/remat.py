@@ -32,6 +32,8 @@ def policy(remat: LayerRemat):
             offload_src="device", offload_dst=HOST_MEMORY)
     if remat.mode is Remat.DOTS:
         return jax.checkpoint_policies.dots_saveable
+    if remat.mode is Remat.POLICY:
+        return remat.policy
     if remat.mode is Remat.SELECTIVE:
         return jax.checkpoint_policies.save_only_these_names(KEPT)
     return None

@@ -58,7 +58,10 @@ class Plan:
             `xtrain.Precision(...)` with per-module overrides (see xtrain.precision).
         remat: activation checkpointing per layer of the layer scan (explicit lowering):
             "off", "full" (keep only each layer's input; True means this), "dots" (keep matmul
-            outputs) or "selective" (keep the activations of the modules `remat_keep` names).
+            outputs) or "selective" (keep the activations of the modules `remat_keep` names),
+            or a JAX checkpoint policy (a callable `policy(prim, *avals, **params) -> bool`, e.g.
+            `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`): each layer saves what
+            it saves (`plan.remat` then reads "policy", `plan.remat_policy` holds it).
         remat_keep: remat="selective": fnmatch patterns over module paths, e.g. ("blocks.*.attn",).
         pipeline: pipeline parallelism (stages, microbatches, schedule, split); set it with
             `plan.with_pipeline(...)`. None: no pipeline.
@@ -79,8 +82,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     zero: int = 0
     precision: Precision | str = "fp32"
-    remat: Remat | str | bool = "off"
+    remat: Remat | str | bool | Callable = "off"
     remat_keep: tuple[str, ...] = ()
+    remat_policy: Callable | None = None
     pipeline: Pipeline | None = None
     offload: Offload | str = "none"
     capacity_factor: float | None = None
@@ -109,6 +113,9 @@ class Plan:
                              "or None for drop-free MoE layers")
 
     def _check_remat(self) -> None:
+        if callable(self.remat) and not isinstance(self.remat, Remat):
+            object.__setattr__(self, "remat_policy", self.remat)
+            object.__setattr__(self, "remat", Remat.POLICY)
         remat = {True: "full", False: "off"}[self.remat] if isinstance(self.remat, bool) else self.remat
         try:
             object.__setattr__(self, "remat", Remat(remat))
@@ -116,6 +123,14 @@ class Plan:
             raise ValueError(f"Plan(remat={self.remat!r}) must be one of {[r.value for r in Remat]}") from None
         keep = (self.remat_keep,) if isinstance(self.remat_keep, str) else tuple(self.remat_keep)
         object.__setattr__(self, "remat_keep", keep)
+        if (self.remat is Remat.POLICY) != callable(self.remat_policy):
+            raise ValueError(f"Plan(remat={self.remat.value!r}): pass the JAX checkpoint policy itself, "
+                             "Plan(remat=jax.checkpoint_policies.dots_saveable), not the word 'policy'"
+                             if self.remat is Remat.POLICY else f"Plan(remat_policy=...) needs remat=<that policy>, "
+                             f"not remat={self.remat.value!r}")
+        if self.remat is Remat.POLICY and self.offload is Offload.ACTIVATIONS:
+            raise ValueError("Plan(remat=<policy>, offload='activations'): a policy callable decides what stays on "
+                             "the device; offloading needs names (remat='full', 'dots' or 'selective')")
         if (self.remat is Remat.SELECTIVE) != bool(keep):
             raise ValueError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
                              "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
@@ -126,7 +141,7 @@ class Plan:
         if self.offload is Offload.ACTIVATIONS:
             mode = Remat.FULL if self.remat is Remat.OFF else self.remat
             return LayerRemat(mode, self.remat_keep, offload=True)
-        return None if self.remat is Remat.OFF else LayerRemat(self.remat, self.remat_keep)
+        return None if self.remat is Remat.OFF else LayerRemat(self.remat, self.remat_keep, policy=self.remat_policy)
 
     def __str__(self) -> str:
         """One line per rule, then the notes: what `print(plan)` shows."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
+from typing import Callable
 
 
 class Remat(enum.Enum):
@@ -16,12 +17,17 @@ class Remat(enum.Enum):
     dots   keep matmul outputs, recompute the rest (norms, activations, softmax).
     selective  keep the activations of the modules named by `remat_keep` (module-path
            patterns), recompute the rest of the layer.
+    policy keep what a JAX checkpoint policy given as `Plan(remat=callable)` saves
+           (`policy(prim, *avals, **params) -> bool`, e.g.
+           `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`): the hook for residual
+           policies of one's own.
     """
 
     OFF = "off"
     FULL = "full"
     DOTS = "dots"
     SELECTIVE = "selective"
+    POLICY = "policy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,7 @@ class LayerRemat:
     mode: Remat
     keep: tuple[str, ...] = ()
     offload: bool = False   # what the layer saves goes to host memory (Plan(offload="activations"))
+    policy: Callable | None = None  # mode POLICY: the JAX checkpoint policy (what each layer saves)
 
     @property
     def setting(self) -> str:
