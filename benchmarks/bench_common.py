@@ -46,8 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lowering", default="xla", help="xtrain lowering (bench_xtrain.py only)")
     p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
                    help="gpt: examples/gpt_model.py; llama: HF LlamaForCausalLM of the same width (SwiGLU, GQA)")
-    p.add_argument("--plan", default="ddp", choices=("ddp", "auto"),
-                   help="bench_xtrain.py: the default data-parallel plan, or plan='auto' (the cost model's pick)")
+    p.add_argument("--plan", default="ddp", choices=("ddp", "fsdp", "auto"),
+                   help="bench_xtrain.py: the default data-parallel plan, ZeRO-3 (fsdp: Plan(zero=3)), or "
+                        "plan='auto' (the cost model's pick)")
     p.add_argument("--report", action="store_true",
                    help="bench_xtrain.py: also emit step.report()'s wire bytes and XLA memory per device")
     p.add_argument("--no-guards", action="store_true",

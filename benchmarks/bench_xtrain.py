@@ -21,7 +21,7 @@ def main() -> None:
     model = bench_common.build_model(args)
     step = xtrain.compile(model, xtrain.Mesh(data=-1), lowering=args.lowering,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
-                          plan="auto" if args.plan == "auto" else None,
+                          plan={"auto": "auto", "fsdp": xtrain.Plan(zero=3)}.get(args.plan),
                           detect_nan=not args.no_guards, check_inputs=not args.no_guards)
     losses, seconds = bench_common.timed_loop(lambda x, y: step(x, y)["loss"], bench_common.batches(args),
                                               args.warmup)

@@ -46,6 +46,9 @@ ALLOCATOR = "glibc malloc, every process: " + ", ".join(f"{k}={v}" for k, v in R
     " (large buffers reused across steps, not re-faulted from the kernel)"
 
 
+MODEL_NAMES = {"gpt": "examples/gpt_model.py", "llama": "HF LlamaForCausalLM (SwiGLU, 2 kv heads)"}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
     """One configuration of the comparison.
@@ -81,8 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--guards-cost", action="store_true",
                    help="also run the first lowering with detect_nan=False, check_inputs=False (their cost)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="also xtrain ZeRO-3 (Plan(zero=3)) beside PyTorch FSDP2 (fully_shard per block), N processes")
+    p.add_argument("--no-jit", action="store_true",
+                   help="leave out the plain jax.jit row (about 7 s a step at 24 layers)")
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                   help="gpt: examples/gpt_model.py; llama: HF LlamaForCausalLM of the same width")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model_args = ("--model", args.model)
+    return args
 
 
 def runs(args) -> list[Run]:
@@ -98,8 +109,14 @@ def runs(args) -> list[Run]:
         out.append(Run(key="unguarded", label=f"xtrain (lowering={first}), no detect_nan / input checks",
                        launch=f"torchrun, {n} processes x 1 CPU device", worker="bench_xtrain.py", processes=n,
                        extra=("--lowering", first, "--no-guards")))
-    out.append(Run(key="jit", label="plain jax.jit of the traced model (no xtrain lowering)", launch="1 process",
-                   worker="bench_jit.py", processes=1))
+    if args.fsdp:
+        out.append(Run(key="xtrain-fsdp", label="xtrain ZeRO-3 (Plan(zero=3))", launch=f"torchrun, {n} processes x 1 CPU device",
+                       worker="bench_xtrain.py", processes=n, extra=("--lowering", first, "--plan", "fsdp")))
+        out.append(Run(key="fsdp2", label="PyTorch FSDP2 (gloo)", launch=f"torchrun, {n} processes",
+                       worker="bench_fsdp.py", processes=n))
+    if not args.no_jit:
+        out.append(Run(key="jit", label="plain jax.jit of the traced model (no xtrain lowering)", launch="1 process",
+                       worker="bench_jit.py", processes=1))
     out.append(Run(key="ddp", label="PyTorch DDP (gloo)", launch=f"torchrun, {n} processes",
                    worker="bench_ddp.py", processes=n))
     out.append(Run(key="eager", label="torch eager", launch="1 process", worker="bench_eager.py", processes=1))
@@ -204,24 +221,27 @@ def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
         first = next(k for k in ms if k.startswith("xtrain"))
         lines.append(f"| {first} / the same without detect_nan and input checks (their cost) | "
                      f"{ms[first] / ms['unguarded']:.3f} |")
-    for key in (k for k in ms if k.startswith("xtrain") and k != "xtrain-1proc"):
+    for key in (k for k in ms if k.startswith("xtrain") and k not in ("xtrain-1proc", "xtrain-fsdp")):
         lines.append(f"| {key} / DDP | {ms[key] / ms['ddp']:.2f} |")
         lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")
+    if "fsdp2" in ms:
+        lines.append(f"| xtrain ZeRO-3 / PyTorch FSDP2 | {ms['xtrain-fsdp'] / ms['fsdp2']:.2f} |")
     lines.append(f"| DDP / eager | {ms['ddp'] / ms['eager']:.2f} |")
     lines.append(f"| xtrain 1 process / eager (compute only, same work) | {ms['xtrain-1proc'] / ms['eager']:.2f} |")
-    lines.append(f"| xtrain 1 process / plain jax.jit (xtrain's lowering, same XLA) | {ms['xtrain-1proc'] / ms['jit']:.2f} |")
-    lines.append(f"| plain jax.jit / eager (XLA CPU code vs torch kernels) | {ms['jit'] / ms['eager']:.2f} |")
+    if "jit" in ms:
+        lines.append(f"| xtrain 1 process / plain jax.jit (xtrain's lowering, same XLA) | {ms['xtrain-1proc'] / ms['jit']:.2f} |")
+        lines.append(f"| plain jax.jit / eager (XLA CPU code vs torch kernels) | {ms['jit'] / ms['eager']:.2f} |")
     return lines
 
 
 def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tuple[float, float]) -> str:
     head = [
-        "# xtrain vs PyTorch DDP vs torch eager (example GPT)",
+        "# xtrain vs PyTorch DDP vs torch eager",
         "",
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- machine: {machine()}; 1-min load average {load[0]:.2f} before, {load[1]:.2f} after",
         f"- software: {versions()}",
-        f"- model: examples/gpt_model.py, {args.layers} layers, d_model {args.d_model}, vocab 256; "
+        f"- model: {MODEL_NAMES[args.model]}, {args.layers} layers, d_model {args.d_model}, vocab 256; "
         f"global batch {args.batch} x {args.seq} tokens; AdamW lr 1e-3; fp32",
         f"- threads: {PINNING}",
         f"- allocator: {ALLOCATOR}",
