@@ -253,3 +253,19 @@ def test_a_fused_split_checkpoint_at_tensor2_loads_at_tensor1_and_4(tmp_path):
         restored.load(tmp_path / "tp2")
         state = restored.state_dict()
         assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(saved[k])) for k in saved), sizes
+        # the optimizer state (momentum, stored like its parameter) came back in order too: the next
+        # step matches torch's second step
+        restored(*data[1])
+        state, second = restored.state_dict(), torch_reference(model, sgd, data[:2], loss_fn)[1]
+        for name in ("model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"):
+            torch.testing.assert_close(torch.as_tensor(state[name]), second[name], atol=1e-5, rtol=0)
+
+
+def test_fused_segments_under_fsdp_on_top():
+    # ZeRO-3 splits the fused weights over data on their other dimension (never the per-segment one)
+    model, loss_fn, data, plan = case("phi3")
+    both = plans.fsdp(model, MESH, base=plan)
+    assert both.params["model.layers.*.self_attn.qkv_proj.weight"] == (xtrain.Segments("tensor", (32, 32, 32)),
+                                                                       "data")
+    reference = torch_reference(model, sgd, data, loss_fn)
+    assert_parity(run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=both, loss_fn=loss_fn, reference=reference))
