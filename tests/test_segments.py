@@ -2,6 +2,8 @@
 segment), stored interleaved on the mesh and in torch's order everywhere else. A hand-written plan
 on a tiny fused MLP, whose fused output is both sliced apart (local per segment) and read whole (a
 softmax over it: gathered back to torch's order), trains with parity under both lowerings."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +74,12 @@ def test_segments_that_do_not_fit_are_refused(sizes, message):
     bad = xtrain.Plan(params={"up.weight": (Segments("tensor", sizes), None)})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=bad)
+
+
+@pytest.mark.parametrize("change", [dict(offload="optimizer"), dict(zero=2)])
+def test_optimizer_state_follows_the_stored_order(change):
+    # the momentum is stored like its parameter: in host memory (reordered on the device), or split
+    # further over data by ZeRO-2 on the other dimension
+    torch.manual_seed(0)
+    model = FusedMLP()
+    assert_parity(run_parity(model, sgd, data(), xtrain.Mesh(**MESH), plan=dataclasses.replace(plan(), **change)))

@@ -152,4 +152,8 @@ def in_order(state: TrainState, layout: StateLayout, shardings: TrainState, *, t
     """`reordered` on the mesh (placed as `shardings`); `state` itself when nothing is split per segment."""
     if not any(segments.segmented_dims(s) for s in layout.param_specs.values()):
         return state
-    return jax.jit(lambda s: reordered(s, layout, to_torch=to_torch), out_shardings=shardings)(state)
+    # offloaded optimizer state is reordered in device memory (a gather reads one memory space)
+    device = jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind == HOST_MEMORY else s, shardings)
+    moved = jax.jit(lambda s: reordered(s, layout, to_torch=to_torch), out_shardings=device)(
+        jax.device_put(state, device))
+    return jax.device_put(moved, shardings)
