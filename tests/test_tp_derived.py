@@ -25,6 +25,7 @@ def sgd(params):
 MODELS = {
     "gpt_neox": (lambda: hf("gpt_neox"), lm_loss),
     "phi3": (lambda: hf("phi3"), lm_loss),
+    "gpt2": (lambda: hf("gpt2"), lm_loss),
     "bert": (lambda: hf("bert"), lm_loss),
     "dict_llama": (DictLlama, None),
     "mqa": (lambda: DictLlama(kv=1), None),
@@ -60,10 +61,18 @@ def test_gpt_neox_fused_qkv_is_split_by_heads():
 def test_phi3_fused_gate_up_and_qkv_are_segments():
     _, _, _, plan = case("phi3")
     layer = "model.layers.*."
-    assert plan.params[layer + "mlp.gate_up_proj.weight"] == COL and plan.params[layer + "mlp.down_proj.weight"] == ROW
-    assert plan.params[layer + "self_attn.qkv_proj.weight"] == COL and plan.params[layer + "self_attn.o_proj.weight"] == ROW
-    assert any(n.startswith("model.layers.*.mlp.gate_up_proj: fused output sliced into 2 segments [128, 128]")
-               for n in plan.notes)
+    assert plan.params[layer + "mlp.gate_up_proj.weight"] == (xtrain.Segments("tensor", (128, 128)), None)
+    assert plan.params[layer + "self_attn.qkv_proj.weight"] == (xtrain.Segments("tensor", (32, 32, 32)), None)
+    assert plan.params[layer + "mlp.down_proj.weight"] == ROW and plan.params[layer + "self_attn.o_proj.weight"] == ROW
+    assert any(n.startswith("model.layers.*.mlp.gate_up_proj: fused output sliced into 2 segments [128, 128]; split "
+                            "per segment over tensor=2") for n in plan.notes)
+
+
+def test_gpt2_c_attn_and_its_bias_are_split_per_segment():
+    _, _, _, plan = case("gpt2")
+    qkv = xtrain.Segments(("tensor",), (32, 32, 32))  # a Conv1D: (in, out) weight, the fused dim last
+    assert plan.params["transformer.h.*.attn.c_attn.weight"] == (None, qkv)
+    assert plan.params["transformer.h.*.attn.c_attn.bias"] == (qkv,)
 
 
 def test_bert_sibling_output_modules_pair_by_dataflow():
@@ -151,7 +160,7 @@ def tensor_collectives(name, by_stack=False):
 
 
 @pytest.mark.parametrize("name,per_block", [("gpt_neox", 1), ("bert", 2), ("dict_llama", 2), ("mqa", 2),
-                                           ("gqa3", 2)])
+                                           ("gqa3", 2), ("phi3", 2), ("gpt2", 2)])
 def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
     # GPT-NeoX's parallel residual (x + attn(x) + mlp(x)) adds both pending sums before one
     # all-reduce (their row-parallel biases are added after it)
@@ -214,11 +223,9 @@ def test_sequence_parallel_parity_and_collectives(name):
         layer = next((p for p in path if p.isdigit()), None)
         if c.axes == ("tensor",) and layer is not None and "transpose(" not in c.source:
             counts[(int(layer), c.kind)] += 1
-    # GPT-2's fused c_attn, split contiguously, is gathered where its q/k/v segments cross shards:
-    # one all-gather more (a per-segment layout would remove it); its row-parallel biases are added
-    # to the reduce-scattered sums (each device its slice of them)
-    gathers = 3 if name == "gpt2" else 2
-    assert counts == {(b, k): n for b in range(2) for k, n in (("reduce-scatter", 2), ("all-gather", gathers))}, counts
+    # GPT-2's fused c_attn is split per segment: its q, k, v slices are local, no gather for them;
+    # its row-parallel biases are added to the reduce-scattered sums (each device its slice of them)
+    assert counts == {(b, k): 2 for b in range(2) for k in ("reduce-scatter", "all-gather")}, counts
     if name == "gpt2":
         return
     # the activations between the blocks are a tensor-th of the sequence: less temporary memory
@@ -246,3 +253,19 @@ def test_a_fused_split_checkpoint_at_tensor2_loads_at_tensor1_and_4(tmp_path):
         restored.load(tmp_path / "tp2")
         state = restored.state_dict()
         assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(saved[k])) for k in saved), sizes
+        # the optimizer state (momentum, stored like its parameter) came back in order too: the next
+        # step matches torch's second step
+        restored(*data[1])
+        state, second = restored.state_dict(), torch_reference(model, sgd, data[:2], loss_fn)[1]
+        for name in ("model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"):
+            torch.testing.assert_close(torch.as_tensor(state[name]), second[name], atol=1e-5, rtol=0)
+
+
+def test_fused_segments_under_fsdp_on_top():
+    # ZeRO-3 splits the fused weights over data on their other dimension (never the per-segment one)
+    model, loss_fn, data, plan = case("phi3")
+    both = plans.fsdp(model, MESH, base=plan)
+    assert both.params["model.layers.*.self_attn.qkv_proj.weight"] == (xtrain.Segments("tensor", (32, 32, 32)),
+                                                                       "data")
+    reference = torch_reference(model, sgd, data, loss_fn)
+    assert_parity(run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=both, loss_fn=loss_fn, reference=reference))

@@ -30,6 +30,9 @@ def hf(name):
     if name == "gpt_neox":
         return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
                                                       eos_token_id=0, **common))
+    if name == "gpt2":  # fused c_attn (a Conv1D, q | k | v with a bias), tied LM head
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     if name == "phi3":
         return tf.Phi3ForCausalLM(tf.Phi3Config(pad_token_id=0, bos_token_id=0, eos_token_id=0, **common))
     if name == "gqa3":  # 6 query heads over 3 key/value heads: tensor=2 splits the queries, not the groups

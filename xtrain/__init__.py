@@ -21,6 +21,7 @@ _LAZY = {
     "LossScale": ("xtrain.sharding.precision", "LossScale"),
     "init": ("xtrain.runtime.devices", "init"),
     "shard": ("xtrain.sharding.annotate", "shard"),
+    "Segments": ("xtrain.sharding.segments", "Segments"),
     "plans": ("xtrain.plans", None),
     "optim": ("xtrain.optim", None),
     "Remat": ("xtrain.sharding.remat", "Remat"),

@@ -142,7 +142,7 @@ class TrainStep:
 
     def _placed(self, state: TrainState) -> TrainState:
         self.shardings = state_mod.shardings(state, self.layout, self.mesh)
-        return jax.device_put(state, self.shardings)
+        return state_mod.in_order(jax.device_put(state, self.shardings), self.layout, self.shardings, to_torch=False)
 
     def _place_stages(self, placed: tuple) -> None:
         """Pipeline plans, before the first step runs: move each block parameter family onto
@@ -302,7 +302,8 @@ class TrainStep:
                 self._require_built(f"state_dict() of the checkpoint loaded from {self._pending_load}")
             model = self.trainable.model
             return tensors.state_dict(model.export_state(model.initial_params(), model.initial_buffers()))
-        params = {n: _to_host(v) for n, v in {**self.state.params, **self.state.frozen}.items()}
+        state = state_mod.in_order(self.state, self.layout, self.shardings, to_torch=True)  # fused splits: torch's order
+        params = {n: _to_host(v) for n, v in {**state.params, **state.frozen}.items()}
         buffers = {n: _to_host(v) for n, v in self.state.buffers.items()}
         out = self.user_model().export_state(self.layout.stacking.unstack_dict(params), buffers)
         return tensors.state_dict(out)
@@ -317,16 +318,15 @@ class TrainStep:
             extra: JSON-serialisable data stored alongside (e.g. the data position); `load`
                 returns it.
             blocking: False copies the state to host now and writes it in a background thread;
-                call `.wait()` on the returned handle before relying on it. Saves to one path
-                run one after another: a save to a path an earlier save is still writing
-                starts when that one ends, so the checkpoint left is the later save's, whole.
+                call `.wait()` on the returned handle before relying on it. Saves to one path run
+                one after another (one still writing delays the next): the later save's stays, whole.
 
         Returns:
             An `xtrain.checkpoint.SaveHandle`; `.wait()` returns the committed path.
         """
         self._require_built("save()")
-        return checkpoint.save(self.state, path, step=self.step_count, extra=extra, blocking=blocking,
-                               rows=self.layout.stacking.row_table())
+        return checkpoint.save(state_mod.in_order(self.state, self.layout, self.shardings, to_torch=True), path,
+                               step=self.step_count, extra=extra, blocking=blocking, rows=self.layout.stacking.row_table())
 
     def load(self, path: str | os.PathLike, *, verify: bool = True) -> dict:
         """Restores a checkpoint written by `save`, under any mesh and plan (tensors are stored
@@ -345,7 +345,7 @@ class TrainStep:
             return manifest["extra"]
         rows = self.layout.stacking.row_table()
         values, manifest = checkpoint.restore(path, self.state, rows=rows, per_device=(RESIDUAL,), verify=verify)
-        self.state = rebuild(self.state, values)
+        self.state = state_mod.in_order(rebuild(self.state, values), self.layout, self.shardings, to_torch=False)
         return manifest["extra"]
 
     def export(self, path: str | os.PathLike | None = None):

@@ -33,10 +33,18 @@ class Layout:
 
     dims: tuple[Axes, ...]
     partial: Axes = ()
+    # (dim, segment sizes): dim holds this device's slice of every segment (its dims entry's
+    # axes split each one; xtrain.sharding.segments), not one contiguous block
+    segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         used = self.split_axes() + tuple(self.partial)
         assert len(set(used)) == len(used), f"mesh axis used twice in layout {self}"
+        assert all(self.dims[d] for d, _ in self.segments), f"a segmented dim is whole in layout {self}"
+
+    def segmented(self, dim: int) -> tuple[int, ...] | None:
+        """The segment sizes of `dim` split per segment, else None."""
+        return dict(self.segments).get(dim)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -54,10 +62,13 @@ class Layout:
         return tuple(a for d in self.dims for a in d)
 
     def with_dims(self, dims) -> "Layout":
-        return Layout(tuple(tuple(d) for d in dims), self.partial)
+        dims = tuple(tuple(d) for d in dims)
+        # a per-segment split moves only with its reordering (lowering.explicit.segmented)
+        assert all(dims[d] == self.dims[d] for d, _ in self.segments), f"segmented dim of {self} moved to {dims}"
+        return Layout(dims, self.partial, self.segments)
 
     def with_partial(self, partial) -> "Layout":
-        return Layout(self.dims, tuple(partial))
+        return Layout(self.dims, tuple(partial), self.segments)
 
     def factor(self, dim: int, sizes: Mapping[str, int]) -> int:
         return math.prod(sizes[a] for a in self.dims[dim])
@@ -70,7 +81,8 @@ class Layout:
 
     def __str__(self) -> str:
         dims = ", ".join("x".join(d) if d else "-" for d in self.dims)
-        return f"[{dims}]" + (f" partial({','.join(self.partial)})" if self.partial else "")
+        return f"[{dims}]" + (f" partial({','.join(self.partial)})" if self.partial else "") + \
+            "".join(f" segments{d}{sizes}" for d, sizes in self.segments)
 
 
 @dataclasses.dataclass
@@ -201,7 +213,7 @@ def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     assert not x.layout.dims[dim] and set(axes) <= set(x.layout.partial)
     dims = list(x.layout.dims)
     dims[dim] = tuple(axes)
-    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes))
+    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes), x.layout.segments)
     local = x.value.shape[dim] // math.prod(ctx.sizes[a] for a in axes)
     at = lambda b: dim - (x.value.ndim - b.ndim)  # numpy broadcasting aligns trailing dims
     piece = lambda b: b if at(b) < 0 or b.shape[at(b)] == 1 else lax.dynamic_slice_in_dim(
@@ -273,7 +285,8 @@ def unsplit_to_partial(ctx: Context, x: Sharded, dim: int) -> Sharded:
     value = lax.dynamic_update_slice_in_dim(zeros, x.value, axis_offset(ctx, axes) * local, axis=dim)
     dims = list(x.layout.dims)
     dims[dim] = ()
-    return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes)))
+    return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes),
+                                                                    x.layout.segments))
 
 
 def subsplit(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:

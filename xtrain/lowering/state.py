@@ -13,8 +13,9 @@ from xtrain.ir import stacked
 from xtrain.ir.stacked import Stacking
 from xtrain.ir.tree import named_leaves, rebuild
 from xtrain.sharding.layout import StateLayout
+from xtrain.sharding import segments
 from xtrain.sharding.offload import HOST_MEMORY
-from xtrain.sharding.plan import Spec
+from xtrain.sharding.plan import Spec, partition_entry
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +36,7 @@ class TrainState:
 
 def named(mesh, specs: Mapping[str, Spec], memory_kind: str | None = None) -> dict[str, NamedSharding]:
     """{name: NamedSharding} of per-tensor specs on `mesh` (in `memory_kind`: default the device's)."""
-    return {n: NamedSharding(mesh, PartitionSpec(*s), memory_kind=memory_kind) for n, s in specs.items()}
+    return {n: NamedSharding(mesh, PartitionSpec(*map(partition_entry, s)), memory_kind=memory_kind) for n, s in specs.items()}
 
 
 def residual_specs(layout: StateLayout) -> dict[str, Spec]:
@@ -129,3 +130,30 @@ def restacked(state: TrainState, stacking: Stacking, tx: optax.GradientTransform
     template = jax.eval_shape(tx.init, params)
     opt_state = rebuild(template, {n: leaf(n, like) for n, like in named_leaves(template).items()})
     return dataclasses.replace(state, params=params, frozen=stack(state.frozen), opt_state=opt_state)
+
+
+def reordered(state: TrainState, layout: StateLayout, *, to_torch: bool) -> TrainState:
+    """`state` with each parameter split per segment (xtrain.Segments), and its optimizer state,
+    moved from torch's order to the stored, segment-interleaved order (or back: `to_torch`)."""
+    specs = {n: s for n, s in layout.param_specs.items() if segments.segmented_dims(s)}
+    move = lambda x, name: (segments.to_torch if to_torch else segments.to_stored)(x, specs[name], layout.sizes)
+    shapes = {n: np.shape(x) for n, x in {**state.params, **state.frozen}.items()}
+
+    def opt_leaf(path, leaf):
+        name = next((e.key for e in path if getattr(e, "key", None) in specs), None)
+        return move(leaf, name) if name is not None and np.shape(leaf) == shapes[name] else leaf
+
+    return dataclasses.replace(state, params={n: move(v, n) if n in specs else v for n, v in state.params.items()},
+                               frozen={n: move(v, n) if n in specs else v for n, v in state.frozen.items()},
+                               opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state))
+
+
+def in_order(state: TrainState, layout: StateLayout, shardings: TrainState, *, to_torch: bool) -> TrainState:
+    """`reordered` on the mesh (placed as `shardings`); `state` itself when nothing is split per segment."""
+    if not any(segments.segmented_dims(s) for s in layout.param_specs.values()):
+        return state
+    # offloaded optimizer state is reordered in device memory (a gather reads one memory space)
+    device = jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind == HOST_MEMORY else s, shardings)
+    moved = jax.jit(lambda s: reordered(s, layout, to_torch=to_torch), out_shardings=device)(
+        jax.device_put(state, device))
+    return jax.device_put(moved, shardings)

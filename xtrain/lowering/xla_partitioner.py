@@ -16,6 +16,7 @@ from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import GlobalView, Gradients, StepConfig
 from xtrain.lowering.zero import Update
 from xtrain.sharding.annotate import tracing_for
+from xtrain.sharding import segments
 from xtrain.sharding.layout import StateLayout
 
 
@@ -31,6 +32,9 @@ class XlaStrategy:
             raise ValueError(f"Plan(capacity_factor={config.capacity_factor}) drops MoE pairs in the explicit "
                              "lowering's routed-experts rule; use lowering='explicit' (or capacity_factor=None)")
         self.model, self.mesh, self.config = model, mesh, config
+        # fused weights split per segment are stored interleaved: the global program reads them in torch's order
+        self.fused = {n: s for n, s in layout.param_specs.items() if segments.segmented_dims(s)}
+        self.sizes = layout.sizes
         self.runner = GlobalView()
         self.update = Update.global_view(layout.param_specs, config.tx, config.grad_tx)
 
@@ -41,8 +45,8 @@ class XlaStrategy:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
                 with tracing_for(self.mesh):
-                    loss, buffers = self.model.apply({**params, **state.frozen}, buffers, micro_key, micro,
-                                                     training=True)
+                    loss, buffers = self.model.apply(self._torch_order({**params, **state.frozen}), buffers,
+                                                     micro_key, micro, training=True)
                 return accumulation.objective(loss, scale), (loss, buffers, {})
 
             loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
@@ -53,10 +57,14 @@ class XlaStrategy:
     def loss(self, state: TrainState, batch: tuple) -> Callable:
         def compute(state: TrainState, batch: tuple, key):
             with tracing_for(self.mesh):
-                loss, _ = self.model.apply({**state.params, **state.frozen}, state.buffers, key, batch, training=False)
+                loss, _ = self.model.apply(self._torch_order({**state.params, **state.frozen}), state.buffers, key,
+                                           batch, training=False)
             return loss
 
         return compute
 
     def notes(self) -> list[str]:
         return []
+
+    def _torch_order(self, params: dict) -> dict:
+        return {n: segments.to_torch(v, self.fused[n], self.sizes) if n in self.fused else v for n, v in params.items()}

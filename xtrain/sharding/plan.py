@@ -2,8 +2,8 @@
 
 Parameter rules are keyed by glob patterns over torch module paths (`fnmatch` syntax:
 `*` matches any run of characters, dots included), e.g. `"blocks.*.mlp.fc_in.weight"`.
-A spec has one entry per tensor dimension: a mesh axis name, a tuple of axis names, or
-None (that dimension is not split).
+A spec has one entry per tensor dimension: a mesh axis name, a tuple of axis names,
+`Segments(axes, sizes)` (a fused dimension split per segment) or None (that dimension is not split).
 """
 from __future__ import annotations
 
@@ -15,15 +15,24 @@ from xtrain.sharding.offload import Offload
 from xtrain.sharding.pipeline import Pipeline, pipeline
 from xtrain.sharding.precision import Precision
 from xtrain.sharding.remat import LayerRemat, Remat
+from xtrain.sharding.segments import Segments
 
-AxisEntry = Union[str, tuple[str, ...], None]
+AxisEntry = Union[str, tuple[str, ...], Segments, None]
 Spec = tuple[AxisEntry, ...]
 
 
 def axes_of(entry: AxisEntry) -> tuple[str, ...]:
     if entry is None:
         return ()
+    if isinstance(entry, Segments):
+        return entry.axes
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def partition_entry(entry: AxisEntry):
+    """`entry` as a PartitionSpec entry: a per-segment split is stored as a contiguous one
+    (in segment-interleaved order, xtrain.sharding.segments)."""
+    return (entry.axes[0] if len(entry.axes) == 1 else entry.axes) if isinstance(entry, Segments) else entry
 
 
 def _normalize(spec: Sequence[AxisEntry] | str | None) -> Spec:
@@ -242,6 +251,8 @@ def _check_param(name: str, shape: tuple[int, ...], spec: Spec, mesh_axes: Mappi
         size = 1
         for axis in axes_of(entry):
             size *= mesh_axes[axis]
+        if isinstance(entry, Segments):
+            entry.check(shape[dim], size, f"{rule}: dimension {dim} of parameter {name} (shape {tuple(shape)})")
         if shape[dim] % size:
             raise ValueError(
                 f"{rule}: dimension {dim} of parameter {name} (shape {tuple(shape)}) has size "

@@ -5,8 +5,8 @@ tensor axis, and every decision a note in graph terms.
     split group     its columns (the matmul weights whose output dimension it follows) split on
                     that dimension, the biases added to it too, its sinks (the weights that
                     contract it) split on their input dimension: one all-reduce per group
-    fused weights   a column sliced into segments (qkv, gate_up) is split contiguously: correct
-                    (the lowering gathers where a segment crosses shards), noted
+    fused weights   a column sliced into segments (qkv, gate_up, c_attn) is split per segment
+                    (xtrain.Segments: each device its slice of every segment), and its bias alike
     broken group    kept whole; the note names the op and module path that stopped it (heads
                     the axis does not divide: GQA's kv heads, a reduction over the dimension)
     logits          a group without a sink whose output dimension is the vocabulary of a
@@ -19,6 +19,7 @@ from typing import Mapping
 
 from xtrain.ir.dimflow import Flow, Group, Use
 from xtrain.sharding.plan import Spec
+from xtrain.sharding.segments import Segments
 
 
 def escape(name: str) -> str:
@@ -44,6 +45,7 @@ class _Derivation:
         self.dims: dict[str, set[int]] = {}
         self.notes: list[str] = []
         self.query_heads: list[Use] = []   # the columns of split groups made into heads
+        self.segments: dict[str, tuple[int, ...]] = {}  # fused columns (and their biases) split per segment
 
     def split(self, uses: list[Use]) -> None:
         for use in uses:
@@ -57,7 +59,8 @@ class _Derivation:
                                   "kept whole")
                 continue
             (dim,) = dims
-            out[name] = tuple(self.axis if d == dim else None for d in range(len(self.shapes[name])))
+            entry = Segments((self.axis,), self.segments[name]) if name in self.segments else self.axis
+            out[name] = tuple(entry if d == dim else None for d in range(len(self.shapes[name])))
         return out
 
     def serves_split_queries(self, where: str) -> bool:
@@ -81,10 +84,7 @@ class _Derivation:
             self.notes.append(f"{rows} contracts {what}: {cols} column-parallel, {rows} row-parallel over "
                               f"{self.where()}{per}")
         for name, segments in g.segments.items():
-            bounds = sorted(segments)
-            self.notes.append(f"{_module(name)}: fused output sliced into {len(bounds)} segments "
-                              f"{[b - a for a, b in bounds]}; split contiguously over {self.where()} (correct: the "
-                              "lowering gathers where a segment crosses shards)")
+            self.fused(g, name, sorted(segments), routed=cols == rows)
         detoured = {ghost.name for ghost, _ in g.detours}
         base = _names([u for u in g.columns if u.name not in detoured])
         for ghost, low_rank in g.detours:
@@ -92,6 +92,24 @@ class _Derivation:
                               f"column-parallel with it; {', '.join(dict.fromkeys(map(_module, low_rank)))} "
                               "kept whole (its rank-r output is cheaper to keep than to reduce)")
         self.split(g.columns + g.followers + g.rows)
+
+    def fused(self, g: Group, name: str, bounds: list[tuple[int, int]], routed: bool) -> None:
+        """A column whose output the program slices into segments: split per segment (each device
+        its slice of every segment, so the slices are local), else contiguously (noted)."""
+        sizes = [b - a for a, b in bounds]
+        column = next((c for c in g.columns if c.name == name), None)
+        tiles = column is not None and bounds[0][0] == 0 and bounds[-1][1] == column.size and \
+            all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        head = f"{_module(name)}: fused output sliced into {len(bounds)} segments {sizes}; "
+        if routed or not tiles or len(g.columns) > 1:
+            why = "a routed-experts call gathers its own" if routed else "the segments do not tile one column's output"
+            self.notes.append(head + f"split contiguously over {self.where()} ({why}: correct, the lowering gathers "
+                              "where a segment crosses shards)")
+            return
+        for use in [column] + [f for f in g.followers if f.size == column.size]:
+            self.segments[use.name] = tuple(sizes)
+        self.notes.append(head + f"split per segment over {self.where()} (xtrain.Segments: each device holds its "
+                          "slice of every segment, stored interleaved, so the slices are local)")
 
     def broken(self, g: Group) -> None:
         kind, op, where = next(((k, o, w) for k, o, w in g.breaks if k != "reduce"), g.breaks[0])

@@ -10,6 +10,7 @@ import math
 from typing import Mapping
 
 from xtrain.sharding.plan import Spec, axes_of
+from xtrain.sharding.segments import Segments
 
 
 def shard_dim(shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], data_axes: tuple[str, ...]) -> int | None:
@@ -20,7 +21,9 @@ def shard_dim(shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], 
     n = math.prod(mesh_axes[a] for a in data_axes)
     padded = tuple(spec) + (None,) * (len(shape) - len(spec))
     local = [shape[d] // math.prod(mesh_axes[a] for a in axes_of(padded[d])) for d in range(len(shape))]
-    candidates = [d for d in range(len(shape)) if local[d] % n == 0 and local[d] >= n]
+    # never a per-segment dim: its shards are interleaved slices of the segments, not one block
+    candidates = [d for d in range(len(shape)) if local[d] % n == 0 and local[d] >= n
+                  and not isinstance(padded[d], Segments)]
     return max(candidates, key=lambda d: (local[d], -d)) if candidates else None
 
 

@@ -26,12 +26,14 @@ from xtrain.lowering.train_step import Gradients, PerDevice, StepConfig
 from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Spec, axes_of
+from xtrain.sharding.segments import segmented_dims
 
 
 def layout_of(spec: Spec, ndim: int) -> Layout:
     """The Layout of a value split by `spec` (entries past `ndim` ignored, missing ones whole)."""
     dims = tuple(axes_of(e) for e in spec[:ndim])
-    return Layout(dims + ((),) * (ndim - len(dims)))
+    segments = tuple((d, e.sizes) for d, e in segmented_dims(spec[:ndim]))
+    return Layout(dims + ((),) * (ndim - len(dims)), segments=segments)
 
 
 def global_args(state: TrainState, batch: tuple):

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from xtrain.ir import walk
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit import shift
+from xtrain.lowering.explicit import segmented, shift
 from xtrain.lowering.explicit.registry import call_rule_for, rule_for
 from xtrain.lowering.sharded import Context, Sharded
 from xtrain.lowering.remat import KEPT
@@ -78,7 +78,7 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
         ctx.path = path
         if not _reads_pending_pad(eqn):  # a deferred pad is read by its slice only (shift.py)
             values = [shift.materialize(ctx, v) for v in values]
-        outs = rule_for(eqn.primitive)(ctx, eqn, values)
+        outs = segmented.apply(ctx, eqn, values, rule_for(eqn.primitive))
         if ctx.remat is not None and (ctx.remat.keeps(path) or ctx.remat.tags_dots and _is_dot(eqn)):
             outs = [_kept(o) for o in outs]
         ctx.path = outer

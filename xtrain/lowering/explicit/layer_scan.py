@@ -79,7 +79,9 @@ def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, u
         if unrolled or whole.layout.dims[0] or whole.layout.partial:  # stacked storage goes with the scan
             raise AssertionError(f"stacked parameter {whole.shape} {whole.layout} in unrolled blocks or with its "
                                  "layer dimension split")
-        layer = Sharded(None, Layout(whole.layout.dims[1:]), whole.shape[1:], whole.dtype, zero=whole.zero)
+        segments = tuple((d - 1, sizes) for d, sizes in whole.layout.segments)
+        layer = Sharded(None, Layout(whole.layout.dims[1:], segments=segments), whole.shape[1:], whole.dtype,
+                        zero=whole.zero)
         return layer, [whole.value]
     layers = [read(layer[position]) for layer in blocks.per_layer]
     layers = [C.relayout(ctx, x, layers[0].layout) for x in layers]

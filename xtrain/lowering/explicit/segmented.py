@@ -1,0 +1,185 @@
+"""Values split per segment (xtrain.sharding.segments) through the explicit lowering.
+
+A fused weight stored per segment (`Segments(("tensor",), (q, k, v))`) gives a matmul output
+whose dimension holds this device's slice of every segment (Layout.segments). The ops between the
+weight and the slices that cut the segments apart carry that layout through; the slice of one
+segment is then local (this device's rows of it), an ordinary split over the same axes: no
+collective where a contiguous split would gather.
+
+    positional ops   elementwise (all operands split per the same segments on the dim, or
+                     broadcast along it), broadcast_in_dim, transpose, dot_general (a free dim),
+                     reshape (the dim kept as it is): the rule runs on the plain split and the
+                     segments follow the dim to the output
+    slice, split     one whole segment cut out: this device's slice of it, local
+    anything else    the value is gathered and put back in torch's order first (`unsegment`,
+                     named in the report's notes), then the op's own rule runs: correct, never silent
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from xtrain.lowering import collectives
+from xtrain.lowering import sharded as C
+from xtrain.lowering.explicit.registry import RULES, out_avals, wrap
+from xtrain.lowering.sharded import Context, Layout, Sharded
+from xtrain.sharding.segments import Segments
+
+
+def _segmented(x) -> bool:
+    return isinstance(x, Sharded) and bool(x.layout.segments)
+
+
+def _plain(x):
+    """`x` with its per-segment dims read as plain splits (the local array is unchanged)."""
+    return dataclasses.replace(x, layout=Layout(x.layout.dims, x.layout.partial)) if _segmented(x) else x
+
+
+def _order(sizes, axes, ctx: Context) -> np.ndarray:
+    return Segments(axes, sizes).stored_order(math.prod(ctx.sizes[a] for a in axes))
+
+
+def unsegment(ctx: Context, x: Sharded) -> Sharded:
+    """`x` with every per-segment dim gathered over its axes and put back in torch's order."""
+    for dim, sizes in x.layout.segments:
+        axes = x.layout.dims[dim]
+        ctx.note(f"{ctx.path or 'top level'}: a value split per segment {sizes} over {axes} is read by an op without "
+                 "a per-segment rule: gathered over them")
+
+        def gather(x=x, dim=dim, sizes=sizes, axes=axes):
+            value = collectives.all_gather(x.value, axes, dim, invariant=True)
+            dims = list(x.layout.dims)
+            dims[dim] = ()
+            rest = tuple(s for s in x.layout.segments if s[0] != dim)
+            return dataclasses.replace(x, value=jnp.take(value, np.argsort(_order(sizes, axes, ctx)), axis=dim),
+                                       layout=Layout(tuple(dims), x.layout.partial, rest))
+        x = C.memoized(ctx, ("unsegment", id(x.value), x.layout, dim), x.value, gather)
+    return x
+
+
+def _restore(ctx: Context, out: Sharded, dim: int, sizes, axes) -> Sharded:
+    """`out`'s `dim` came from a per-segment dim: per segment again, or (a rule gathered it: whole
+    in the stored order) put back in torch's order."""
+    have = out.layout.dims[dim]
+    if have == axes:
+        return dataclasses.replace(out, layout=Layout(out.layout.dims, out.layout.partial,
+                                                      out.layout.segments + ((dim, sizes),)))
+    assert not have, f"a per-segment dim over {axes} left as {have}"
+    return dataclasses.replace(out, value=jnp.take(out.value, np.argsort(_order(sizes, axes, ctx)), axis=dim))
+
+
+def _positional(ctx, eqn, args, rule, where):
+    """Runs `rule` on the plain splits; `where(i, dim)` is the output dim of operand i's
+    per-segment `dim` (None: this op cannot carry it)."""
+    moves = []
+    for i, x in enumerate(args):
+        for dim, sizes in (x.layout.segments if _segmented(x) else ()):
+            to = where(i, dim)
+            if to is None:
+                return None
+            moves.append((to, sizes, x.layout.dims[dim]))
+    if len({m[0] for m in moves}) != len({m for m in moves}):
+        return None
+    (out,) = rule(ctx, eqn, [_plain(a) for a in args])
+    for to, sizes, axes in dict.fromkeys(moves):
+        out = _restore(ctx, out, to, sizes, axes)
+    return [out]
+
+
+def _elementwise(ctx, eqn, args, rule):
+    shape = tuple(out_avals(eqn)[0].shape)
+
+    def where(i, dim):  # every operand along the dim split per the same segments, or broadcast along it
+        x = args[i]
+        agree = all(not isinstance(a, Sharded) or a.ndim == 0 or a.shape[dim] == 1 or
+                    (a.layout.segmented(dim) == x.layout.segmented(dim) and a.layout.dims[dim] == x.layout.dims[dim])
+                    for a in args)
+        return dim if agree and len(shape) == x.ndim else None
+    return _positional(ctx, eqn, args, rule, where)
+
+
+def _broadcast(ctx, eqn, args, rule):
+    bdims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
+    return _positional(ctx, eqn, args, rule, lambda i, d: bdims[d] if i == 0 and shape[bdims[d]] == args[0].shape[d]
+                       else None)
+
+
+def _transpose(ctx, eqn, args, rule):
+    return _positional(ctx, eqn, args, rule, lambda i, d: tuple(eqn.params["permutation"]).index(d))
+
+
+def _dot(ctx, eqn, args, rule):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    free = [[d for d in range(args[0].ndim) if d not in lc and d not in lb],
+            [d for d in range(args[1].ndim) if d not in rc and d not in rb]]
+
+    def where(i, dim):  # batch dims, then the lhs's free dims, then the rhs's
+        return len(lb) + (len(free[0]) if i else 0) + free[i].index(dim) if dim in free[i] else None
+    return _positional(ctx, eqn, args, rule, where)
+
+
+def _reshape(ctx, eqn, args, rule):
+    new, old = tuple(eqn.params["new_sizes"]), args[0].shape
+
+    def where(i, dim):  # the dim kept as one output dim, the same elements before it
+        hits = [t for t, s in enumerate(new) if s == old[dim] and math.prod(new[:t]) == math.prod(old[:dim])]
+        return hits[0] if hits else None
+    return _positional(ctx, eqn, args, rule, where)
+
+
+def _cut(ctx, eqn, x, dim, pieces):
+    """Each (start, stop) of `pieces` (whole segments of `dim`): this device's slice of it."""
+    sizes, axes = x.layout.segmented(dim), x.layout.dims[dim]
+    if any(p not in Segments(axes, sizes).bounds() for p in pieces):
+        return None
+    parts = math.prod(ctx.sizes[a] for a in axes)
+    x = _plain(x)
+    outs = []
+    for start, stop in pieces:
+        starts, limits = [0] * x.ndim, list(x.value.shape)
+        starts[dim], limits[dim] = start // parts, stop // parts
+        outs.append(lax.slice(x.value, starts, limits))
+    rest = tuple(s for s in x.layout.segments if s[0] != dim)
+    return wrap(eqn, outs, [Layout(x.layout.dims, x.layout.partial, rest)] * len(outs))
+
+
+def _slice(ctx, eqn, args, rule):
+    x = args[0]
+    start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+    cut = [d for d in range(x.ndim) if start[d] != 0 or limit[d] != x.shape[d] or (strides and strides[d] != 1)]
+    if not any(x.layout.segmented(d) for d in cut):
+        return _positional(ctx, eqn, args, rule, lambda i, d: d)
+    if len(cut) != 1 or (strides and strides[cut[0]] != 1):
+        return None
+    return _cut(ctx, eqn, x, cut[0], [(start[cut[0]], limit[cut[0]])])
+
+
+def _split(ctx, eqn, args, rule):
+    x, axis = args[0], eqn.params["axis"]
+    if not x.layout.segmented(axis) or len(x.layout.segments) != 1:
+        return None
+    ends = np.cumsum((0,) + tuple(eqn.params["sizes"]))
+    return _cut(ctx, eqn, x, axis, [(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])])
+
+
+HANDLERS = {"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_general": _dot, "reshape": _reshape,
+            "slice": _slice, "split": _split}
+
+
+def apply(ctx: Context, eqn, args, rule) -> list:
+    """The outputs of `rule` on `args`, through a per-segment handler where an operand is split
+    per segment (else it is first gathered back to torch's order)."""
+    if not any(_segmented(a) for a in args):
+        return rule(ctx, eqn, args)
+    name = str(eqn.primitive)
+    # the primitives of the elementwise rule (the one `add` has: rules/elementwise.py, not imported here,
+    # since rules/control.py interprets nested jaxprs through this module)
+    handler = HANDLERS.get(name) or (_elementwise if rule is RULES.get("add") else None)
+    outs = handler(ctx, eqn, args, rule) if handler is not None and len(eqn.outvars) >= 1 else None
+    if outs is not None:
+        return outs
+    return rule(ctx, eqn, [unsegment(ctx, a) if _segmented(a) else a for a in args])
