@@ -30,6 +30,16 @@ def main() -> None:
         rep = step.report()
         extra = dict(wire_bytes=sum(c.wire_bytes for c in rep.collectives), collectives=len(rep.collectives),
                      device_memory=rep.memory.get("arguments", 0) + rep.memory.get("temporaries", 0))
+    if args.profile_split:  # rank 0's thunks, 3 more steps on the last batches
+        import profile_split
+
+        tail = bench_common.batches(args)[-3:]
+
+        def run(n):
+            for x, y in tail[:n]:
+                float(step(x, y)["loss"])
+
+        extra["split_ms"] = profile_split.split(run, step.compiled(*tail[0]).as_text(), len(tail))
     if args.plan == "auto":
         extra["pick"] = step.search.best.candidate.name
     if env.process_id == 0:

@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the first lowering with detect_nan=False, check_inputs=False (their cost)")
     p.add_argument("--fsdp", action="store_true",
                    help="also xtrain ZeRO-3 (Plan(zero=3)) beside PyTorch FSDP2 (fully_shard per block), N processes")
+    p.add_argument("--profile-split", action="store_true",
+                   help="xtrain runs also report where their step time goes (benchmarks/profile_split.py)")
     p.add_argument("--no-jit", action="store_true",
                    help="leave out the plain jax.jit row (about 7 s a step at 24 layers)")
     p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
@@ -93,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
     args = p.parse_args(argv)
     args.model_args = ("--model", args.model)
+    args.xtrain_args = ("--profile-split",) if args.profile_split else ()
     return args
 
 
@@ -148,7 +151,8 @@ def check_xla_flags() -> None:
 def command(run: Run, args) -> list[str]:
     worker = [str(HERE / run.worker), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
-              "--d-model", str(args.d_model), *run.extra, *getattr(args, "model_args", ())]
+              "--d-model", str(args.d_model), *run.extra, *getattr(args, "model_args", ()),
+              *(getattr(args, "xtrain_args", ()) if run.worker == "bench_xtrain.py" else ())]
     if run.processes == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.processes}",
@@ -234,6 +238,23 @@ def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+def splits(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
+    """Where each xtrain run's step time goes (rank 0, median over rounds), if profiled."""
+    rows = [(run, [r["split_ms"] for r in records[run.key] if "split_ms" in r]) for run in all_runs]
+    rows = [(run, found) for run, found in rows if found]
+    if not rows:
+        return []
+    classes = list(rows[0][1][0])
+    lines = ["", "| profile split, ms per step (share) | launch | " + " | ".join(classes) + " |",
+             "|---|---|" + "---:|" * len(classes)]
+    for run, found in rows:
+        ms = {c: statistics.median(f[c] for f in found) for c in classes}
+        total = sum(ms.values()) or 1.0
+        lines.append(f"| {run.label} | {run.launch} | " +
+                     " | ".join(f"{ms[c]:.0f} ({ms[c] / total:.0%})" for c in classes) + " |")
+    return lines
+
+
 def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tuple[float, float]) -> str:
     head = [
         "# xtrain vs PyTorch DDP vs torch eager",
@@ -256,7 +277,8 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         f"- command: python benchmarks/ddp_vs_xtrain.py {' '.join(sys.argv[1:])}".rstrip(),
         "",
     ]
-    return "\n".join(head + table(all_runs, records, args) + [""] + ratios(all_runs, records)) + "\n"
+    return "\n".join(head + table(all_runs, records, args) + [""] + ratios(all_runs, records)
+                     + splits(all_runs, records)) + "\n"
 
 
 def main(argv=None) -> None:
