@@ -5,12 +5,17 @@ structure run unrolled with a note naming the first difference, and the pipeline
 import copy
 import functools
 
+import jax
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import xtrain
+from xtrain.frontend.torch_module import TorchModel
+from xtrain.ir import attention as markers
+from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.testing import assert_parity, torch_reference
 
 from models import mlp_batches
@@ -63,6 +68,93 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
     # stage 0 runs 3 sliding attention layers, stage 1 2 sliding and the full one
     assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
+
+
+@pytest.fixture
+def blocks_of_8(monkeypatch):
+    # 32 tokens span 4 query and 4 key blocks: a window of 4 visits 1-2 key blocks per query block,
+    # the full layer up to the diagonal
+    monkeypatch.setitem(markers.DEFAULT_BLOCK, "cpu", 8)
+
+
+@functools.cache
+def long_gemma_case():
+    torch.manual_seed(0)
+    model, batches = gemma3(), lm_batches(4, seq=32)
+    return model, batches, torch_reference(model, sgd, batches, lm_loss)
+
+
+def test_gemma3_longer_than_one_attention_block_is_one_layer_scan_and_trains_like_torch(blocks_of_8):
+    """The window layers' and the full layer's attention calls share one block structure (the
+    union of their key-block ranges, each with its own mask): one family again."""
+    model, batches, reference = long_gemma_case()
+    result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
+    assert_parity(result)
+    assert scan_lengths(step.program(*batches[0])).count(6) == 2  # the layer scan and its transpose
+    (blocks,) = step.lowered.strategy.program.repeated
+    assert (blocks.prefix, blocks.length) == ("model.layers", 6)
+    assert [s.choice for s in blocks.variants.selections] == [(0, 0, 0, 0, 0, 1)] * 3
+    attention = [n for n in step.report(*batches[0]).notes if n.startswith("attention")]
+    assert attention == ["attention in 'model.layers.0.self_attn': blockwise (block 8, 10 block pairs, 6 of 16 "
+                         "blocks skipped by the causal mask); HF eager attention recognised"], attention
+
+
+def test_gemma3_longer_than_one_attention_block_trains_on_two_pipeline_stages_like_torch(blocks_of_8):
+    model, batches, reference = long_gemma_case()
+    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
+    result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
+    assert_parity(result)
+    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
+
+
+def traced(model, batch, count):
+    """The jaxpr of the model's loss at `batch`, counting the model's traces in `count`."""
+    wrapped = TorchModel(model, lm_loss)
+    inner = wrapped._apply
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return inner(*args, **kwargs)
+
+    wrapped._apply = counted
+    shapes = lambda d: {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in d.items()}
+    args = (shapes(wrapped.initial_params()), shapes(wrapped.initial_buffers()), jax.random.PRNGKey(0),
+            tuple(jax.ShapeDtypeStruct(tuple(x.shape), np.int32) for x in batch))
+    # a new function each time: JAX would reuse the trace of the same one
+    return wrapped, [jax.make_jaxpr(lambda *a: wrapped.apply(*a, training=False))(*args) for _ in range(2)]
+
+
+def families(wrapped, closed):
+    return [(b.prefix, b.length) for b in find_repeated_blocks(closed.jaxpr, wrapped.module_paths(),
+                                                                closed.jaxpr.invars[:len(wrapped.param_names)])]
+
+
+@pytest.mark.parametrize("seq,traces", [(8, 2), (32, 3)])
+def test_the_model_is_traced_again_only_when_attention_calls_of_one_shape_differ(blocks_of_8, seq, traces):
+    """One block (8 tokens): the calls agree, the first trace is the probe's. Four blocks: the probe
+    finds the window and full layers' ranges differ and traces again; later traces of the same
+    input signature apply the shared structure directly."""
+    torch.manual_seed(0)
+    count = []
+    wrapped, closed = traced(gemma3(), lm_batches(1, seq=seq)[0], count)
+    assert len(count) == traces
+    assert [families(wrapped, c) for c in closed] == [[("model.layers", 6)]] * 2
+
+
+def test_sdpa_causal_call_without_a_mask_gets_a_constant_one_and_keeps_torchs_loss(blocks_of_8):
+    """HF's sdpa passes the full layer no mask (is_causal); under the shared structure it reads a
+    constant causal mask of the window layers' shape, and the loss stays torch's."""
+    torch.manual_seed(0)
+    config = gemma3(("sliding_attention", "full_attention")).config
+    config.num_key_value_heads, config._attn_implementation = 4, "sdpa"  # sdpa repeats GQA heads only with a mask
+    model, (batch,) = Gemma3ForCausalLM(config), lm_batches(1, seq=32)
+    wrapped, (closed, _) = traced(model, batch, [])
+    assert families(wrapped, closed) == [("model.layers", 2)]
+    params, buffers = wrapped.initial_params(), wrapped.initial_buffers()
+    loss = jax.jit(lambda *a: wrapped.apply(*a, training=False)[0])(
+        params, buffers, jax.random.PRNGKey(0), tuple(np.asarray(x, np.int32) for x in batch))
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(lm_loss(model.eval(), *batch).item(), rel=1e-5)
 
 
 class Block(nn.Module):

@@ -143,7 +143,8 @@ def matmul(x, y):
             return jnp.matmul(x, y)
     causal = _is_causal(mask, q.shape[-2], k.shape[-2])
     why = "HF eager attention recognised" + (", its constant mask is causal" if causal else "")
-    out = sdpa.blockwise_call(q, k, y.astype(q.dtype), None if causal else mask, scale, why, causal=causal)
+    out = sdpa.blockwise_call(q, k, y.astype(q.dtype), None if causal else mask, scale, why, causal=causal,
+                              dropped_mask=mask if causal else None)
     return out.astype(jnp.result_type(x.dtype, y.dtype))
 
 
