@@ -1,11 +1,13 @@
 """Blocks that differ only in constants or in which shared value they read are one family of
 repeated blocks: HF Gemma-3 (sliding-window and full attention layers: per-type masks and rotary
-tables) trains as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
+tables; longer than one attention block, one block structure for both kinds of attention) trains
+as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
 structure run unrolled with a note naming the first difference, and the pipeline says why."""
 import copy
 import functools
 
 import jax
+from jax.extend import core as jcore
 import numpy as np
 import pytest
 import torch
@@ -31,26 +33,35 @@ def sgd(params):
 
 
 def gemma3(kinds=tuple(KINDS)):
-    # sliding_window 4 < the batches' 16 tokens: the sliding layers' mask really differs
+    # sliding_window 4 < the batches' 16 or 32 tokens: the sliding layers' mask really differs
     return Gemma3ForCausalLM(Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(kinds), num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, layer_types=list(kinds),
         attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+@pytest.fixture
+def blocks_of_8(monkeypatch):
+    # 32 tokens span 4 query and 4 key blocks: a window of 4 visits 1-2 key blocks per query block,
+    # the full layer every one up to the diagonal
+    monkeypatch.setitem(markers.DEFAULT_BLOCK, "cpu", 8)
+
+
 @functools.cache
 def gemma_case():
     torch.manual_seed(0)
-    model, batches = gemma3(), lm_batches()
+    model, batches = gemma3(), lm_batches(seq=32)
     return model, batches, torch_reference(model, sgd, batches, lm_loss)
 
 
-def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
+def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch(blocks_of_8):
+    """Longer than one attention block, the window layers' and the full layer's attention calls
+    share one block structure (the union of their key-block ranges, each with its own mask)."""
     model, batches, reference = gemma_case()
     result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
     assert_parity(result)
     assert step.scan_layers is True  # the default on 8 emulated devices
-    assert scan_lengths(step.program(*batches[0])) == [6, 6]  # the forward scan and its transpose
+    assert scan_lengths(step.program(*batches[0])).count(6) == 2  # the layer scan and its transpose
     (blocks,) = step.lowered.strategy.program.repeated
     assert (blocks.prefix, blocks.length) == ("model.layers", 6)
     # the mask and the rotary cos / sin: each layer reads its type's
@@ -58,9 +69,12 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
     notes = step.report(*batches[0]).notes
     assert any(n.startswith("model.layers.0 .. model.layers.5: one family of repeated blocks; 3 shared input(s) "
                             "chosen per layer") for n in notes), notes
+    attention = [n for n in notes if n.startswith("attention")]
+    assert attention == ["attention in 'model.layers.0.self_attn': blockwise (block 8, 10 block pairs, 6 of 16 "
+                         "blocks skipped by the causal mask); HF eager attention recognised"], attention
 
 
-def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
+def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_of_8):
     model, batches, reference = gemma_case()
     plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
     result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
@@ -68,43 +82,6 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
     # stage 0 runs 3 sliding attention layers, stage 1 2 sliding and the full one
     assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
-
-
-@pytest.fixture
-def blocks_of_8(monkeypatch):
-    # 32 tokens span 4 query and 4 key blocks: a window of 4 visits 1-2 key blocks per query block,
-    # the full layer up to the diagonal
-    monkeypatch.setitem(markers.DEFAULT_BLOCK, "cpu", 8)
-
-
-@functools.cache
-def long_gemma_case():
-    torch.manual_seed(0)
-    model, batches = gemma3(), lm_batches(4, seq=32)
-    return model, batches, torch_reference(model, sgd, batches, lm_loss)
-
-
-def test_gemma3_longer_than_one_attention_block_is_one_layer_scan_and_trains_like_torch(blocks_of_8):
-    """The window layers' and the full layer's attention calls share one block structure (the
-    union of their key-block ranges, each with its own mask): one family again."""
-    model, batches, reference = long_gemma_case()
-    result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
-    assert_parity(result)
-    assert scan_lengths(step.program(*batches[0])).count(6) == 2  # the layer scan and its transpose
-    (blocks,) = step.lowered.strategy.program.repeated
-    assert (blocks.prefix, blocks.length) == ("model.layers", 6)
-    assert [s.choice for s in blocks.variants.selections] == [(0, 0, 0, 0, 0, 1)] * 3
-    attention = [n for n in step.report(*batches[0]).notes if n.startswith("attention")]
-    assert attention == ["attention in 'model.layers.0.self_attn': blockwise (block 8, 10 block pairs, 6 of 16 "
-                         "blocks skipped by the causal mask); HF eager attention recognised"], attention
-
-
-def test_gemma3_longer_than_one_attention_block_trains_on_two_pipeline_stages_like_torch(blocks_of_8):
-    model, batches, reference = long_gemma_case()
-    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
-    result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
-    assert_parity(result)
-    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
 
 
 def traced(model, batch, count):
@@ -151,8 +128,8 @@ def test_sdpa_causal_call_without_a_mask_gets_a_constant_one_and_keeps_torchs_lo
     wrapped, (closed, _) = traced(model, batch, [])
     assert families(wrapped, closed) == [("model.layers", 2)]
     params, buffers = wrapped.initial_params(), wrapped.initial_buffers()
-    loss = jax.jit(lambda *a: wrapped.apply(*a, training=False)[0])(
-        params, buffers, jax.random.PRNGKey(0), tuple(np.asarray(x, np.int32) for x in batch))
+    loss = jax.jit(jcore.jaxpr_as_fun(closed))(*jax.tree.leaves(
+        (params, buffers, jax.random.PRNGKey(0), tuple(np.asarray(x, np.int32) for x in batch))))[0]
     with torch.no_grad():
         assert float(loss) == pytest.approx(lm_loss(model.eval(), *batch).item(), rel=1e-5)
 
