@@ -96,8 +96,8 @@ def context_attention(ctx: Context, eqn, args):
     b = blockwise.blocking_in(eqn.source_info.name_stack)
     if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
-    if b.causal and len(args) > 3:  # a mask with the causal flag (calls sharing one structure): the mask is exact
-        b = dataclasses.replace(b, causal=False)
+    if b.causal and len(args) > (4 if b.dropout else 3):
+        b = dataclasses.replace(b, causal=False)  # a mask with the causal flag (calls sharing one structure): exact alone
     ring = ra.Ring(b, CONTEXT, ctx.sizes[CONTEXT])
     if not _splits_sequence(args):
         _check_not_gathered(ctx, ring, args)
