@@ -14,8 +14,8 @@ traced again with one shared structure per shape: per query block the union of t
 key-block ranges; causal when every call sees only keys on or below the diagonal (a causal call,
 or a mask whose static bound lies there), else not; a mask operand for every call where any had
 one. Each call keeps its own mask (a call without one gets a constant that hides what it hid:
-nothing, or the keys above the diagonal), so results are unchanged; only blocks its own mask
-hides are computed too. Without differences the probe's jaxpr is evaluated into the caller's
+nothing, or the keys above the diagonal), so results are unchanged; the cost is that a call
+also computes the key blocks only the other calls' masks reach. Without differences the probe's jaxpr is evaluated into the caller's
 trace (a few percent of a trace); later traces of a probed signature apply the shared
 structures directly.
 """
