@@ -84,6 +84,18 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
 
 
+def test_gemma3_mixed_attention_under_context_parallel_rings_each_layer_with_its_own_mask(blocks_of_8):
+    """Under the shared structure every layer's call is causal with a mask; the ring over `context`
+    then runs with the mask alone (the causal ring would drop the window layers' masks)."""
+    torch.manual_seed(0)
+    model, batches = gemma3(), lm_batches(seq=64)  # 2 x context chunks of whole blocks
+    result, step = train(model, sgd, batches, dict(data=2, context=4), None,
+                         torch_reference(model, sgd, batches, lm_loss), loss_fn=lm_loss)
+    assert_parity(result)
+    assert [b.length for b in step.lowered.strategy.program.repeated] == [6]
+    assert "attention in 'model.layers.0.self_attn': ring attention over 'context'=4" in step.report().notes
+
+
 def traced(model, batch, count):
     """The jaxpr of the model's loss at `batch`, counting the model's traces in `count`."""
     wrapped = TorchModel(model, lm_loss)
