@@ -1,16 +1,23 @@
 """Blocks that differ only in constants or in which shared value they read are one family of
 repeated blocks: HF Gemma-3 (sliding-window and full attention layers: per-type masks and rotary
-tables) trains as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
+tables; longer than one attention block, one block structure for both kinds of attention) trains
+as one layer scan and under a 2-stage pipeline like torch; blocks that differ in
 structure run unrolled with a note naming the first difference, and the pipeline says why."""
 import copy
 import functools
 
+import jax
+from jax.extend import core as jcore
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import xtrain
+from xtrain.frontend.torch_module import TorchModel
+from xtrain.ir import attention as markers
+from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.testing import assert_parity, torch_reference
 
 from models import mlp_batches
@@ -26,26 +33,35 @@ def sgd(params):
 
 
 def gemma3(kinds=tuple(KINDS)):
-    # sliding_window 4 < the batches' 16 tokens: the sliding layers' mask really differs
+    # sliding_window 4 < the batches' 16 or 32 tokens: the sliding layers' mask really differs
     return Gemma3ForCausalLM(Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=len(kinds), num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, layer_types=list(kinds),
         attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+@pytest.fixture
+def blocks_of_8(monkeypatch):
+    # 32 tokens span 4 query and 4 key blocks: a window of 4 visits 1-2 key blocks per query block,
+    # the full layer every one up to the diagonal
+    monkeypatch.setitem(markers.DEFAULT_BLOCK, "cpu", 8)
+
+
 @functools.cache
 def gemma_case():
     torch.manual_seed(0)
-    model, batches = gemma3(), lm_batches()
+    model, batches = gemma3(), lm_batches(seq=32)
     return model, batches, torch_reference(model, sgd, batches, lm_loss)
 
 
-def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
+def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch(blocks_of_8):
+    """Longer than one attention block, the window layers' and the full layer's attention calls
+    share one block structure (the union of their key-block ranges, each with its own mask)."""
     model, batches, reference = gemma_case()
     result, step = train(model, sgd, batches, dict(data=8), None, reference, loss_fn=lm_loss)
     assert_parity(result)
     assert step.scan_layers is True  # the default on 8 emulated devices
-    assert scan_lengths(step.program(*batches[0])) == [6, 6]  # the forward scan and its transpose
+    assert scan_lengths(step.program(*batches[0])).count(6) == 2  # the layer scan and its transpose
     (blocks,) = step.lowered.strategy.program.repeated
     assert (blocks.prefix, blocks.length) == ("model.layers", 6)
     # the mask and the rotary cos / sin: each layer reads its type's
@@ -53,9 +69,12 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch():
     notes = step.report(*batches[0]).notes
     assert any(n.startswith("model.layers.0 .. model.layers.5: one family of repeated blocks; 3 shared input(s) "
                             "chosen per layer") for n in notes), notes
+    attention = [n for n in notes if n.startswith("attention")]
+    assert attention == ["attention in 'model.layers.0.self_attn': blockwise (block 8, 10 block pairs, 6 of 16 "
+                         "blocks skipped by the causal mask); HF eager attention recognised"], attention
 
 
-def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
+def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_of_8):
     model, batches, reference = gemma_case()
     plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
     result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
@@ -63,6 +82,68 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch():
     # stage 0 runs 3 sliding attention layers, stage 1 2 sliding and the full one
     assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
+
+
+def test_gemma3_mixed_attention_under_context_parallel_rings_each_layer_with_its_own_mask(blocks_of_8):
+    """Under the shared structure every layer's call is causal with a mask; the ring over `context`
+    then runs with the mask alone (the causal ring would drop the window layers' masks)."""
+    torch.manual_seed(0)
+    model, batches = gemma3(), lm_batches(seq=64)  # 2 x context chunks of whole blocks
+    result, step = train(model, sgd, batches, dict(data=2, context=4), None,
+                         torch_reference(model, sgd, batches, lm_loss), loss_fn=lm_loss)
+    assert_parity(result)
+    assert [b.length for b in step.lowered.strategy.program.repeated] == [6]
+    assert "attention in 'model.layers.0.self_attn': ring attention over 'context'=4" in step.report().notes
+
+
+def traced(model, batch, count):
+    """The jaxpr of the model's loss at `batch`, counting the model's traces in `count`."""
+    wrapped = TorchModel(model, lm_loss)
+    inner = wrapped._apply
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return inner(*args, **kwargs)
+
+    wrapped._apply = counted
+    shapes = lambda d: {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in d.items()}
+    args = (shapes(wrapped.initial_params()), shapes(wrapped.initial_buffers()), jax.random.PRNGKey(0),
+            tuple(jax.ShapeDtypeStruct(tuple(x.shape), np.int32) for x in batch))
+    # a new function each time: JAX would reuse the trace of the same one
+    return wrapped, [jax.make_jaxpr(lambda *a: wrapped.apply(*a, training=False))(*args) for _ in range(2)]
+
+
+def families(wrapped, closed):
+    return [(b.prefix, b.length) for b in find_repeated_blocks(closed.jaxpr, wrapped.module_paths(),
+                                                                closed.jaxpr.invars[:len(wrapped.param_names)])]
+
+
+@pytest.mark.parametrize("seq,traces", [(8, 2), (32, 3)])
+def test_the_model_is_traced_again_only_when_attention_calls_of_one_shape_differ(blocks_of_8, seq, traces):
+    """One block (8 tokens): the calls agree, the first trace is the probe's. Four blocks: the probe
+    finds the window and full layers' ranges differ and traces again; later traces of the same
+    input signature apply the shared structure directly."""
+    torch.manual_seed(0)
+    count = []
+    wrapped, closed = traced(gemma3(), lm_batches(1, seq=seq)[0], count)
+    assert len(count) == traces
+    assert [families(wrapped, c) for c in closed] == [[("model.layers", 6)]] * 2
+
+
+def test_sdpa_causal_call_without_a_mask_gets_a_constant_one_and_keeps_torchs_loss(blocks_of_8):
+    """HF's sdpa passes the full layer no mask (is_causal); under the shared structure it reads a
+    constant causal mask of the window layers' shape, and the loss stays torch's."""
+    torch.manual_seed(0)
+    config = gemma3(("sliding_attention", "full_attention")).config
+    config.num_key_value_heads, config._attn_implementation = 4, "sdpa"  # sdpa repeats GQA heads only with a mask
+    model, (batch,) = Gemma3ForCausalLM(config), lm_batches(1, seq=32)
+    wrapped, (closed, _) = traced(model, batch, [])
+    assert families(wrapped, closed) == [("model.layers", 2)]
+    params, buffers = wrapped.initial_params(), wrapped.initial_buffers()
+    loss = jax.jit(jcore.jaxpr_as_fun(closed))(*jax.tree.leaves(
+        (params, buffers, jax.random.PRNGKey(0), tuple(np.asarray(x, np.int32) for x in batch))))[0]
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(lm_loss(model.eval(), *batch).item(), rel=1e-5)
 
 
 class Block(nn.Module):

@@ -15,8 +15,8 @@ weights (torch's eager pattern draws its own mask), scores masked by masked_fill
 softmax input that is not q.k^T (+ mask), a scale that is not a constant, a mask that does not
 broadcast to the scores. An additive mask that is a constant of the program and exactly causal
 (HF's eager mask without padding) becomes the kernel's own causal mask when the sequence spans
-several blocks (`_is_causal`). Known limit: a model mixing such causal layers with sliding-window
-layers (Gemma-3) then has two layer structures, so at those lengths its layers are not one scan.
+several blocks (`_is_causal`); the mask is still handed over, for when sliding-window layers of the
+same shape (Gemma-3) make every call of that shape take a mask (xtrain.frontend.uniform_attention).
 """
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def matmul(x, y):
             return jnp.matmul(x, y)
     causal = _is_causal(mask, q.shape[-2], k.shape[-2])
     why = "HF eager attention recognised" + (", its constant mask is causal" if causal else "")
-    out = sdpa.blockwise_call(q, k, y.astype(q.dtype), None if causal else mask, scale, why, causal=causal)
+    out = sdpa.blockwise_call(q, k, y.astype(q.dtype), None if causal else mask, scale, why, causal=causal,
+                              dropped_mask=mask if causal else None)
     return out.astype(jnp.result_type(x.dtype, y.dtype))
 
 

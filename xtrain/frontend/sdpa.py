@@ -8,7 +8,8 @@ Each call site picks its implementation (`choose`): cuDNN's fused attention on
 CUDA where it applies, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`. A boolean mask the program
 builds from positions (HF's sliding window) lets the kernel skip the key blocks its static
-bound hides (xtrain.frontend.static_mask).
+bound hides (xtrain.frontend.static_mask); calls of one shape whose masks differ share one
+structure (xtrain.frontend.uniform_attention).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-from xtrain.frontend import static_mask
+from xtrain.frontend import static_mask, uniform_attention
 from xtrain.ir import blockwise as attention
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
@@ -132,12 +133,17 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
 
 
-def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, causal=False, dropout=0.0, rng=None):
-    """The blockwise kernel on (..., heads, length, dim) arrays, inside its report marker."""
+def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, causal=False, dropout=0.0, rng=None,
+                   dropped_mask=None):
+    """The blockwise kernel on (..., heads, length, dim) arrays, inside its report marker.
+    `dropped_mask`: a mask the caller found the causal flag to replace (HF eager's constant causal
+    mask), used only where calls of this shape share one structure with masks."""
     block = DEFAULT_BLOCK.get(_backend(), DEFAULT_BLOCK["cpu"])
     length, source = query.shape[-2], key.shape[-2]
     band = static_mask.bound(attn_mask)  # a sliding window built from positions: skip blocks outside it
     b = attention.blocking_for(length, source, block, scale=scale, causal=causal, dropout=dropout,
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
+    # calls of one shape share one structure (layers differing only in their masks stay one family)
+    b, attn_mask = uniform_attention.adjust(b, query, key, value, attn_mask, band, rng, dropped_mask)
     with jax.named_scope(scope_name(attention.site(b, why))):
         return _blockwise(b, query, key, value, attn_mask, rng)

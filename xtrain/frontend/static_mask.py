@@ -7,7 +7,8 @@ being traced: a part computed from constants only is evaluated (compile-time con
 folding, never a runtime value), an `and` keeps the bounds of both operands, and a broadcast
 or reshape of a bounded boolean keeps its bound. The result is False wherever the mask is
 False for every input of the program, so the attention kernel may skip a key block where the
-bound is all False (`visible_blocks`). Anything else (an input, a random draw, an op not
+bound is all False (`visible_blocks`). An additive mask bounds where it is a constant of the
+program (HF's eager masks without padding): keys at or below -1e30 are hidden. Anything else (an input, a random draw, an op not
 listed) bounds nothing.
 
 It reads JAX's tracing state (DynamicJaxprTracer.parent, get_const): where that is not
@@ -78,12 +79,26 @@ class _Walk:
         return None
 
 
+_HIDDEN = -1e30  # an additive mask value at or below this hides its key (HF writes finfo.min or -inf)
+
+
+def _additive(walk: _Walk, mask) -> np.ndarray | None:
+    """Where a constant additive mask leaves keys visible, when every row sees one (a fully
+    hidden row is uniform over all keys in torch: no block may be skipped there)."""
+    value = walk.constant(mask)
+    if value is None or value.ndim < 1:
+        return None
+    seen = value > _HIDDEN
+    return seen if seen.any(axis=-1).all() else None
+
+
 def bound(mask) -> np.ndarray | None:
-    """A static bound of a boolean mask being traced (see the module docstring), or None."""
-    if mask is None or mask.dtype != jnp.bool_:
+    """A static bound of a mask being traced (see the module docstring), or None: boolean masks,
+    and additive masks that are constants of the program (HF's eager sliding window)."""
+    if mask is None or (mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.floating)):
         return None
     try:
-        return _Walk().bound(mask)
+        return _Walk().bound(mask) if mask.dtype == jnp.bool_ else _additive(_Walk(), mask)
     except Exception:  # an op that cannot be folded eagerly bounds nothing; attention computes every block
         return None
 

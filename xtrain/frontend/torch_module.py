@@ -13,7 +13,7 @@ import torchax
 from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
-from xtrain.frontend import autograd_function, moe, optim, structure, torch_ops
+from xtrain.frontend import autograd_function, moe, optim, structure, torch_ops, uniform_attention
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
 
@@ -156,6 +156,7 @@ class TorchModel(Model):
         self._frozen = {n for n, p in named_params if not p.requires_grad}
         self._paths = frozenset(p for p, _ in module.named_modules() if p)
         self._state_keys = list(module.state_dict().keys())
+        self._attention = uniform_attention.Tracer()  # one structure per attention shape (Gemma's window layers)
 
     # -- state ---------------------------------------------------------------------------
     def initial_params(self) -> dict[str, np.ndarray]:
@@ -211,6 +212,10 @@ class TorchModel(Model):
     # -- the pure function ---------------------------------------------------------------
     def apply(self, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple,
               *, training: bool) -> tuple[Any, dict[str, Any]]:
+        trace = functools.partial(self._apply, training=training)
+        return self._attention.apply(trace, (params, buffers, key, batch), extra=(training,))
+
+    def _apply(self, params, buffers, key, batch: tuple, *, training: bool):
         env = torchax_env()
         scopes = _ModuleScopes(self.module)
         # Factory calls without a device (torch.arange(t), torch.ones(...)) must build traced

@@ -12,6 +12,7 @@ runs as ring attention (`context_attention`, called by the custom_vjp rule).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from xtrain.ir import blockwise
@@ -95,6 +96,8 @@ def context_attention(ctx: Context, eqn, args):
     b = blockwise.blocking_in(eqn.source_info.name_stack)
     if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
+    if b.causal and len(args) > (4 if b.dropout else 3):
+        b = dataclasses.replace(b, causal=False)  # a mask with the causal flag (calls sharing one structure): exact alone
     ring = ra.Ring(b, CONTEXT, ctx.sizes[CONTEXT])
     if not _splits_sequence(args):
         _check_not_gathered(ctx, ring, args)
