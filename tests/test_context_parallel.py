@@ -7,12 +7,13 @@ import functools
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
 import xtrain
 from xtrain import plans
+from xtrain.lowering import ring_attention as ra
 from xtrain.testing import ParityResult, assert_parity, torch_reference
-from test_long_sequence import adamw, batches, llama, lm_loss, padded_loss, VOCAB
+from test_long_sequence import adamw, batches, blocks_of_16, llama, lm_loss, padded_loss, VOCAB  # noqa: F401 (a fixture)
 
 SEQ = 1024
 
@@ -42,8 +43,8 @@ def train(name, padded, mesh, seq=SEQ, plan=None, layers=1):
     return ParityResult(losses, want[0], step.state_dict(), want[1], 5e-5), step
 
 
-def _ring_permutes(step) -> int:
-    return sum(1 for c in step.report().collectives if c.kind == "collective-permute" and c.axes == ("context",))
+def _ring_permutes(step, *batch) -> int:
+    return sum(1 for c in step.report(*batch).collectives if c.kind == "collective-permute" and c.axes == ("context",))
 
 
 @pytest.mark.parametrize("name,padded,seq", [("llama", False, SEQ), ("gpt2", False, SEQ), ("gpt2", True, 256)])
@@ -81,6 +82,36 @@ def test_context_inside_pipeline_stages(name, padded, schedule):
     assert [n for n in step.report().notes if "ring attention" in n] == [
         f"attention in {path!r}: ring attention over 'context'=2" + ("" if padded else " (causal, load-balanced chunks)")]
     assert _ring_permutes(step) > 0, step.report()
+
+
+def _ring_cost(step, batch) -> tuple[int, float]:
+    return _ring_permutes(step, *batch), step.compiled(*batch).cost_analysis()["flops"]
+
+
+def test_the_ring_skips_the_steps_a_sliding_window_hides(blocks_of_16, monkeypatch):
+    """HF Mistral, sliding window 16 over 128 tokens (blocks of 16) on context=4: a quarter's
+    queries see only its own and the previous quarter's keys, so 2 of the 4 ring steps, their
+    permutes and FLOPs, are skipped; parity with torch (padded)."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=16, bos_token_id=0, eos_token_id=0))
+    data = batches(128, True, n=4, batch=8)
+    want = torch_reference(model, adamw, data, padded_loss)
+    compile = lambda m: xtrain.compile(m, xtrain.Mesh(data=2, context=4), optimizer=adamw(m.parameters()),
+                                       loss_fn=padded_loss)
+    step = compile(copy.deepcopy(model))
+    losses = [step(*batch)["loss"] for batch in data]
+    assert_parity(ParityResult(losses, want[0], step.state_dict(), want[1], 5e-5))
+    assert [n for n in step.report(*data[0]).notes if "ring attention" in n] == [
+        "attention in 'model.layers.0.self_attn': ring attention over 'context'=4 (2 of 4 ring steps skipped: "
+        "the mask's static band hides their chunks)"]
+    permutes, flops = _ring_cost(step, data[0])
+    monkeypatch.setattr(ra.Ring, "steps", property(lambda ring: tuple(range(ring.size))))  # the whole ring
+    all_permutes, all_flops = _ring_cost(compile(copy.deepcopy(model)), data[0])
+    # forward 2 x (K, V) fewer; backward 2 x (K, V, dK, dV) fewer (the home pass stays)
+    assert all_permutes - permutes == 2 * 2 + 2 * 4, (permutes, all_permutes)
+    assert flops < 0.85 * all_flops, (flops, all_flops)
 
 
 def _temporaries(mesh, batch) -> int:

@@ -8,6 +8,9 @@ their dK/dV accumulators, which arrive back home after the last step; only the o
 log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise kernel
 (xtrain.ir.blockwise), its own forward and backward.
 
+Skipped steps: without balancing, a ring step whose key/value chunk the call's static band (a sliding
+window: Blocking.visible) hides from every device is not computed, and the chunks hop past it.
+
 Load balance under a causal mask: the sequence is cut into 2c chunks and device i computes
 with chunks i and 2c-1-i (`balance` moves them there from the contiguous split, `unbalance`
 moves the output back), so every device does the same work at every step: at step 0 its own
@@ -56,9 +59,25 @@ class Ring:
         b = self.call
         return bw.Blocking(b.scale, causal, min(self.block, length), min(self.block, source), length, source, b.dropout)
 
+    def pairs(self, hop: int) -> list[tuple[int, int]]:
+        """Each device sends to the one `hop` places further round the ring."""
+        return [(i, (i + hop) % self.size) for i in range(self.size)]
+
     @property
-    def forward_pairs(self) -> list[tuple[int, int]]:
-        return [(i, (i + 1) % self.size) for i in range(self.size)]
+    def steps(self) -> tuple[int, ...]:
+        """The ring steps t some device computes: all, but (no balancing) those whose key chunk
+        (from device i - t) the call's static band (Blocking.visible, a sliding window) hides
+        from every device's queries, which are skipped with their permutes."""
+        b, c, n = self.call, self.size, self.chunk
+        if not b.visible or b.causal:
+            return tuple(range(c))
+
+        def sees(d: int, s: int) -> bool:  # a query block over chunk d sees a key block over chunk s
+            blocks = range(d * n // b.block_q, ((d + 1) * n - 1) // b.block_q + 1)
+            spans = (b.visible[i] for i in blocks)
+            return any(lo * b.block_k < (s + 1) * n and hi * b.block_k > s * n for lo, hi in spans)
+
+        return tuple(t for t in range(c) if t == 0 or any(sees(d, (d - t) % c) for d in range(c)))
 
 
 def check(ring: Ring, where: str) -> None:
@@ -192,17 +211,16 @@ def _step_backward(ring: Ring, t: int, here, source, q, k, v, mask, drop, out, l
 
 # -- the ring -------------------------------------------------------------------------------------
 
-def _pass(ring: Ring, *xs):
-    return [collectives.permute(x, ring.axis, ring.forward_pairs) for x in xs]
+def _pass(ring: Ring, hop: int, *xs):
+    return [collectives.permute(x, ring.axis, ring.pairs(hop)) for x in xs]
 
 
 def _ring_forward(ring: Ring, q, k, v, mask, drop):
-    here, acc = lax.axis_index(ring.axis), None
-    for t in range(ring.size):
+    here, acc, held = lax.axis_index(ring.axis), None, 0
+    for t in ring.steps:  # the key/value chunk of step t comes from t - held places back (skipped steps: one hop)
+        k, v = (k, v) if t == held else _pass(ring, t - held, k, v)
         part = _step_forward(ring, t, here, (here - t) % ring.size, q, k, v, mask, drop)
-        acc = part if acc is None else _merge(acc, part)
-        if t < ring.size - 1:
-            k, v = _pass(ring, k, v)
+        acc, held = (part if acc is None else _merge(acc, part)), t
     out, lse = acc
     return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)  # +inf: the kernel's "saw nothing"
 
@@ -225,11 +243,12 @@ def _ring_bwd(ring: Ring, res, d_out):
     here = lax.axis_index(ring.axis)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for t in range(ring.size):
+    held = 0
+    for t in ring.steps:  # the accumulators travel with their chunk
+        k, v, dk, dv = (k, v, dk, dv) if t == held else _pass(ring, t - held, k, v, dk, dv)
         dq_t, dk_t, dv_t = _step_backward(ring, t, here, (here - t) % ring.size, q, k, v, mask, drop, out, lse, d_out)
-        dq, dk, dv = dq + dq_t, dk + dk_t, dv + dv_t
-        # the accumulators travel with their chunk; after the last step one more pass takes them home
-        k, v, dk, dv = _pass(ring, k, v, dk, dv) if t < ring.size - 1 else (k, v, *_pass(ring, dk, dv))
+        dq, dk, dv, held = dq + dq_t, dk + dk_t, dv + dv_t, t
+    dk, dv = _pass(ring, ring.size - held, dk, dv) if held else (dk, dv)  # home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

@@ -123,6 +123,9 @@ def context_attention(ctx: Context, eqn, args):
         out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), CONTEXT, c, dim)
     else:
         out = ra.ring_attention(ring, q.value, k.value, v.value, m, drop)
+    skipped = c - len(ring.steps)
     ctx.note(f"attention in {ctx.path or '<top level>'!r}: ring attention over {CONTEXT!r}={c}"
-             + (" (causal, load-balanced chunks)" if b.causal else ""))
+             + (" (causal, load-balanced chunks)" if b.causal else "")
+             + (f" ({skipped} of {c} ring steps skipped: the mask's static band hides their chunks)"
+                if skipped else ""))
     return wrap(eqn, [out], [tq])
