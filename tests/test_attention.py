@@ -252,3 +252,40 @@ def test_sliding_window_skips_blocks_outside_the_window():
     assert windowed <= 0.45 * causal, (windowed, causal)
     full = _window_flops(lambda n: {})
     assert windowed <= 0.25 * full, (windowed, full)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_drops_the_weights_the_whole_call_drops(causal):
+    """Attention dropout on a sequence split over `context` (ring attention, load-balanced when
+    causal, in blocks of 8) keeps the weights the kernel on the whole sequence keeps (blocks of
+    16): the mask is a hash of global (batch, head, query, key), not of the blocking or the device
+    (xtrain.ir.attention_dropout). Output and gradients."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from xtrain.ir import attention_dropout
+    from xtrain.lowering import ring_attention as ra
+
+    n, c = 64, 4
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 2, 2, n, 8))  # (B, Hk, G, L, D): grouped-query heads
+    k, v = (jax.random.normal(x, (2, 2, n, 8)) for x in keys[1:])
+    b = attention.blocking_for(n, n, 16, scale=0.3, causal=causal, dropout=0.3)
+    ring, key = ra.Ring(b, "context", c), jax.random.key(7)
+
+    def local(q, k, v):
+        drop = (key, attention_dropout.flat_index(q.shape[:-2]))
+        if not causal:
+            return ra.ring_attention(ring, q, k, v, None, drop)
+        q, k, v = ra.balance(q, "context", c, 3), ra.balance(k, "context", c, 2), ra.balance(v, "context", c, 2)
+        return ra.unbalance(ra.ring_attention(ring, q, k, v, None, drop), "context", c, 3)
+
+    seq = P(None, None, None, "context")
+    split = jax.shard_map(local, mesh=Mesh(np.array(jax.devices()[:c]), ("context",)),
+                          in_specs=(seq, P(None, None, "context"), P(None, None, "context")), out_specs=seq)
+    whole = lambda q, k, v: attention.blockwise(q, k, v, None, key, b)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *x: jnp.sum(jnp.sin(f(*x))), argnums=(0, 1, 2)))
+    (want, want_grads), (got, got_grads) = loss(whole)(q, k, v), loss(split)(q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    plain = attention.blocking_for(n, n, 16, scale=0.3, causal=causal)
+    assert abs(float(want) - float(jnp.sum(jnp.sin(attention.blockwise(q, k, v, None, None, plain))))) > 1e-2

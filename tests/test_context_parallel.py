@@ -7,34 +7,35 @@ import functools
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
 import xtrain
 from xtrain import plans
+from xtrain.lowering import ring_attention as ra
 from xtrain.testing import ParityResult, assert_parity, torch_reference
-from test_long_sequence import adamw, batches, llama, lm_loss, padded_loss, VOCAB
+from test_long_sequence import adamw, batches, blocks_of_16, llama, lm_loss, padded_loss, VOCAB  # noqa: F401 (a fixture)
 
 SEQ = 1024
 
 
-def gpt2(positions=SEQ):
+def gpt2(positions=SEQ, layers=1):
     return GPT2LMHeadModel(GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=positions, resid_pdrop=0.0,
+        vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=positions, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
 
 
 @functools.cache
-def reference(name, padded, seq=SEQ):
+def reference(name, padded, seq=SEQ, layers=1):
     torch.manual_seed(0)
-    model = {"llama": lambda: llama(layers=1, positions=seq), "gpt2": lambda: gpt2(seq)}[name]()
+    model = {"llama": lambda: llama(layers=layers, positions=seq), "gpt2": lambda: gpt2(seq, layers)}[name]()
     data = batches(seq, padded, n=4, batch=8)
     loss = padded_loss if padded else lm_loss
     return model, data, loss, torch_reference(model, adamw, data, loss)
 
 
-def train(name, padded, mesh, seq=SEQ, plan=None):
+def train(name, padded, mesh, seq=SEQ, plan=None, layers=1):
     """(parity result, step) of xtrain on `mesh` against torch on one device."""
-    model, data, loss, want = reference(name, padded, seq)
+    model, data, loss, want = reference(name, padded, seq, layers)
     model = copy.deepcopy(model)
     plan = plan(model, mesh) if plan is not None else None
     step = xtrain.compile(model, mesh, optimizer=adamw(model.parameters()), loss_fn=loss, plan=plan)
@@ -42,8 +43,8 @@ def train(name, padded, mesh, seq=SEQ, plan=None):
     return ParityResult(losses, want[0], step.state_dict(), want[1], 5e-5), step
 
 
-def _ring_permutes(step) -> int:
-    return sum(1 for c in step.report().collectives if c.kind == "collective-permute" and c.axes == ("context",))
+def _ring_permutes(step, *batch) -> int:
+    return sum(1 for c in step.report(*batch).collectives if c.kind == "collective-permute" and c.axes == ("context",))
 
 
 @pytest.mark.parametrize("name,padded,seq", [("llama", False, SEQ), ("gpt2", False, SEQ), ("gpt2", True, 256)])
@@ -70,6 +71,49 @@ def test_context_composes_with_tensor_parallel():
     assert _ring_permutes(step) > 0
 
 
+@pytest.mark.parametrize("name,padded,schedule", [("llama", False, "gpipe"), ("gpt2", True, "1f1b")])
+def test_context_inside_pipeline_stages(name, padded, schedule):
+    """Each stage's attention rings over `context` (2 layers, one per stage; 128 tokens: 2 x
+    context chunks of 32)."""
+    plan = lambda model, mesh: xtrain.Plan().with_pipeline(stages=2, microbatches=2, schedule=schedule)
+    result, step = train(name, padded, xtrain.Mesh(pipe=2, context=2, data=2), 128, plan=plan, layers=2)
+    assert_parity(result)
+    path = {"llama": "model.layers.0.self_attn", "gpt2": "transformer.h.0.attn"}[name]  # the stages' one layer body
+    assert [n for n in step.report().notes if "ring attention" in n] == [
+        f"attention in {path!r}: ring attention over 'context'=2" + ("" if padded else " (causal, load-balanced chunks)")]
+    assert _ring_permutes(step) > 0, step.report()
+
+
+def _ring_cost(step, batch) -> tuple[int, float]:
+    return _ring_permutes(step, *batch), step.compiled(*batch).cost_analysis()["flops"]
+
+
+def test_the_ring_skips_the_steps_a_sliding_window_hides(blocks_of_16, monkeypatch):
+    """HF Mistral, sliding window 16 over 128 tokens (blocks of 16) on context=4: a quarter's
+    queries see only its own and the previous quarter's keys, so 2 of the 4 ring steps, their
+    permutes and FLOPs, are skipped; parity with torch (padded)."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=16, bos_token_id=0, eos_token_id=0))
+    data = batches(128, True, n=4, batch=8)
+    want = torch_reference(model, adamw, data, padded_loss)
+    compile = lambda m: xtrain.compile(m, xtrain.Mesh(data=2, context=4), optimizer=adamw(m.parameters()),
+                                       loss_fn=padded_loss)
+    step = compile(copy.deepcopy(model))
+    losses = [step(*batch)["loss"] for batch in data]
+    assert_parity(ParityResult(losses, want[0], step.state_dict(), want[1], 5e-5))
+    assert [n for n in step.report(*data[0]).notes if "ring attention" in n] == [
+        "attention in 'model.layers.0.self_attn': ring attention over 'context'=4 (2 of 4 ring steps skipped: "
+        "the mask's static band hides their chunks)"]
+    permutes, flops = _ring_cost(step, data[0])
+    monkeypatch.setattr(ra.Ring, "steps", property(lambda ring: tuple(range(ring.size))))  # the whole ring
+    all_permutes, all_flops = _ring_cost(compile(copy.deepcopy(model)), data[0])
+    # forward 2 x (K, V) fewer; backward 2 x (K, V, dK, dV) fewer (the home pass stays)
+    assert all_permutes - permutes == 2 * 2 + 2 * 4, (permutes, all_permutes)
+    assert flops < 0.85 * all_flops, (flops, all_flops)
+
+
 def _temporaries(mesh, batch) -> int:
     """The issue's measured config (HF Llama, 1 layer, hidden 32, vocab 256) at sequence 1024."""
     torch.manual_seed(0)
@@ -93,18 +137,9 @@ def test_what_context_parallelism_refuses():
     # 264 tokens are padded to whole blocks of 256 before the attention: the pad gathers the sequence
     with pytest.raises(ValueError, match=r"its sequence \(264\) reaches the attention whole .* 'context'"):
         compile(xtrain.Mesh(data=2, context=4))(torch.zeros(8, 264, dtype=torch.long))
-    torch.manual_seed(0)
-    dropping = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
-                                          attn_pdrop=0.1, attn_implementation="sdpa")).train()
-    step = xtrain.compile(dropping, xtrain.Mesh(data=2, context=4), optimizer=adamw(dropping.parameters()),
-                          loss_fn=lm_loss)
-    with pytest.raises(ValueError, match=r"'transformer.h.0.attn': attention dropout under context parallelism"):
-        step(torch.zeros(8, 64, dtype=torch.long))
     with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec \('data',\) does not "
                                          r"split the sequence .*Plan\(batch=\('data', 'context'\)\)"):
         compile(xtrain.Mesh(data=2, context=4), xtrain.Plan(batch=("data",)))
-    with pytest.raises(ValueError, match=r"'context' \(size 2\) with pipeline parallelism: .*not implemented"):
-        compile(xtrain.Mesh(pipe=2, data=2, context=2), xtrain.Plan().with_pipeline(2, 2))
 
 
 class MaskedGPT(torch.nn.Module):
@@ -157,7 +192,7 @@ def test_the_plan_search_offers_context_candidates_for_long_sequences():
     assert "dp2xcp4" in names and "dp1xcp4xtp2" in names and "dp8" in names
     point = space.Candidate(data=2, context=4)
     assert point.mesh == {"data": 2, "context": 4} and point.plan().batch is None  # the default: sequence split
-    with pytest.raises(ValueError, match=r"context parallelism does not run under a pipeline"):
+    with pytest.raises(ValueError, match=r"does not cost context parallelism inside pipeline"):
         space.Candidate(data=1, context=2, pipe=2, microbatches=2)
 
 
@@ -170,11 +205,11 @@ def test_presets_keep_the_sequence_split():
 
 
 def test_dropout_masks_do_not_depend_on_the_context_split():
-    """Hidden and embedding dropout on: context=4 draws the masks data=8 draws (attention
-    dropout under context is refused: xtrain.lowering.ring_attention.check)."""
+    """Hidden, embedding and attention dropout on: context=4 draws the masks data=8 draws (the
+    ring's attention masks hash global (batch, head, query, key): xtrain.ir.attention_dropout)."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
-                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa"))
+                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="sdpa"))
     model.train()
     data = batches(64, False, n=2, batch=8)
     losses = []
@@ -182,6 +217,6 @@ def test_dropout_masks_do_not_depend_on_the_context_split():
         m = copy.deepcopy(model)
         step = xtrain.compile(m, mesh, optimizer=adamw(m.parameters()), loss_fn=lm_loss)
         losses.append([step(*b)["loss"] for b in data])
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # a ring without attention dropout: 1e-4 apart
     without = torch_reference(model.eval(), adamw, data[:1], lm_loss)[0][0]
     assert abs(losses[0][0] - without) > 1e-4, (losses, without)  # dropout was on

@@ -84,8 +84,9 @@ class Candidate:
                              "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
                              "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
         if self.context > 1 and self.pipe > 1:
-            raise ValueError(f"Candidate(context={self.context}, pipe={self.pipe}): context parallelism does not "
-                             "run under a pipeline; use pipe=1 or context=1")
+            raise ValueError(f"Candidate(context={self.context}, pipe={self.pipe}): the plan search does not "
+                             "cost context parallelism inside pipeline stages yet; use pipe=1 or context=1 "
+                             "(xtrain.compile runs it: Mesh(pipe=2, context=2, data=2) with Plan().with_pipeline(...))")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
                              f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.ir import attention_dropout as dropout_mask
 from xtrain.ir.attention import Implementation, Site
 
 
@@ -149,10 +150,13 @@ def _scores(b: Blocking, q_i, k_j, mask_j, q_start: int, k_start):
 
 
 def _dropped(b: Blocking, p, key, i: int, j):
-    """p with torch's inverted dropout, one key per block pair (the backward draws it again)."""
+    """p with torch's inverted dropout, its mask a hash of the global coordinates (the backward
+    draws it again; xtrain.ir.attention_dropout). `key`: the dropout key, or a Drop that places
+    a chunk of the call (ring attention)."""
     if not b.dropout:
         return p
-    keep = jax.random.bernoulli(jax.random.fold_in(key, i * b.n_k + j), 1.0 - b.dropout, p.shape)
+    drop = key if isinstance(key, dropout_mask.Drop) else dropout_mask.Drop(key)
+    keep = dropout_mask.kept(drop, b.dropout, p.shape, i * b.block_q, j * b.block_k)
     return jnp.where(keep, p / (1.0 - b.dropout), 0.0)
 
 

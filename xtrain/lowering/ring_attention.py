@@ -8,6 +8,9 @@ their dK/dV accumulators, which arrive back home after the last step; only the o
 log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise kernel
 (xtrain.ir.blockwise), its own forward and backward.
 
+Skipped steps: without balancing, a ring step whose key/value chunk the call's static band (a sliding
+window: Blocking.visible) hides from every device is not computed, and the chunks hop past it.
+
 Load balance under a causal mask: the sequence is cut into 2c chunks and device i computes
 with chunks i and 2c-1-i (`balance` moves them there from the contiguous split, `unbalance`
 moves the output back), so every device does the same work at every step: at step 0 its own
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.ir import attention_dropout as dm
 from xtrain.ir import blockwise as bw
 from xtrain.lowering import collectives
 
@@ -52,11 +56,28 @@ class Ring:
         return min(self.call.block_q, self.chunk)
 
     def piece(self, length: int, source: int, causal: bool) -> bw.Blocking:
-        return bw.Blocking(self.call.scale, causal, min(self.block, length), min(self.block, source), length, source)
+        b = self.call
+        return bw.Blocking(b.scale, causal, min(self.block, length), min(self.block, source), length, source, b.dropout)
+
+    def pairs(self, hop: int) -> list[tuple[int, int]]:
+        """Each device sends to the one `hop` places further round the ring."""
+        return [(i, (i + hop) % self.size) for i in range(self.size)]
 
     @property
-    def forward_pairs(self) -> list[tuple[int, int]]:
-        return [(i, (i + 1) % self.size) for i in range(self.size)]
+    def steps(self) -> tuple[int, ...]:
+        """The ring steps t some device computes: all, but (no balancing) those whose key chunk
+        (from device i - t) the call's static band (Blocking.visible, a sliding window) hides
+        from every device's queries, which are skipped with their permutes."""
+        b, c, n = self.call, self.size, self.chunk
+        if not b.visible or b.causal:
+            return tuple(range(c))
+
+        def sees(d: int, s: int) -> bool:  # a query block over chunk d sees a key block over chunk s
+            blocks = range(d * n // b.block_q, ((d + 1) * n - 1) // b.block_q + 1)
+            spans = (b.visible[i] for i in blocks)
+            return any(lo * b.block_k < (s + 1) * n and hi * b.block_k > s * n for lo, hi in spans)
+
+        return tuple(t for t in range(c) if t == 0 or any(sees(d, (d - t) % c) for d in range(c)))
 
 
 def check(ring: Ring, where: str) -> None:
@@ -69,21 +90,19 @@ def check(ring: Ring, where: str) -> None:
     if b.length % (2 * c) or ring.chunk % ring.block:
         raise ValueError(f"attention in {where!r}: sequence {b.length} does not split into {2 * c} chunks of whole "
                          f"attention blocks (block {ring.block}) over mesh axis {ring.axis!r}={c}; {fix}")
-    if b.dropout:
-        raise ValueError(f"attention in {where!r}: attention dropout under context parallelism (mesh axis "
-                         f"{ring.axis!r}) is not implemented; set the attention dropout to 0 or drop the axis")
 
 
 # -- per-piece forward and backward (the blockwise kernel on chunks) ------------------------------
 
-def _piece_forward(b: bw.Blocking, q, k, v, mask):
-    """(out f32, lse with -inf for rows that saw nothing) of q over k, v."""
-    out, lse, _ = bw._forward(b, q, k, v, mask, None)
+def _piece_forward(b: bw.Blocking, q, k, v, mask, drop=None):
+    """(out f32, lse with -inf for rows that saw nothing) of q over k, v; `drop` places the
+    piece's dropout mask (xtrain.ir.attention_dropout.Drop)."""
+    out, lse, _ = bw._forward(b, q, k, v, mask, drop)
     return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
-def _piece_backward(b: bw.Blocking, q, k, v, mask, out, lse, d_out):
-    dq, dk, dv, _ = bw._backward(b, (q, k, v, mask, None, out, lse, None), d_out, want_dmask=False)
+def _piece_backward(b: bw.Blocking, q, k, v, mask, out, lse, d_out, drop=None):
+    dq, dk, dv, _ = bw._backward(b, (q, k, v, mask, drop, out, lse, None), d_out, want_dmask=False)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
@@ -113,97 +132,124 @@ def _pad_rows(x, before: int, after: int):
     return jnp.pad(x, widths)
 
 
-def _late_forward(ring: Ring, lower, q, k, v):
+def _positions(ring: Ring, holder, n: int):
+    """Global sequence positions of the n rows ring position `holder` holds: its chunk, or
+    (causal) its balanced chunks holder and 2c-1-holder."""
+    if not ring.call.causal:
+        return holder * n + lax.iota(jnp.int32, n)
+    h, ramp = ring.chunk, lax.iota(jnp.int32, ring.chunk)
+    return jnp.concatenate([holder * h + ramp, (2 * ring.size - 1 - holder) * h + ramp])
+
+
+def _placed(drop, here, source, n: int, ring: Ring):
+    """The step's dropout placement: this device's query rows over the key chunk from `source`."""
+    if drop is None:
+        return None
+    key, lead = drop
+    return dm.Drop(key, lead, _positions(ring, here, n), _positions(ring, source, n))
+
+
+def _part(d, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+    """A Drop for the (start, size) rows and columns of its chunk (None: all)."""
+    if d is None:
+        return None
+    cut = lambda x, r: x if r is None else lax.slice_in_dim(x, r[0], r[0] + r[1])
+    return dataclasses.replace(d, rows=cut(d.rows, rows), cols=cut(d.cols, cols))
+
+
+def _late_forward(ring: Ring, lower, q, k, v, d):
     """Causal step > 0: all queries over the first arriving chunk (from a lower device), or the
     second query chunk over both arriving chunks (from a higher one)."""
     h = ring.chunk
 
     def from_lower():
-        return _piece_forward(ring.piece(2 * h, h, False), q, _rows(k, 0, h), _rows(v, 0, h), None)
+        return _piece_forward(ring.piece(2 * h, h, False), q, _rows(k, 0, h), _rows(v, 0, h), None,
+                              _part(d, cols=(0, h)))
 
     def from_higher():
-        out, lse = _piece_forward(ring.piece(h, 2 * h, False), _rows(q, h, h), k, v, None)
+        out, lse = _piece_forward(ring.piece(h, 2 * h, False), _rows(q, h, h), k, v, None, _part(d, rows=(h, h)))
         lse = jnp.concatenate([jnp.full(lse.shape[:-1] + (h,), -jnp.inf, lse.dtype), lse], axis=-1)
         return _pad_rows(out, h, 0), lse
 
     return lax.cond(lower, from_lower, from_higher)
 
 
-def _late_backward(ring: Ring, lower, q, k, v, out, lse, d_out):
+def _late_backward(ring: Ring, lower, q, k, v, out, lse, d_out, d):
     h = ring.chunk
 
     def from_lower():
         dq, dk, dv = _piece_backward(ring.piece(2 * h, h, False), q, _rows(k, 0, h), _rows(v, 0, h), None,
-                                     out, lse, d_out)
+                                     out, lse, d_out, _part(d, cols=(0, h)))
         return dq, _pad_rows(dk, 0, h), _pad_rows(dv, 0, h)
 
     def from_higher():
         second = lambda x: _rows(x, h, h)
         dq, dk, dv = _piece_backward(ring.piece(h, 2 * h, False), second(q), k, v, None, second(out),
-                                     lse[..., h:], second(d_out))
+                                     lse[..., h:], second(d_out), _part(d, rows=(h, h)))
         return _pad_rows(dq, h, 0), dk, dv
 
     return lax.cond(lower, from_lower, from_higher)
 
 
-def _step_forward(ring: Ring, t: int, here, source, q, k, v, mask):
-    n = q.shape[-2]
+def _step_forward(ring: Ring, t: int, here, source, q, k, v, mask, drop):
+    n, d = q.shape[-2], _placed(drop, here, source, q.shape[-2], ring)
     if not ring.call.causal:
-        return _piece_forward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source))
+        return _piece_forward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), d)
     if t == 0:
-        return _piece_forward(ring.piece(n, n, True), q, k, v, None)
-    return _late_forward(ring, source < here, q, k, v)
+        return _piece_forward(ring.piece(n, n, True), q, k, v, None, d)
+    return _late_forward(ring, source < here, q, k, v, d)
 
 
-def _step_backward(ring: Ring, t: int, here, source, q, k, v, mask, out, lse, d_out):
-    n = q.shape[-2]
+def _step_backward(ring: Ring, t: int, here, source, q, k, v, mask, drop, out, lse, d_out):
+    n, d = q.shape[-2], _placed(drop, here, source, q.shape[-2], ring)
     if not ring.call.causal:
-        return _piece_backward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), out, lse, d_out)
+        return _piece_backward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), out, lse, d_out, d)
     if t == 0:
-        return _piece_backward(ring.piece(n, n, True), q, k, v, None, out, lse, d_out)
-    return _late_backward(ring, source < here, q, k, v, out, lse, d_out)
+        return _piece_backward(ring.piece(n, n, True), q, k, v, None, out, lse, d_out, d)
+    return _late_backward(ring, source < here, q, k, v, out, lse, d_out, d)
 
 
 # -- the ring -------------------------------------------------------------------------------------
 
-def _pass(ring: Ring, *xs):
-    return [collectives.permute(x, ring.axis, ring.forward_pairs) for x in xs]
+def _pass(ring: Ring, hop: int, *xs):
+    return [collectives.permute(x, ring.axis, ring.pairs(hop)) for x in xs]
 
 
-def _ring_forward(ring: Ring, q, k, v, mask):
-    here, acc = lax.axis_index(ring.axis), None
-    for t in range(ring.size):
-        part = _step_forward(ring, t, here, (here - t) % ring.size, q, k, v, mask)
-        acc = part if acc is None else _merge(acc, part)
-        if t < ring.size - 1:
-            k, v = _pass(ring, k, v)
+def _ring_forward(ring: Ring, q, k, v, mask, drop):
+    here, acc, held = lax.axis_index(ring.axis), None, 0
+    for t in ring.steps:  # the key/value chunk of step t comes from t - held places back (skipped steps: one hop)
+        k, v = (k, v) if t == held else _pass(ring, t - held, k, v)
+        part = _step_forward(ring, t, here, (here - t) % ring.size, q, k, v, mask, drop)
+        acc, held = (part if acc is None else _merge(acc, part)), t
     out, lse = acc
     return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)  # +inf: the kernel's "saw nothing"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_attention(ring: Ring, q, k, v, mask):
+def ring_attention(ring: Ring, q, k, v, mask, drop=None):
     """Local q (..., Hk, G, n, D), k, v (..., Hk, n, D|Dv), mask None or (..., n|1, L) with the
-    whole key sequence: this device's attention output (..., Hk, G, n, Dv)."""
-    return _ring_forward(ring, q, k, v, mask)[0]
+    whole key sequence: this device's attention output (..., Hk, G, n, Dv). `drop`: None, or
+    (dropout key, flat global index of q's leading positions: xtrain.ir.attention_dropout)."""
+    return _ring_forward(ring, q, k, v, mask, drop)[0]
 
 
-def _ring_fwd(ring: Ring, q, k, v, mask):
-    out, lse = _ring_forward(ring, q, k, v, mask)
-    return out, (q, k, v, mask, out, lse)
+def _ring_fwd(ring: Ring, q, k, v, mask, drop=None):
+    out, lse = _ring_forward(ring, q, k, v, mask, drop)
+    return out, (q, k, v, mask, drop, out, lse)
 
 
 def _ring_bwd(ring: Ring, res, d_out):
-    q, k, v, mask, out, lse = res
+    q, k, v, mask, drop, out, lse = res
     here = lax.axis_index(ring.axis)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for t in range(ring.size):
-        dq_t, dk_t, dv_t = _step_backward(ring, t, here, (here - t) % ring.size, q, k, v, mask, out, lse, d_out)
-        dq, dk, dv = dq + dq_t, dk + dk_t, dv + dv_t
-        # the accumulators travel with their chunk; after the last step one more pass takes them home
-        k, v, dk, dv = _pass(ring, k, v, dk, dv) if t < ring.size - 1 else (k, v, *_pass(ring, dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    held = 0
+    for t in ring.steps:  # the accumulators travel with their chunk
+        k, v, dk, dv = (k, v, dk, dv) if t == held else _pass(ring, t - held, k, v, dk, dv)
+        dq_t, dk_t, dv_t = _step_backward(ring, t, here, (here - t) % ring.size, q, k, v, mask, drop, out, lse, d_out)
+        dq, dk, dv, held = dq + dq_t, dk + dk_t, dv + dv_t, t
+    dk, dv = _pass(ring, ring.size - held, dk, dv) if held else (dk, dv)  # home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

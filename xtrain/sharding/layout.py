@@ -217,12 +217,8 @@ def _check_batch_args(plan: Plan, spec: Spec, sizes: Mapping[str, int]) -> None:
 
 def _check_context_used(layout: StateLayout, plan: Plan) -> None:
     """A `context` axis splits the sequence (the default batch spec); a plan whose batch spec
-    leaves it unused, or that pipelines, is an error naming the fix."""
+    leaves it unused is an error naming the fix."""
     n = layout.sizes.get(CONTEXT, 1)
-    if n > 1 and plan.pipeline is not None:
-        raise ValueError(f"mesh axis {CONTEXT!r} (size {n}) with pipeline parallelism: context parallelism is not "
-                         f"implemented under a pipeline; drop one of them (or use {CONTEXT!r} as a data axis: "
-                         f"xtrain.Plan(batch=(({DATA!r}, {CONTEXT!r}),)))")
     if CONTEXT not in layout.unused_axes(plan.pipeline.axis if plan.pipeline is not None else None):
         return
     others = {a: s for a, s in layout.sizes.items() if a != CONTEXT}

@@ -276,4 +276,4 @@ class PipelineStrategy:
         ctx = self.program.ctx
         fallbacks = [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
                      for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())]
-        return self.program.describe() + fallbacks
+        return self.program.describe() + fallbacks + list(ctx.notes if ctx else ())  # the stages' rules (ring attention)

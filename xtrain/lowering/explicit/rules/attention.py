@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from xtrain.ir import attention_dropout as dropout_mask
 from xtrain.ir import blockwise
+from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.registry import bind, register, wrap
@@ -89,6 +91,14 @@ def _check_not_gathered(ctx: Context, ring, args) -> None:
                      f"name the op")
 
 
+def _lead_index(ctx: Context, q: Sharded):
+    """The flat global index of each of this device's leading (batch..., Hk, G) positions of q,
+    which places its attention dropout mask (xtrain.ir.attention_dropout)."""
+    local, lead = q.value.shape[:-2], q.layout.dims[:-2]
+    offsets = [collectives.axis_offset(ctx.sizes, axes) * n for axes, n in zip(lead, local)]
+    return dropout_mask.flat_index(local, offsets, q.shape[:-2])
+
+
 def context_attention(ctx: Context, eqn, args):
     """The blockwise kernel's call on a sequence split over `context`: ring attention
     (xtrain.lowering.ring_attention), balanced under a causal mask. None when the sequence is
@@ -103,17 +113,22 @@ def context_attention(ctx: Context, eqn, args):
         _check_not_gathered(ctx, ring, args)
         return None
     ra.check(ring, ctx.path or "<top level>")
-    args = C.resolve_all(ctx, args)
+    args = list(C.resolve_all(ctx, args))
+    key = args.pop() if b.dropout else None  # the kernel's operands: q, k, v[, mask][, dropout key]
     mask = args[3] if len(args) > 3 else None
     tq, tk, tm = _targets(args[0], mask)
     q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
     m = None if mask is None else C.relayout(ctx, mask, tm).value
+    drop = None if key is None else (C.relayout(ctx, key, Layout.replicated(key.ndim)).value, _lead_index(ctx, q))
     dim, c = q.ndim - 2, ring.size
     if b.causal:
         qv, kv, vv = (ra.balance(x.value, CONTEXT, c, dim if x is q else dim - 1) for x in (q, k, v))
-        out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m), CONTEXT, c, dim)
+        out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), CONTEXT, c, dim)
     else:
-        out = ra.ring_attention(ring, q.value, k.value, v.value, m)
+        out = ra.ring_attention(ring, q.value, k.value, v.value, m, drop)
+    skipped = c - len(ring.steps)
     ctx.note(f"attention in {ctx.path or '<top level>'!r}: ring attention over {CONTEXT!r}={c}"
-             + (" (causal, load-balanced chunks)" if b.causal else ""))
+             + (" (causal, load-balanced chunks)" if b.causal else "")
+             + (f" ({skipped} of {c} ring steps skipped: the mask's static band hides their chunks)"
+                if skipped else ""))
     return wrap(eqn, [out], [tq])
