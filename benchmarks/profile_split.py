@@ -53,11 +53,11 @@ def _opcodes(computations: dict, name: str, seen=()) -> set[str]:
     return ops
 
 
-def classify(op: str, inner: set[str]) -> str | None:
+def classify(op: str, inner: set[str]) -> str:
     """The class of an instruction with opcode `op` (`inner`: the opcodes a fusion fuses);
-    None for containers, whose bodies are counted instead."""
+    "container" for loops and calls, whose bodies' thunks are counted instead."""
     if op in CONTAINERS:
-        return None
+        return "container"
     ops = inner if op == "fusion" else {op}
     base = {o.removesuffix("-start").removesuffix("-done") for o in ops}
     if base & set(COLLECTIVE):
@@ -79,9 +79,7 @@ def instruction_classes(hlo: str) -> dict[str, str]:
             if op == "fusion":
                 for called in _CALLS.findall(rest):
                     inner |= _opcodes(computations, called)
-            kind = classify(op, inner | ({"matmul"} if "matmul" in rest else set()))
-            if kind:
-                out[name] = kind
+            out[name] = classify(op, inner | ({"matmul"} if "matmul" in rest else set()))
     return out
 
 
@@ -109,7 +107,9 @@ def split(run_steps, hlo: str, steps: int = 3) -> dict[str, float]:
                 name = event.name
                 if name.startswith(("ThreadpoolListener", "ThunkExecutor", "end: ")):
                     continue
-                totals[classes.get(name, "unattributed")] += event.duration_ns / 1e6 / steps
+                kind = classes.get(name, "unattributed")
+                if kind != "container":  # its body's thunks are counted
+                    totals[kind] += event.duration_ns / 1e6 / steps
     return totals
 
 
