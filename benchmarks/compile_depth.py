@@ -75,6 +75,8 @@ def child(model: str, layers: int, scan: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--depths", type=int, nargs=2, default=(2, 8), metavar=("SHALLOW", "DEEP"),
+                   help="the two depths compared (the ratio is deep / shallow)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = p.parse_args()
     if args.child:
@@ -84,13 +86,14 @@ def main() -> None:
     rows, results, load = [], {}, os.getloadavg()[0]
     for model in ("gpt2", "llama"):
         for scan in (True, False):
-            for layers in (2, 8):
+            shallow, deep = args.depths
+            for layers in (shallow, deep):
                 r = results[model, scan, layers] = child(model, layers, scan)
                 print(model, "scan" if scan else "unrolled", layers, r, flush=True)
-            two, eight = results[model, scan, 2], results[model, scan, 8]
-            for layers, r in ((2, two), (8, eight)):
+            two, eight = results[model, scan, shallow], results[model, scan, deep]
+            for layers, r in ((shallow, two), (deep, eight)):
                 total = r["trace_s"] + r["compile_s"]
-                ratio = "" if layers == 2 else f"{total / (two['trace_s'] + two['compile_s']):.2f}"
+                ratio = "" if layers == shallow else f"{total / (two['trace_s'] + two['compile_s']):.2f}"
                 rows.append(f"| {model} | {'layer scan' if scan else 'unrolled'} | {layers} | {r['stored_params']} | "
                             f"{r['eqns']:,} | {r['hlo_lines']:,} | {r['trace_s']:.2f} | {r['compile_s']:.2f} | "
                             f"{total:.2f} | {ratio} |")
@@ -104,9 +107,9 @@ def main() -> None:
         "AdamW; data=8; explicit lowering; compilation cache off; one fresh process per row",
         "- stored params: tensors in the TrainState (with the layer scan, block parameters are stored stacked per "
         "block position); eqns: equations of xtrain's emitted program; hlo: lines of XLA's optimized HLO",
-        "- ratio: (trace + compile) at 8 layers / at 2 layers; target <= 1.5 with the layer scan",
-        "- command: python benchmarks/compile_depth.py", "",
-        "| model | layout | layers | stored params | eqns | hlo lines | trace+lower s | XLA compile s | total s | 8/2 |",
+        f"- ratio: (trace + compile) at {args.depths[1]} layers / at {args.depths[0]} layers; target <= 1.5 with the layer scan",
+        f"- command: python benchmarks/compile_depth.py {' '.join(sys.argv[1:])}".rstrip(), "",
+        f"| model | layout | layers | stored params | eqns | hlo lines | trace+lower s | XLA compile s | total s | {args.depths[1]}/{args.depths[0]} |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     args.out.write_text("\n".join(head + rows) + "\n")
     print(args.out.read_text())
