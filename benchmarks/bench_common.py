@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "plan='auto' (the cost model's pick)")
     p.add_argument("--report", action="store_true",
                    help="bench_xtrain.py: also emit step.report()'s wire bytes and XLA memory per device")
+    p.add_argument("--scan-layers", default="auto", choices=("auto", "scan", "unrolled"),
+                   help="bench_xtrain.py: compile(scan_layers=...): the default, the layer scan, or unrolled blocks")
     p.add_argument("--profile-split", action="store_true",
                    help="bench_xtrain.py: after the timed steps, trace 3 more and split their time into matmul, "
                         "other compute, collectives and data movement (profile_split.py)")

@@ -22,7 +22,8 @@ def main() -> None:
     step = xtrain.compile(model, xtrain.Mesh(data=-1), lowering=args.lowering,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
                           plan={"auto": "auto", "fsdp": xtrain.Plan(zero=3)}.get(args.plan),
-                          detect_nan=not args.no_guards, check_inputs=not args.no_guards)
+                          detect_nan=not args.no_guards, check_inputs=not args.no_guards,
+                          scan_layers={"auto": "auto", "scan": True, "unrolled": False}[args.scan_layers])
     losses, seconds = bench_common.timed_loop(lambda x, y: step(x, y)["loss"], bench_common.batches(args),
                                               args.warmup)
     extra = {}
