@@ -69,8 +69,9 @@ def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collec
 
 
 # -- overlap ---------------------------------------------------------------------------------------
-def _ancestors(jaxpr) -> list[int]:
-    """Per equation, a bitset of the equations it depends on (transitively)."""
+def _ancestors(jaxpr) -> tuple[list[int], dict]:
+    """(per equation, a bitset of the equations it depends on (transitively); var -> index of
+    the equation producing it)."""
     producer: dict = {}
     anc: list[int] = []
     for i, eqn in enumerate(jaxpr.eqns):
@@ -82,7 +83,7 @@ def _ancestors(jaxpr) -> list[int]:
         anc.append(bits)
         for v in eqn.outvars:
             producer[v] = i
-    return anc
+    return anc, producer
 
 
 def independent_flops(jaxpr, index: int, anc: list[int], flops: list[float]) -> float:
@@ -97,11 +98,10 @@ class Region:
 
     def __init__(self, jaxpr, carries: int | None = None):
         self.jaxpr = jaxpr
-        self.anc = _ancestors(jaxpr)
+        self.anc, producer = _ancestors(jaxpr)
         self.flops = [flops.of_eqn(e).matmul for e in jaxpr.eqns]
         self.carried = 0  # scan body: bitset of the equations its loop carries depend on
         if carries is not None:
-            producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
             for v in jaxpr.outvars[:carries]:
                 p = producer.get(v) if isinstance(v, jcore.Var) else None
                 if p is not None:
