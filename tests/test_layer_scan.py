@@ -179,9 +179,9 @@ def test_scan_layers_takes_a_bool_or_auto(bad):
 
 
 def test_auto_unrolls_shallow_models_on_one_device_per_process():
-    names = [f"blocks.{k}.attn.weight" for k in range(8)] + ["blocks.0.extra.bias", "head.weight"]
-    deep = names + ["blocks.8.attn.weight"]
-    assert layout.depth(names) == 8 and layout.depth(deep) == 9 and layout.depth(["head.weight"]) == 0
+    names = [f"blocks.{k}.attn.weight" for k in range(3)] + ["blocks.0.extra.bias", "head.weight"]
+    deep = names + ["blocks.3.attn.weight"]
+    assert layout.depth(names) == 3 and layout.depth(deep) == 4 and layout.depth(["head.weight"]) == 0
     assert layout.scan_layers_for("auto", names, "gpu", 1) is False
     assert layout.scan_layers_for("auto", names, "cpu", 1) is False
     assert layout.scan_layers_for("auto", deep, "cpu", 1) is True

@@ -57,9 +57,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             depth. False: one layer after another, parameters stored per layer; compile time
             grows with depth, and the program has no stacked residuals to write and read back,
             and each gradient bucket's all-reduce can start once its own layers' gradients
-            exist. "auto" (default): unrolled up to 8 layers, scanned beyond, and scanned on a
+            exist. "auto" (default): unrolled up to 3 layers, scanned beyond, and scanned on a
             host emulating several CPU devices in one process (measured reasons and figures:
-            `xtrain.ir.stacked.scan_layers_for`). `step.scan_layers` says which was used.
+            `xtrain.sharding.layout.scan_layers_for`). `step.scan_layers` says which was used.
         clip_grad_norm, accumulate, detect_nan, check_inputs, allow_recompile: see
             `xtrain.lowering.options.StepOptions`. The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
@@ -73,7 +73,7 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
     if not isinstance(scan_layers, bool) and scan_layers != "auto":
         raise ValueError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks), False "
-                         "(the blocks one after another) or 'auto' (unrolled up to 8 layers)")
+                         "(the blocks one after another) or 'auto' (unrolled up to 3 layers)")
     if isinstance(plan, str) and plan != AUTO:
         raise ValueError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
     if plan == AUTO and lowering != "explicit":
