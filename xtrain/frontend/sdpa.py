@@ -5,7 +5,8 @@ torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Gro
 and multi-query attention group the query heads per key/value head instead of repeating keys
 and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`).
 Each call site picks its implementation (`choose`): cuDNN's fused attention on
-CUDA where it applies, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
+CUDA, Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention) on Neuron, where they
+apply, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`. A boolean mask the program
 builds from positions (HF's sliding window) lets the kernel skip the key blocks its static
 bound hides (xtrain.frontend.static_mask); calls of one shape whose masks differ share one
@@ -21,13 +22,18 @@ import jax.numpy as jnp
 
 from xtrain.frontend import static_mask, uniform_attention
 from xtrain.ir import blockwise as attention
+from xtrain.ir import neuron_attention as nki
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_NKI_DTYPES = (jnp.bfloat16, jnp.float16)
 _backend = jax.default_backend  # the platform the trace is for (tests stand in a GPU's)
 # The tensor-parallel size the query heads are split over while the model is traced for a
 # Megatron plan (xtrain.plans.megatron installs it with `split_heads_while_running`).
 _HEAD_SPLIT: contextvars.ContextVar[int] = contextvars.ContextVar("xtrain_head_split", default=1)
+# Why the step being traced must not use the NKI kernels ("" when it may): its sequence is split
+# over `context`, or XLA's partitioner lowers it (xtrain.api.compile installs it: `rule_out_nki_while_running`).
+_NO_NKI: contextvars.ContextVar[str] = contextvars.ContextVar("xtrain_no_nki", default="")
 
 
 @contextlib.contextmanager
@@ -40,17 +46,27 @@ def split_heads(n: int):
         _HEAD_SPLIT.reset(token)
 
 
-def split_heads_while_running(module, n: int) -> None:
-    """Forward hooks on `module` that trace its attention under `split_heads(n)`; they only
-    set a context variable, which torch's own attention never reads (eager runs unchanged).
-    Installed once; a later call changes `n`."""
-    first = getattr(module, "_xtrain_head_split", None) is None
-    module._xtrain_head_split = n
+def _set_while_running(module, var: contextvars.ContextVar, attr: str, value) -> None:
+    """Forward hooks on `module` that set `var` to `value` while it runs; torch's own attention
+    never reads it (eager runs unchanged). Installed once; a later call changes `value`."""
+    first = not hasattr(module, attr)
+    setattr(module, attr, value)
     if not first:
         return
     tokens = []
-    module.register_forward_pre_hook(lambda m, _args: tokens.append(_HEAD_SPLIT.set(m._xtrain_head_split)))
-    module.register_forward_hook(lambda _m, _args, _out: _HEAD_SPLIT.reset(tokens.pop()), always_call=True)
+    module.register_forward_pre_hook(lambda m, _args: tokens.append(var.set(getattr(m, attr))))
+    module.register_forward_hook(lambda _m, _args, _out: var.reset(tokens.pop()), always_call=True)
+
+
+def split_heads_while_running(module, n: int) -> None:
+    """Forward hooks on `module` that trace its attention under `split_heads(n)`."""
+    _set_while_running(module, _HEAD_SPLIT, "_xtrain_head_split", n)
+
+
+def rule_out_nki_while_running(module, why: str) -> None:
+    """Forward hooks on `module` under which attention does not use the NKI kernels, because
+    `why` ("": it may)."""
+    _set_while_running(module, _NO_NKI, "_xtrain_no_nki", why)
 
 
 def _for_split(query, key, value):
@@ -86,7 +102,7 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
     """The implementation of one call on `backend` (jax.default_backend()) and, when not the
     platform's fused kernel, why."""
     if backend == "neuron":
-        return Implementation.BLOCKWISE, "no Neuron flash-attention kernel is wired in"
+        return _choose_on_neuron(query, value, attn_mask, dropout_p)
     if backend not in ("gpu", "cuda"):
         return Implementation.BLOCKWISE, ""
     dim = query.shape[-1]
@@ -100,6 +116,36 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
     if reasons:
         return Implementation.BLOCKWISE, "not cuDNN: " + ", ".join(reasons)
     return Implementation.CUDNN, ""
+
+
+def _choose_on_neuron(query, value, attn_mask, dropout_p: float) -> tuple[Implementation, str]:
+    """NKI flash attention where its kernels take the call, else the blockwise kernel and why."""
+    dim, length, source = query.shape[-1], query.shape[-2], value.shape[-2]
+    reasons = [why for bad, why in (
+        (query.ndim != 4, f"query of rank {query.ndim}, not (batch, heads, length, dim)"),
+        (query.dtype not in _NKI_DTYPES,
+         f"{jnp.dtype(query.dtype).name} (the kernel multiplies in bf16: it takes bf16 / fp16, not silently less)"),
+        (dropout_p > 0, "dropout (xtrain's dropout masks do not depend on the mesh; the kernel's RNG would)"),
+        (attn_mask is not None, "an attention mask (the kernel takes causal or unmasked attention)"),
+        (length != source, f"{length} queries and {source} keys (the kernel takes equal lengths)"),
+        (not nki.seq_tile(length), f"sequence {length} (the kernel tiles it by a multiple of {nki.MIN_TILE})"),
+        (dim > nki.MAX_DIM or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]} (at most {nki.MAX_DIM})"),
+        (bool(_NO_NKI.get()), _NO_NKI.get()),
+    ) if bad]
+    if not reasons:
+        reasons = [why for why in (nki.unavailable(),) if why]
+    if reasons:
+        return Implementation.BLOCKWISE, "not NKI flash attention: " + ", ".join(reasons)
+    return Implementation.NKI_FLASH, ""
+
+
+def _nki_flash(query, key, value, is_causal: bool, scale: float):
+    """The NKI kernels, keys and values repeated to one per query head (the backward kernel takes
+    equal head counts; JAX sums the repeat's gradient over each group)."""
+    groups = query.shape[-3] // key.shape[-3]
+    if groups > 1:
+        key, value = jnp.repeat(key, groups, axis=-3), jnp.repeat(value, groups, axis=-3)
+    return nki.flash(query, key, value, bool(is_causal), scale, nki.seq_tile(query.shape[-2]))
 
 
 def _cudnn(query, key, value, is_causal: bool, scale: float):
@@ -130,6 +176,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if kind is Implementation.CUDNN:
         with jax.named_scope(scope_name(Site(kind))):
             return _cudnn(query, key, value, is_causal, scale)
+    if kind is Implementation.NKI_FLASH:
+        with jax.named_scope(scope_name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
+            return _nki_flash(query, key, value, is_causal, scale)
     return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
 
 

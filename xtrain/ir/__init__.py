@@ -11,6 +11,7 @@
     structure.py a torch module tree as plain data (shapes, kinds, children)
     index_ops.py markers of torch index ops whose rules differ from JAX's (read by the input checks)
     attention.py markers naming the attention each call site got (read by the report)
+    neuron_attention.py  Neuron's NKI flash-attention kernels as primitives with a custom VJP
 """
 from xtrain.ir.model import Model, TraceError
 

@@ -20,6 +20,7 @@ class Implementation(enum.Enum):
 
     BLOCKWISE = "blockwise"  # key blocks with an online softmax; backward keeps out + log-sum-exp
     CUDNN = "cudnn"          # jax.nn.dot_product_attention(implementation="cudnn") on CUDA
+    NKI_FLASH = "nki_flash"  # Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention)
     EAGER = "eager"          # HF's eager matmul -> softmax -> matmul left as written (full L x S weights)
 
 
@@ -34,7 +35,7 @@ class Site:
 
     Attributes:
         implementation: what computes it.
-        block: query/key block size (blockwise); 0 for a fused kernel.
+        block: query/key block size (blockwise); the sequence tile of NKI flash attention; 0 for cuDNN.
         blocks: (query block, key block) pairs computed.
         total: pairs a full score matrix would need; blocks < total when a causal mask skips some.
         why: why a fused kernel was not used ("" when it was).
@@ -51,6 +52,8 @@ class Site:
     def describe(self) -> str:
         if self.implementation is Implementation.CUDNN:
             return "cuDNN fused attention"
+        if self.implementation is Implementation.NKI_FLASH:
+            return f"Neuron NKI flash attention (flash_fwd / flash_attn_bwd, sequence tile {self.block})"
         if self.implementation is Implementation.EAGER:
             return f"eager matmul-softmax-matmul left as written (full score matrix): {self.why}"
         skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the {self.skipped_by}" \

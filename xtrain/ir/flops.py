@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.extend import core as jcore
 
+from xtrain.ir import neuron_attention
+
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
                             "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "lgamma",
                             "digamma", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"})
@@ -128,8 +130,9 @@ def _trip_count(eqn) -> tuple[float, bool]:
 
 def _op(eqn, acc: Flops) -> None:
     name = str(eqn.primitive)
-    if name in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
-        value = {"dot_general": _dot, "ragged_dot_general": _ragged_dot}.get(name, _conv)(eqn)
+    if name in ("dot_general", "conv_general_dilated", "ragged_dot_general") or name in neuron_attention.PER_HEAD:
+        value = {"dot_general": _dot, "ragged_dot_general": _ragged_dot}.get(
+            name, neuron_attention.matmul_flops if name in neuron_attention.PER_HEAD else _conv)(eqn)
         if name != "conv_general_dilated":
             acc.dot += value
         else:

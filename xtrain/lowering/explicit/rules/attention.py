@@ -1,11 +1,13 @@
 """Partition rules of attention: cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, which the
-front end picks there: xtrain.frontend.sdpa).
+front end picks there: xtrain.frontend.sdpa) and Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention).
 
 Its forward and backward primitives take (batch, length, heads, dim) arrays and per-row
 statistics (batch, heads, length); batch and heads are independent, so a split of either
 (data parallel, tensor-parallel heads) stays local and each device runs the kernel on its
 shard. Lengths and head dims are made whole. Empty placeholder operands (no bias, no mask)
-are replicated.
+are replicated. The NKI kernels' operands are (batch, heads, length, dim) and their log-sum-exp
+(batch, heads, 128, length / 128): batch and heads local alike; a sequence split over `context`
+is an error (the front end picks the blockwise kernel, run as a ring, when the mesh has `context`).
 
 The blockwise kernel's call (a custom_vjp) on a sequence split over the mesh axis `context`
 runs as ring attention (`context_attention`, called by the custom_vjp rule).
@@ -17,6 +19,7 @@ import math
 
 from xtrain.ir import attention_dropout as dropout_mask
 from xtrain.ir import blockwise
+from xtrain.ir import neuron_attention as nki
 from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
@@ -54,6 +57,25 @@ def fused_attention(ctx: Context, eqn, args):
 
 
 register(fused_attention, "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper")
+
+
+def nki_attention(ctx: Context, eqn, args):
+    """The NKI forward or backward kernel on each device's batch / head shard: every operand is
+    4-D with batch and heads first; the grid is computed from the per-device shapes when lowered."""
+    args = C.resolve_all(ctx, args)
+    # the query's batch / head splits (an operand split otherwise is moved to them; a whole one sliced)
+    batch, heads = (tuple(args[0].layout.dims[d]) for d in (0, 1))
+    if ctx.sizes.get(CONTEXT, 1) > 1 and CONTEXT not in batch + heads:
+        raise ValueError(f"attention in {ctx.path or '<top level>'!r}: Neuron's NKI flash-attention kernel on a mesh "
+                         f"with {CONTEXT!r}={ctx.sizes[CONTEXT]}; it computes whole sequences, so context parallelism "
+                         f"would not split them. Compile through xtrain.compile (with {CONTEXT!r} in the mesh, "
+                         f"attention runs the blockwise kernel as ring attention), or leave {CONTEXT!r} out of the mesh")
+    target = Layout((batch, heads, (), ()))
+    args = [C.relayout(ctx, a, target) for a in args]
+    return wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [target] * len(eqn.outvars))
+
+
+register(nki_attention, nki.forward_p.name, nki.backward_p.name)
 
 
 # -- the blockwise kernel over a sequence split along `context`: ring attention -------------------
