@@ -2,13 +2,15 @@
 bucket per layer where the backward scan produces it, counted with a whole iteration of compute
 to hide behind; training equal to torch and to the post-backward sync; a bad batch on one device
 still skips the step on every device; by default only layers with at least LAYER_BYTES of
-gradients sync this way."""
+gradients sync this way. Under ZeRO-2 the tensors it splits are reduce-scattered there instead
+(one bucket per layer), the update taking the blocks as they are."""
 import functools
 
 import pytest
 import torch
 
 import xtrain
+from xtrain import plans
 from xtrain.lowering import gradient_sync
 from xtrain.testing import assert_parity, run_parity
 
@@ -115,6 +117,15 @@ def test_zero2_in_backward_trains_like_torch():
     torch.manual_seed(0)
     assert_parity(run_parity(GPT(layers=LAYERS), adamw, token_batches(n=4), xtrain.Mesh(data=8), scan_layers=True,
                              plan=xtrain.Plan(zero=2), grad_sync=xtrain.GradSync(in_backward=True)))
+
+
+def test_zero2_in_backward_with_tensor_parallel_weights_trains_like_torch():
+    # a layer's tensor-parallel shards and its replicated tensors vary over other axes: two buckets
+    torch.manual_seed(0)
+    model, batches, mesh = GPT(layers=LAYERS), token_batches(n=4), xtrain.Mesh(data=4, tensor=2)
+    plan = xtrain.Plan(params=plans.megatron(model, mesh, example=batches[0]).params, zero=2)
+    assert_parity(run_parity(model, adamw, batches, mesh, plan=plan, scan_layers=True,
+                             grad_sync=xtrain.GradSync(in_backward=True)))
 
 
 def test_zero2_tensors_no_dim_of_which_splits_are_all_reduced_in_the_backward_scan_instead():

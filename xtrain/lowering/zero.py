@@ -4,7 +4,8 @@ dimension each tensor is split on: xtrain.sharding.zero, shared with the presets
     stage 0      every device updates its whole parameter copy
     stage 1      gradients all-reduced; each device updates its slice of every tensor (its
                  optimizer-state shard), then all-gathers the new parameters (`Update`)
-    stage 2      as 1, but gradients are reduce-scattered straight to the slice
+    stage 2      as 1, but gradients are reduce-scattered straight to the slice (in the layer
+                 scan, per layer inside the backward pass: `scatter_in_layer`)
     stage 3      parameters stored split: each use gathers the shards (`gather_flat`: one flat
                  all-gather per layer in the repeated blocks, FSDP's flat parameter), and the
                  backward pass gathers them again (`RegatherPolicy`); the gradients leave as
