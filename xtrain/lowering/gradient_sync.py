@@ -13,7 +13,8 @@ In the layer scan, each layer's gradients are reduced inside the backward pass b
 so the rest of the backward pass runs while it is on the wire (an async collective on GPU and
 Neuron; XLA's collective pipeliner moves it out of the loop's critical path). The layers'
 parameters enter the scan invariant and are cast to varying inside the body by an identity
-whose derivative is that all-reduce.
+whose derivative is that all-reduce. Under ZeRO-2 the tensors it splits are reduce-scattered
+there instead, each device keeping its block (xtrain.lowering.zero.scatter_in_layer).
 
 `comm_dtype="int8"` quantizes each bucket instead (xtrain.lowering.int8_sync: int8 all-to-all,
 fp32 sums, int8 all-gather, flat or hierarchical) and keeps what quantization dropped on each
@@ -53,8 +54,8 @@ class GradSync:
             False = one flat all-reduce over all of them.
         inner_axes: the fast (intra-node) axes of a hierarchical reduction; None = the last of
             the gradient axes in the batch spec's order (`local` of batch=(("node", "local"),)).
-        in_backward: the layer scan's parameters' gradients are all-reduced per layer inside
-            the backward pass (not with int8, which keeps residuals per step, nor with gradient
+        in_backward: the layer scan's parameters' gradients are all-reduced (ZeRO-2: those it
+            splits reduce-scattered) per layer inside the backward pass (not with int8, which keeps residuals per step, nor with gradient
             accumulation, which would reduce every microbatch); False = all after the backward;
             None (default) = per layer where one layer's gradients reach LAYER_BYTES (smaller
             layers are cheaper in the post-backward buckets: a collective's fixed launch cost

@@ -123,6 +123,10 @@ class Context:
     # -> mesh axes (xtrain.lowering.gradient_sync.in_layer), with `sync` the GradSync to use
     synced: Mapping = dataclasses.field(default_factory=dict)
     sync: Any = None
+    # ZeRO-2 parameters whose gradients the layer scan reduce-scatters inside the backward pass:
+    # jaxpr var -> (this device's block of the stacked parameter, its ZeRO dim, mesh axes)
+    # (xtrain.lowering.zero.scatter_in_layer)
+    scattered: Mapping = dataclasses.field(default_factory=dict)
 
     def note(self, text: str) -> None:
         self.notes[text] = None

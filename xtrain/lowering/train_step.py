@@ -77,6 +77,7 @@ class Gradients:
     grads: Mapping[str, Any]
     pending: Mapping[str, tuple[str, ...]]  # per gradient, the mesh axes still to sum it over
     counts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-step counts for the outputs
+    shards: frozenset = frozenset()  # ZeRO-2 gradients already reduce-scattered (in the backward pass)
 
 
 class Strategy(Protocol):
@@ -197,7 +198,8 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
             grads = gradient_sync.with_feedback(grads, state.grad_residual)  # int8's error feedback
             grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
             old = _fetched(state, config)  # an offloaded optimizer state reaches the device only now
-            params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale)
+            params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale,
+                                                                 out.shards)
             new = dataclasses.replace(state, params=params, buffers={**state.buffers, **out.buffers},
                                       opt_state=opt_state, grad_residual=_stored(state.grad_residual,
                                                                                  {**dropped, **scattered}))

@@ -4,7 +4,8 @@ dimension each tensor is split on: xtrain.sharding.zero, shared with the presets
     stage 0      every device updates its whole parameter copy
     stage 1      gradients all-reduced; each device updates its slice of every tensor (its
                  optimizer-state shard), then all-gathers the new parameters (`Update`)
-    stage 2      as 1, but gradients are reduce-scattered straight to the slice
+    stage 2      as 1, but gradients are reduce-scattered straight to the slice (in the layer
+                 scan, per layer inside the backward pass: `scatter_in_layer`)
     stage 3      parameters stored split: each use gathers the shards (`gather_flat`: one flat
                  all-gather per layer in the repeated blocks, FSDP's flat parameter), and the
                  backward pass gathers them again (`RegatherPolicy`); the gradients leave as
@@ -105,6 +106,11 @@ class Update:
     def scatters(self, name: str) -> bool:
         return self.stage == 2 and self.dims.get(name) is not None
 
+    def shard(self, name: str, x):
+        """This device's block of `x` (parameter `name`, local) on its ZeRO dimension: the
+        block its ZeRO-2 gradient and optimizer state hold. No communication."""
+        return self._slice(x, self.dims[name])
+
     def _slice(self, x, dim):
         local = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, collectives.axis_offset(self.sizes, self.data_axes) * local, local, axis=dim)
@@ -165,16 +171,18 @@ class Update:
         axes = {n: tuple(a for a in ax if a not in self.row_axes[n]) for n, ax in self._split_axes(split).items()}
         return lambda partial: clipping.sum_over_shards(partial, axes)
 
-    def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None):
+    def __call__(self, grads: dict, opt_state, params: dict, lrs=None, scale=None, shards=frozenset()):
         """(new parameters, new optimizer state, global gradient norm or None, int8 residuals of
         ZeRO-2's reduce-scatter) from synchronised (or, ZeRO-2, raw) gradients; `lrs` per param
-        group, `scale` fp16's."""
+        group, `scale` fp16's. `shards`: ZeRO-2 gradients already reduce-scattered to this
+        device's block (by the layer scan's backward pass: `scatter_in_layer`)."""
         split = {n: d for n, d in self.dims.items() if d is not None and n in params}
         shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
         dropped = {}
         if self.stage == 2:  # last layers' gradients first, as the backward pass makes them
-            order = reversed(list(grads))
-            scattered, dropped = self._reduce_scatter({n: grads[n] for n in order if n in split}, split)
+            order = [n for n in reversed(list(grads)) if n in split and n not in shards]
+            scattered, dropped = self._reduce_scatter({n: grads[n] for n in order}, split)
+            scattered.update({n: grads[n] for n in shards})
         else:
             scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
         shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
@@ -184,6 +192,39 @@ class Update:
         new = optax.apply_updates(shard_p, self.grad_tx.scale_lr(updates, lrs))
         gathered = self._all_gather({n: v for n, v in new.items() if n in split}, split)
         return {n: gathered.get(n, v) for n, v in new.items()}, opt_state, norm, dropped
+
+
+def scatter_in_layer(shards: list, wholes: list, dims: list[int], axes: Axes, sync: GradSync, label: str) -> list:
+    """ZeRO-2 in the layer scan: one layer's parameters (`wholes`, the same on every device of
+    `axes`) cast to varying over `axes` by an identity whose derivative reduce-scatters their
+    gradients as one bucket where the backward pass reaches this layer (named
+    `xtrain.grad_sync.in_backward[label]`), each device keeping its block of dimension `dims[i]`:
+    the block `Update` keeps. A derivative has its primal's shape, so it goes to `shards` (this
+    device's blocks of the parameters, the differentiated inputs); `wholes` get zeros."""
+    n = math.prod(lax.axis_size(a) for a in axes)
+    like = [(s.shape, s.dtype) for s in shards]
+    kinds = [(w.shape, w.dtype, tuple(sorted(vma(w)))) for w in wholes]
+
+    @jax.custom_vjp
+    def identity(shards, wholes):
+        return [lax.pcast(w, axes, to="varying") for w in wholes]
+
+    def forward(shards, wholes):
+        return identity(shards, wholes), None
+
+    def backward(_, grads):
+        with jax.named_scope(f"xtrain.grad_sync.in_backward[{label}]"):
+            wire = sync.comm_dtype or grads[0].dtype
+            rows = [_rows(g.astype(wire), d, n) for g, d in zip(grads, dims)]
+            mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), axes, 0, tiled=False)
+            out = [b.astype(dtype).reshape(shape)
+                   for (shape, dtype), b in zip(like, _split_columns(mine, [r.shape[1] for r in rows]))]
+        zeros = [jnp.zeros(shape, dtype) for shape, dtype, _ in kinds]
+        zeros = [lax.pcast(z, v, to="varying") if v else z for z, (_, _, v) in zip(zeros, kinds)]
+        return out, zeros
+
+    identity.defvjp(forward, backward)
+    return identity(list(shards), list(wholes))
 
 
 # -- ZeRO-3: gathering parameter shards ---------------------------------------------------------

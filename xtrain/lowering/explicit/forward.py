@@ -55,6 +55,9 @@ class Program:
         self.sync = config.sync
         self.in_layer: dict[str, tuple[str, ...]] = {}  # name -> axes: may be all-reduced inside the layer scan
         self.synced: set[str] = set()  # those the traced layer scans do all-reduce in their backward pass
+        # ZeRO-2: name -> (ZeRO dim, data axes): may be reduce-scattered inside the layer scan
+        self.scatter_in_layer: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self.scattered: set[str] = set()  # those the traced layer scans do reduce-scatter (their gradients: blocks)
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
 
@@ -85,14 +88,18 @@ class Program:
         repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
         self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
-        synced = self._synced(repeated, by_var) if training else {}
+        synced, scattered = self._synced(repeated, by_var, closed.jaxpr) if training else ({}, {})
 
-        def local(params, buffers, key, batch):
+        def local(params, buffers, key, batch, shards=None):
+            """`shards`: name -> this device's block of each `scattered` parameter (differentiated
+            in its place; `params` holds the whole)."""
             ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
+            blocks = {v: (shards[by_var[v]], dim, axes) for v, (dim, axes) in scattered.items()} if shards else {}
             self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
                                remat=self.remat if training else None,
                                regather=self.regather if training else None, unroll=not self.layout.scan_layers,
-                               capacity_factor=self.capacity_factor, synced=synced, sync=self.sync)
+                               capacity_factor=self.capacity_factor, synced=synced, sync=self.sync,
+                               scattered=blocks)
             regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
             outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(self.ctx, o).value for o in outs]
@@ -100,18 +107,24 @@ class Program:
 
         return local
 
-    def _synced(self, repeated: list, by_var: dict) -> dict:
-        """jaxpr var -> axes of the `in_layer` parameters the layer scans read (recorded in `synced`)."""
+    def _synced(self, repeated: list, by_var: dict, jaxpr) -> tuple[dict, dict]:
+        """(jaxpr var -> axes of the `in_layer` parameters, jaxpr var -> (ZeRO dim, axes) of the
+        `scatter_in_layer` ones whose only reader is a scan's stacked position) that the layer
+        scans sync per layer (recorded in `synced` and `scattered`)."""
         wanted = {v: self.in_layer[n] for v, n in by_var.items() if n in self.in_layer}
-        out = {}
+        once = layer_scan.read_once(jaxpr, repeated) if self.scatter_in_layer else set()
+        split = {v: self.scatter_in_layer[n] for v, n in by_var.items() if n in self.scatter_in_layer and v in once}
+        synced, scattered = {}, {}
         for blocks in repeated:
             found = {v: wanted[v] for position in layer_scan.synced_positions(wanted, blocks)
                      for v in layer_scan.position_sources(blocks, position)}
-            layer_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in found) // blocks.length
+            shards = {v: split[v] for v in blocks.stacked if v in split}
+            layer_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in [*found, *shards]) // blocks.length
             if gradient_sync.per_layer(self.sync, layer_bytes):
-                out.update(found)
-        self.synced = {by_var[v] for v in out}
-        return out
+                synced.update(found)
+                scattered.update(shards)
+        self.synced, self.scattered = {by_var[v] for v in synced}, {by_var[v] for v in scattered}
+        return synced, scattered
 
     def _counts(self) -> dict:
         """The per-step counts the rules recorded, summed over the devices that split them."""
@@ -152,16 +165,20 @@ class ExplicitStrategy:
         if gradient_sync.reduces_in_backward(config.sync, config.options.accumulate):
             self.program.in_layer = {n: a for n, a in self.grad_axes.items()
                                      if a and not layout.zero_axes(n) and not self.update.scatters(n)}
+            # ZeRO-2: reduce-scattered per layer instead (a split of the layer dim cannot be)
+            self.program.scatter_in_layer = {n: (self.update.dims[n], self.update.data_axes)
+                                             for n in self.grad_axes if self.update.scatters(n) and self.update.dims[n]}
 
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
         steps = self.config.options.accumulate
         forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps)))
-        regather = self.program.regather
+        regather, scattered = self.program.regather, self.program.scattered
 
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
-                (loss, buffers), counts = forward({**params, **state.frozen}, buffers, micro_key, micro)
+                whole = {**params, **{n: state.params[n] for n in scattered}, **state.frozen}
+                (loss, buffers), counts = forward(whole, buffers, micro_key, micro, {n: params[n] for n in scattered})
                 return accumulation.objective(loss, scale), (loss, buffers, counts)
 
             if regather is not None and self.config.remat is None:
@@ -174,9 +191,11 @@ class ExplicitStrategy:
             synced = self.program.synced  # all-reduced by the layer scan inside the backward pass
             params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] and n not in synced else p
                       for n, p in state.params.items()}
+            # ZeRO-2 reduce-scattered by the layer scan: differentiated as this device's block
+            params.update({n: self.update.shard(n, state.params[n]) for n in scattered})
             loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
             pending = {n: () if n in synced else a for n, a in self.pending.items()}
-            return Gradients(loss, buffers, grads, pending, counts)
+            return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered))
 
         return compute
 

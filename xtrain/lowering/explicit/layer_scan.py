@@ -11,6 +11,7 @@ and the equations left live around them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Mapping
@@ -105,12 +106,18 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     first = [layer for layer, _ in positions]
     carry_layouts = [x.layout for x in init]
     synced = synced_positions(ctx.synced, blocks)
+    scattered = scattered_positions(ctx.scattered, blocks)
+    xs_of = [values for _, values in positions]
+    for position, (shard, _, _) in scattered.items():  # differentiated: the block; read: the whole
+        xs_of[position] = [(shard, xs_of[position][0])]
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
 
     def body(carry, xs, index=None):
         ctx.path = path
         ctx.layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
         xs, number = xs[:len(first)], (index if index is not None else (xs[len(first):] or [None])[0])
+        blocks_of = {position: xs[position][0] for position in scattered}
+        xs = [x[1] if position in scattered else x for position, x in enumerate(xs)]
         with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
             # unrolled, XLA fuses slices of a gathered flat buffer into backward-pass consumers
             # (a norm weight read where its gradient is computed), keeping the whole buffer
@@ -118,6 +125,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
                                    vectors_apart=unrolled)
         params = _synced(ctx, synced, params, blocks.prefix)  # gradients all-reduced in this layer's backward
+        params = _scattered(ctx, scattered, blocks_of, params, blocks.prefix)  # ZeRO-2's: reduce-scattered
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
         before = set(ctx.counts)
@@ -129,7 +137,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         # per-layer counts and collected values leave the scan as its outputs
         return [o.value for o in outs], (counts, [o.value for o in collected])
 
-    final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], [values for _, values in positions])
+    final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], xs_of)
     env = {}
     for k, (counts, values) in enumerate(rows):
         _record_counts(ctx, blocks.prefix, k, counts)
@@ -167,6 +175,31 @@ def _synced(ctx: Context, synced: dict, params: list[Sharded], prefix: str) -> l
     out = list(params)
     for (axes, _, _), positions in groups.items():
         values = gradient_sync.in_layer([params[k].value for k in positions], axes, ctx.sync, f"{prefix}.*")
+        for k, v in zip(positions, values):
+            out[k] = dataclasses.replace(params[k], value=v)
+    return out
+
+
+def scattered_positions(scattered: Mapping, blocks: RepeatedBlocks) -> dict[int, tuple]:
+    """Parameter positions whose gradients the scan reduce-scatters per layer (ZeRO-2): those
+    read from a stacked input in `scattered` (jaxpr var -> (this device's block, ZeRO dim of
+    the stacked parameter, mesh axes))."""
+    return {position: scattered[source] for position in range(len(blocks.per_layer[0]))
+            if (source := blocks.stacked_input(position)) is not None and source in scattered}
+
+
+def _scattered(ctx: Context, scattered: dict, blocks_of: dict, params: list[Sharded], prefix: str) -> list[Sharded]:
+    """`params` with those at `scattered` positions cast to varying by zero.scatter_in_layer, the
+    derivative going to this device's block of each (`blocks_of`, position -> this layer's
+    block): one reduce-scatter per group of (axes, dtype, varying axes) in this layer's backward."""
+    groups: dict[tuple, list[int]] = {}
+    for position, (_, _, axes) in scattered.items():
+        p = params[position]
+        groups.setdefault((axes, str(p.value.dtype), tuple(sorted(vma(p.value)))), []).append(position)
+    out = list(params)
+    for (axes, _, _), positions in groups.items():
+        values = zero.scatter_in_layer([blocks_of[k] for k in positions], [params[k].value for k in positions],
+                                       [scattered[k][1] - 1 for k in positions], axes, ctx.sync, f"{prefix}.*")
         for k, v in zip(positions, values):
             out[k] = dataclasses.replace(params[k], value=v)
     return out
@@ -224,6 +257,18 @@ def _live(jaxpr, repeated) -> set[int]:
             needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
         index -= 1
     return live
+
+
+def read_once(jaxpr, repeated: list[RepeatedBlocks]) -> set:
+    """The stacked inputs of the layer scans that nothing else reads (not another position, scan
+    or equation, nor the outputs): all of their gradient comes from that one scan position."""
+    inside = {i for r in repeated for i in range(r.start, r.stop)}
+    reads = collections.Counter(v for i in _live(jaxpr, repeated) - inside for v in jaxpr.eqns[i].invars
+                                if isinstance(v, jcore.Var))
+    reads.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+    for r in repeated:
+        reads.update(v for v in r.inputs() if isinstance(v, jcore.Var))
+    return {v for r in repeated for v in r.stacked if v is not None and reads[v] == 1}
 
 
 def regions(ctx: Context, jaxpr, repeated: list[RepeatedBlocks]) -> tuple[dict[int, walk.Region], set[int] | None]:
