@@ -180,35 +180,6 @@ def test_cudnn_is_chosen_on_cuda_where_it_applies(dtype, dropout, mask, want):
     assert sdpa.choose("cpu", q, q, m, dropout) == (markers.Implementation.BLOCKWISE, "")
 
 
-def test_cudnn_attention_runs_on_each_devices_shard(monkeypatch):
-    """With a GPU's backend stood in (cuDNN's kernel cannot be traced without one), a bf16 HF
-    Llama's attention is cuDNN's, and its program (data=4 x tensor=2, Megatron) has no
-    collective inside attention: batch and heads stay split (xtrain.lowering.explicit.rules.attention)."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    import xtrain
-    from test_hf_models import lm_batches, lm_loss, llama
-    from xtrain import explain, plans
-
-    monkeypatch.setattr(sdpa, "_backend", lambda: "gpu")
-    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a: True)
-    torch.manual_seed(0)
-    model = llama().to(torch.bfloat16)
-    sizes = dict(data=4, tensor=2)
-    step = xtrain.compile(model, xtrain.Mesh(**sizes), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          plan=plans.megatron(model, sizes), loss_fn=lm_loss)
-    batch = lm_batches(n=1)[0]
-    program = step.program(*batch)
-    prims = {str(e.primitive) for e, _ in __import__("xtrain.ir.walk", fromlist=["walk"]).equations(
-        program.jaxpr, frozenset())}
-    assert {"dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"} <= prims
-    inside = [c for c in explain.collectives(step, *batch) if "xtrain_attention" in c.source]
-    assert not inside, [(c.kind, c.axes, c.source) for c in inside]
-    sites = markers.sites(program.jaxpr, model_paths := step.model.module_paths())
-    assert {s.implementation for s in sites.values()} == {markers.Implementation.CUDNN}, (sites, len(model_paths))
-
-
 def _band(length, size):
     """A sliding-window mask built inside the traced function from positions, as HF builds it."""
     i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]

@@ -8,6 +8,7 @@
     trust_ratio.py  LARS / LAMB's per-layer trust ratio; the step supplies whole-tensor norms
     dimflow.py   which matmul output dimensions reach a matmul that contracts them (tensor
                  parallel's column -> row pairs); provenance.py: jaxpr inputs as parameters
+                 per_head.py: attention kernels (cuDNN, NKI) carry its head split
     structure.py a torch module tree as plain data (shapes, kinds, children)
     index_ops.py markers of torch index ops whose rules differ from JAX's (read by the input checks)
     attention.py markers naming the attention each call site got (read by the report)

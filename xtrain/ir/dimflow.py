@@ -24,7 +24,7 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
-from xtrain.ir import detour, moe, neuron_attention, provenance, reshapes, walk
+from xtrain.ir import detour, moe, per_head, provenance, reshapes, walk
 from xtrain.ir.model import Model
 
 # Bodies the analysis enters: they run inline, their inputs are the caller's operands.
@@ -204,11 +204,8 @@ class _Analysis:
             self.tables.setdefault(vws[0].name, Use(vws[0].name, vws[0].dims[0], shapes[0][0], path))
         if not labeled:
             return [None] * len(eqn.outvars)
-        if prim in neuron_attention.PER_HEAD:  # per (batch, head) of its operands; the rest breaks
-            self.brk([x for lab in ins if lab for x in lab[2:] if x is not None], "op", prim, path)
-            lead = self.elementwise([lab and lab[:2] for lab in ins], [None] * len(ins), [s[:2] for s in shapes],
-                                    out_shape[:2], path)
-            return [lead + (None,) * (len(v.aval.shape) - 2) for v in eqn.outvars]
+        if (outs := per_head.carry(self, eqn, ins, shapes, path)) is not None:  # attention kernels
+            return outs
         if prim == "broadcast_in_dim":
             out = [None] * len(out_shape)
             for d, o in enumerate(eqn.params["broadcast_dimensions"]):

@@ -4,8 +4,10 @@ front end picks there: xtrain.frontend.sdpa) and Neuron's NKI flash-attention ke
 Its forward and backward primitives take (batch, length, heads, dim) arrays and per-row
 statistics (batch, heads, length); batch and heads are independent, so a split of either
 (data parallel, tensor-parallel heads) stays local and each device runs the kernel on its
-shard. Lengths and head dims are made whole. Empty placeholder operands (no bias, no mask)
-are replicated. The NKI kernels' operands are (batch, heads, length, dim) and their log-sum-exp
+shard. The query's splits lead: keys and values with fewer heads (grouped-query) take its head
+split where it divides them (contiguous shards keep each query head with its key/value head),
+one key/value head stays whole. Lengths and head dims are made whole. Empty placeholder
+operands (no bias, no mask) are replicated. The NKI kernels' operands are (batch, heads, length, dim) and their log-sum-exp
 (batch, heads, 128, length / 128): batch and heads local alike; a sequence split over `context`
 is an error (the front end picks the blockwise kernel, run as a ring, when the mesh has `context`).
 
@@ -28,31 +30,35 @@ from xtrain.lowering.sharded import Context, Layout, Sharded
 from xtrain.sharding.mesh import CONTEXT
 
 
-def _target(x: Sharded, batch, heads) -> Layout:
-    """(B, T, N, H) -> batch and heads split; (B, N, T) statistics alike; anything else whole."""
-    if x.ndim == 4:
-        return Layout((batch, (), heads, ()))
-    if x.ndim == 3:
+def _target(shape: tuple, batch, heads) -> Layout:
+    """(B, T, N, H) -> batch and heads split (one key/value head stays whole: multi-query);
+    (B, N, T) statistics alike; anything else whole."""
+    if len(shape) == 4:
+        return Layout((batch, (), heads if shape[2] > 1 else (), ()))
+    if len(shape) == 3:
         return Layout((batch, heads, ()))
-    return Layout.replicated(x.ndim)
+    return Layout.replicated(len(shape))
 
 
-def _split(x: Sharded, dim: int, others: list[Sharded]):
-    """x's axes on `dim` if every 4-D operand is split the same way there, else none."""
-    axes = x.layout.dims[dim]
-    same = all(o.layout.dims[dim] == axes for o in others if o.ndim == 4)
-    return tuple(axes) if same else ()
+def _heads(ctx: Context, args: list[Sharded]) -> tuple:
+    """The query's head split where every 4-D operand can take it: a head count it divides (the
+    contiguous shards keep each query head with its key/value head under grouped-query
+    attention; keys and values whole are sliced) or one head; else heads whole."""
+    heads = tuple(args[0].layout.dims[2])
+    n = math.prod(ctx.sizes[a] for a in heads)
+    return heads if all(a.shape[2] == 1 or a.shape[2] % n == 0 for a in args if a.ndim == 4) else ()
 
 
 def fused_attention(ctx: Context, eqn, args):
-    """cuDNN attention on each device's batch / head shard."""
+    """cuDNN attention on each device's batch / head shard (the query's; other operands moved to it)."""
     args = C.resolve_all(ctx, args)
-    query = args[0]
-    batch, heads = _split(query, 0, args), _split(query, 2, args)
-    args = [C.relayout(ctx, a, _target(a, batch, heads)) for a in args]
+    batch, heads = tuple(args[0].layout.dims[0]), _heads(ctx, args)
+    args = [C.relayout(ctx, a, _target(a.shape, batch, heads)) for a in args]
     outs = bind(ctx, eqn, [a.value for a in args])
-    layouts = [Layout((batch, (), heads, ())) if len(v.aval.shape) == 4 else Layout((batch, heads, ()))
-               for v in eqn.outvars]
+    layouts = [_target(tuple(v.aval.shape), batch, heads) for v in eqn.outvars]
+    if eqn.primitive.name == "dot_product_attention_bwd_wrapper":  # dk, dv of one key/value head (multi-query)
+        layouts[1:3] = [l.with_partial(heads) if v.aval.shape[2] == 1 else l  # sum over the query heads' devices
+                        for l, v in zip(layouts[1:3], eqn.outvars[1:3])]
     return wrap(eqn, outs, layouts)
 
 

@@ -1,0 +1,127 @@
+"""cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, xtrain.frontend.sdpa's choice there)
+under a Megatron plan, on CPU with a GPU's backend stood in: the dimension flow carries the head split
+through its primitives (xtrain.ir.per_head), so each device runs them on its own batch x heads shard
+(xtrain.lowering.explicit.rules.attention), grouped-query and multi-query keys/values included. A CPU
+lowering of the primitives computing their contract (softmax attention, each key/value head read by
+its group of query heads) in plain jnp lets the split program train, against the same on one axis."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax._src.cudnn import fused_attention_stablehlo as cudnn
+from jax.interpreters import mlir
+
+from xtrain.frontend import sdpa
+from xtrain.ir import attention as markers
+from xtrain.ir import per_head, walk
+
+HEADS = 4
+LOWERED: list = []  # the query shapes the stand-in forward kernel was lowered for
+
+
+def _reference(q, k, v, scale, causal):  # (b, t, n, h); keys / values (b, s, n_kv, h)
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2).astype(jnp.float32) for x in (k, v))
+    s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", jnp.exp(s - lse[..., None]), v).astype(q.dtype), lse
+
+
+def _forward(q, k, v, *placeholders, scale, mask_type, layout, is_training, **_):
+    LOWERED.append(tuple(q.shape))  # lowered on each device's shard
+    assert layout == cudnn.AttentionLayout.BTNH.value and all(p.size == 0 for p in placeholders)
+    out, lse = _reference(q, k, v, scale, mask_type == cudnn.MaskType.CAUSAL)
+    return [out, lse] if is_training else [out]
+
+
+def _backward(q, k, v, *rest, scale, mask_type, layout, **_):
+    *placeholders, _, _, dy = rest  # ..., statistics, forward output, its cotangent
+    assert layout == cudnn.AttentionLayout.BTNH.value and all(p.size == 0 for p in placeholders)
+    _, vjp = jax.vjp(lambda *x: _reference(*x, scale, mask_type == cudnn.MaskType.CAUSAL)[0], q, k, v)
+    return list(vjp(dy))
+
+
+# only these tests' programs contain the primitives on CPU (elsewhere they lower for CUDA alone)
+for _prim, _fn in ((cudnn._dot_product_attention_fwd_p_wrapper, _forward),
+                   (cudnn._dot_product_attention_bwd_p_wrapper, _backward)):
+    mlir.register_lowering(_prim, mlir.lower_fun(_fn, multiple_results=True), platform="cpu")
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):  # cuDNN's kernel cannot be traced without a GPU's backend
+    monkeypatch.setattr(sdpa, "_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a: True)
+
+
+def _llama(kv_heads: int, dtype):
+    from test_hf_models import VOCAB
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)).to(dtype)
+
+
+def _llama_step(kv_heads: int, sizes: dict):
+    import xtrain
+    from test_hf_models import lm_loss
+    from xtrain import plans
+
+    model = _llama(kv_heads, torch.bfloat16)
+    plan = plans.megatron(model, sizes) if "tensor" in sizes else None
+    return model, xtrain.compile(model, xtrain.Mesh(**sizes), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 plan=plan, loss_fn=lm_loss)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # grouped-query, multi-query
+def test_cudnn_attention_runs_on_each_devices_shard(on_cuda, kv_heads):
+    """A bf16 HF Llama on data=4 x tensor=2 (Megatron): attention is cuDNN's, each device's query
+    operand holds 2 of the 4 heads (and its share of the key/value heads; one whole), and nothing in
+    the attention layer gathers over `tensor`; inside attention no collective, but the multi-query
+    key/value gradients' sums over the query heads' devices."""
+    from test_hf_models import lm_batches
+    from xtrain import explain
+
+    sizes = dict(data=4, tensor=2)
+    model, step = _llama_step(kv_heads, sizes)
+    batch = lm_batches(n=1)[0]
+    program = step.program(*batch)
+    sites = markers.sites(program.jaxpr, step.model.module_paths())
+    assert {s.implementation for s in sites.values()} == {markers.Implementation.CUDNN}, sites
+    kernels = [e for e, _ in walk.equations(program.jaxpr, frozenset()) if e.primitive.name in (
+        per_head.CUDNN_FORWARD, per_head.CUDNN_BACKWARD)]
+    assert {e.primitive.name for e in kernels} == {per_head.CUDNN_FORWARD, per_head.CUDNN_BACKWARD}
+    local = 8 // sizes["data"]
+    for e in kernels:  # (batch, length, heads, dim) per device
+        q, k, v = (tuple(x.aval.shape) for x in e.invars[:3])
+        assert (q, k, v) == ((local, 16, HEADS // 2, 8),) + ((local, 16, max(kv_heads // 2, 1), 8),) * 2, e
+    found = explain.collectives(step, *batch)
+    gathers = [c for c in found if c.kind == "all-gather" and "tensor" in c.axes and "self_attn" in c.source]
+    assert not gathers, [(c.kind, c.axes, c.source) for c in gathers]
+    inside = [(c.kind, c.axes) for c in found if "xtrain_attention" in c.source]
+    assert inside == ([] if kv_heads > 1 else [("all-reduce", ("tensor",))] * 2 * 2), inside
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_cudnn_attention_split_over_heads_matches_torch(on_cuda, monkeypatch, kv_heads):
+    """The parity standard (fp32, 4 SGD steps against torch on one device) on data=4 x tensor=2,
+    Megatron, through the stand-in kernels (cuDNN's dtypes widened to fp32 for it): each device
+    lowers them on 1 sample and 2 of the 4 query heads, and trains as torch does."""
+    import xtrain
+    from test_hf_models import lm_batches, lm_loss
+    from xtrain import plans
+    from xtrain.testing import assert_parity, run_parity
+
+    monkeypatch.setattr(sdpa, "_CUDNN_DTYPES", (jnp.float32,))
+    monkeypatch.setattr(cudnn, "check_layout", lambda *a, **kw: None)  # it refuses fp32 (the stand-in checks the layout)
+    sizes = dict(data=4, tensor=2)
+    model = _llama(kv_heads, torch.float32)
+    LOWERED.clear()
+    result = run_parity(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), lm_batches(batch=4),
+                        xtrain.Mesh(**sizes), plan=plans.megatron(model, sizes), loss_fn=lm_loss)
+    assert set(LOWERED) == {(1, 16, HEADS // 2, 8)}, LOWERED
+    assert_parity(result)
