@@ -11,7 +11,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 
 import xtrain
 from xtrain import plans
+from xtrain.cost import hardware, search
+from xtrain.cost.candidates import Candidate
 from xtrain.lowering import ring_attention as ra
+from xtrain.step import host_batch
 from xtrain.testing import ParityResult, assert_parity, torch_reference
 from test_long_sequence import adamw, batches, blocks_of_16, llama, lm_loss, padded_loss, VOCAB  # noqa: F401 (a fixture)
 
@@ -74,14 +77,24 @@ def test_context_composes_with_tensor_parallel():
 @pytest.mark.parametrize("name,padded,schedule", [("llama", False, "gpipe"), ("gpt2", True, "1f1b")])
 def test_context_inside_pipeline_stages(name, padded, schedule):
     """Each stage's attention rings over `context` (2 layers, one per stage; 128 tokens: 2 x
-    context chunks of 32)."""
-    plan = lambda model, mesh: xtrain.Plan().with_pipeline(stages=2, microbatches=2, schedule=schedule)
-    result, step = train(name, padded, xtrain.Mesh(pipe=2, context=2, data=2), 128, plan=plan, layers=2)
+    context chunks of 32). The mesh and plan are the plan search's candidate's, and the search's
+    cost of it (lowered for an abstract mesh) has the compiled step's FLOPs and collectives."""
+    candidate = Candidate(data=2, pipe=2, context=2, microbatches=2, schedule=schedule)
+    result, step = train(name, padded, xtrain.Mesh(**candidate.mesh), 128, plan=lambda m, mesh: candidate.plan(),
+                         layers=2)
     assert_parity(result)
     path = {"llama": "model.layers.0.self_attn", "gpt2": "transformer.h.0.attn"}[name]  # the stages' one layer body
     assert [n for n in step.report().notes if "ring attention" in n] == [
         f"attention in {path!r}: ring attention over 'context'=2" + ("" if padded else " (causal, load-balanced chunks)")]
     assert _ring_permutes(step) > 0, step.report()
+    batch = host_batch(reference(name, padded, 128, 2)[1][0])
+    t = step.trainable
+    row = search.evaluate(t.model, t.tx, t.structure, candidate, batch, hardware.profile("p4d.24xlarge"), layers=2)
+    compiled = search.compiled_step_cost(step, *batch)
+    assert row.cost is not None, row.reason
+    assert row.cost.flops.matmul == compiled.flops.matmul
+    key = lambda c: (c.kind, c.axes, c.payload_bytes)
+    assert sorted(map(key, row.cost.collectives)) == sorted(map(key, compiled.collectives))
 
 
 def _ring_cost(step, batch) -> tuple[int, float]:
@@ -192,8 +205,9 @@ def test_the_plan_search_offers_context_candidates_for_long_sequences():
     assert "dp2xcp4" in names and "dp1xcp4xtp2" in names and "dp8" in names
     point = space.Candidate(data=2, context=4)
     assert point.mesh == {"data": 2, "context": 4} and point.plan().batch is None  # the default: sequence split
-    with pytest.raises(ValueError, match=r"does not cost context parallelism inside pipeline"):
-        space.Candidate(data=1, context=2, pipe=2, microbatches=2)
+    piped = [c.name for c in space.candidates(8, hardware.emulated(8), context=[1, 2], pipe_degrees=(1, 2),
+                                              remat=(False,), zero_stages=(0,), schedules=("gpipe",))]
+    assert "dp2xpp2xcp2 gpipe m2" in piped and "dp1xpp2xcp2xtp2 gpipe m4" in piped  # context inside stages
 
 
 def test_presets_keep_the_sequence_split():

@@ -48,7 +48,7 @@ class Candidate:
         expert: expert-parallel degree (mesh axis "expert": MoE layers' experts split over it,
             the batch over data x expert; 1: none; not with a pipeline).
         context: context-parallel degree (mesh axis "context": the sequence split, ring
-            attention; 1: none). Not with a pipeline.
+            attention; 1: none). With a pipeline, each stage rings its own layers' attention.
         zero: ZeRO stage over "data".
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
@@ -83,10 +83,6 @@ class Candidate:
             raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
                              "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
                              "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
-        if self.context > 1 and self.pipe > 1:
-            raise ValueError(f"Candidate(context={self.context}, pipe={self.pipe}): the plan search does not "
-                             "cost context parallelism inside pipeline stages yet; use pipe=1 or context=1 "
-                             "(xtrain.compile runs it: Mesh(pipe=2, context=2, data=2) with Plan().with_pipeline(...))")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
                              f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
@@ -216,13 +212,13 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
     add expert-parallel points without a pipeline; `context`: context-parallel degrees
-    (`context_degrees`), without a pipeline."""
+    (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`)."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
         raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
                          f"divisors of {devices}, e.g. {_divisors(devices)}")
     out = []
-    for p, c in ((p, c) for p in pipe_degrees for c in context if p == 1 or c == 1):
+    for p, c in ((p, c) for p in pipe_degrees for c in context):
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p * c) == 0):
             for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * c * e) == 0):
                 points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,

@@ -18,6 +18,7 @@ from xtrain.lowering.pipeline.stage import Layers
 from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.layout import StagePlacement, StateLayout
 from xtrain.sharding.pipeline import Pipeline
+from xtrain.sharding.plan import axes_of
 
 
 def check_mesh(pipeline: Pipeline, mesh_axes: dict) -> None:
@@ -31,8 +32,12 @@ def check_mesh(pipeline: Pipeline, mesh_axes: dict) -> None:
                          f"{mesh_axes[pipeline.axis]} ({axes}); the axis size must equal the number of stages")
 
 
-def check_batch(batch: tuple, data: int, pipeline: Pipeline) -> None:
+def check_batch(batch: tuple, layout: StateLayout, sizes: dict, pipeline: Pipeline) -> None:
+    """Each batch argument's rows split over the axes of its spec's first dimension (not
+    `context`, which splits the sequence), then into the microbatches."""
     for index, x in enumerate(batch):
+        spec = layout.arg_spec(index)
+        data = math.prod(sizes[a] for a in axes_of(spec[0])) if spec else 1
         if hasattr(x, "ndim") and x.ndim and x.shape[0] % (data * pipeline.microbatches):
             raise ValueError(
                 f"batch argument {index} has {x.shape[0]} rows (shape {tuple(x.shape)}), not divisible by data "
@@ -50,7 +55,6 @@ class PipelineProgram:
         self.sizes = dict(mesh.shape)
         check_mesh(pipeline, self.sizes)
         self.batch_axes = layout.batch_axes
-        self.data = math.prod(self.sizes[a] for a in self.batch_axes)
         self.table = schedule.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, pipeline.virtual_stages)
         self.ticks = executors.tick_tables(self.table) if pipeline.schedule != "gpipe" else None
         self.ctx: Context | None = None
@@ -60,7 +64,7 @@ class PipelineProgram:
     def trace(self, training: bool, global_args):
         """The cut graph of the model at one microbatch's global shapes."""
         params, buffers, key, batch = global_args
-        check_batch(batch, self.data, self.pipeline)
+        check_batch(batch, self.layout, self.sizes, self.pipeline)
         m = self.pipeline.microbatches
         mb = tuple(jax.ShapeDtypeStruct((x.shape[0] // m,) + x.shape[1:], x.dtype) if getattr(x, "ndim", 0) else x
                    for x in batch)
