@@ -2,6 +2,7 @@
 lowered by the pipeline step itself (its bubble ticks are in the program's compute), refused
 with a reason when the batch or the layer count does not allow them, never picked past the
 device's memory, and a picked pipeline plan trains like torch."""
+import collections
 import copy
 import functools
 
@@ -180,3 +181,69 @@ def test_plan_auto_leaves_pipelines_out_when_accumulating():
     plain = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
     accumulating = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto", accumulate=2)
     assert plain._searches_pipelines and not accumulating._searches_pipelines
+
+
+@functools.cache
+def long_llama(seq):
+    """HF Llama, 2 layers (one per stage at pipe=2), SDPA attention: ring attention under `context`."""
+    from test_long_sequence import llama, lm_loss
+
+    torch.manual_seed(0)
+    model = llama(layers=2, positions=seq)
+    trainable = wrap(model, adamw(model.parameters()), lm_loss)
+    return trainable.model, trainable.tx, describe(model)
+
+
+def _permutes(row, axis: str) -> collections.Counter:
+    """(payload bytes, module) -> count of the row's permutes over `axis`."""
+    return collections.Counter((c.payload_bytes, c.source.split(" [")[0]) for c in row.cost.collectives
+                               if c.kind == "collective-permute" and c.axes == (axis,))
+
+
+def test_context_inside_pipeline_stages_is_costed_per_stage():
+    """dp2 x pp2 x cp2 (m2, 1 row per device and microbatch) beside the pipeline without context
+    at the same rows per data shard (dp4 x pp2, m2) and context without a pipeline at the same rows
+    per attention call (dp4 x cp2): the stage boundary carries half the activations (the sequence
+    is split); each of the m + p - 1 = 3 lockstep ticks rings the stage's one layer, as the
+    unpipelined program rings each of its 2 layers; activations per device shrink with context."""
+    seq, profile = 256, hardware.profile("p4d.24xlarge")
+    net, tx, structure = long_llama(seq)
+    lower = lambda c, rows: search.evaluate(net, tx, structure, c, (np.zeros((rows, seq), np.int64),), profile,
+                                            layers=2)
+    both = lower(Candidate(data=2, pipe=2, context=2, microbatches=2), 4)
+    piped = lower(Candidate(data=4, pipe=2, microbatches=2), 8)
+    ring = lower(Candidate(data=4, context=2), 4)
+    assert both.prediction is not None and both.usable, both.reason
+    boundary, whole = _permutes(both, "pipe"), _permutes(piped, "pipe")
+    assert sorted(boundary.elements()) == sorted((b // 2, m) for b, m in whole.elements()) and boundary
+    attention = lambda row: collections.Counter({k: n for k, n in _permutes(row, "context").items()
+                                                 if k[1].endswith("self_attn")})
+    per_layer = {k: n // 2 for k, n in attention(ring).items()}
+    assert attention(both) == {k: 3 * n for k, n in per_layer.items()} and per_layer
+    assert both.cost.pipeline.bubble_fraction == piped.cost.pipeline.bubble_fraction == pytest.approx(1 / 3)
+    assert both.cost.memory.activations <= 0.5 * piped.cost.memory.activations
+    p = both.prediction  # a pipeline hides no communication: the ring is exposed with the rest
+    assert p.exposed_comm_s == pytest.approx(sum(p.comm_s.values())) and p.step_s > p.compute_s
+
+
+def test_search_lists_context_inside_pipelines_for_long_sequences(monkeypatch):
+    """The default candidates (plan='auto', `xtrain plan`) of 8 devices: context x pipeline points
+    at 4096 tokens, no context point at 1024 (the lowering is stubbed: only the list is read)."""
+    listed = []
+
+    def stub(model, tx, structure, candidate, *args, **kwargs):
+        listed.append(candidate)
+        return search.Row(candidate=candidate, reason="not lowered here")
+
+    monkeypatch.setattr(search, "evaluate", stub)
+    profile = hardware.profile("p4d.24xlarge")
+    for seq in (1024, 4096):
+        net, tx, structure = long_llama(seq)
+        listed.clear()
+        result = search.search(net, tx, (np.zeros((8, seq), np.int64),), profile, 8, structure=structure)
+        assert {r.candidate for r in result.rows} == set(listed) and result.best is None
+        context = {(c.data, c.pipe, c.context, c.tensor) for c in listed if c.context > 1}
+        if seq == 1024:
+            assert not context, context
+        else:  # (data, pipe, context, tensor)
+            assert {(2, 2, 2, 1), (1, 2, 4, 1), (1, 2, 2, 2), (4, 1, 2, 1)} <= context, context

@@ -9,7 +9,10 @@ pipeline, activation checkpointing, data/ZeRO): tensor degree t over the "tensor
 preset; on Trainium only the replica-group sizes a node supports), pipeline degree p over "pipe"
 with m microbatches, for an MoE model (`experts`) expert degree e over "expert" (dividing n and
 every MoE layer's experts; no pipeline: experts split, tokens moved by all-to-all, costed on the
-link that axis maps to), data degree n / (t x p x e) over "data" with ZeRO stage 0-3 (0-1 with a
+link that axis maps to), for sequences of CONTEXT_MIN_SEQUENCE tokens or more context degree c over
+"context" (`context_degrees`; with or without a pipeline: in one, each stage's lockstep ticks ring
+its own layers' attention and the stage boundary carries 1/c of the activations, all read off the
+lowered program), data degree n / (t x p x e x c) over "data" with ZeRO stage 0-3 (0-1 with a
 pipeline, all the pipeline step supports), activation checkpointing on/off (with a pipeline: GPipe's
 per-stage checkpoint, or the 1F1B schedule, which always recomputes). Pipeline degrees by
 default: the divisors of n up to the model's number of repeated blocks, none for a model
