@@ -65,8 +65,9 @@ def split_heads_while_running(module, n: int) -> None:
 
 def rule_out_nki_while_running(module, why: str) -> None:
     """Forward hooks on `module` under which attention does not use the NKI kernels, because
-    `why` ("": it may)."""
-    _set_while_running(module, _NO_NKI, "_xtrain_no_nki", why)
+    `why` ("": it may; no hooks are installed for that unless earlier ones must be cleared)."""
+    if why or hasattr(module, "_xtrain_no_nki"):
+        _set_while_running(module, _NO_NKI, "_xtrain_no_nki", why)
 
 
 def _for_split(query, key, value):

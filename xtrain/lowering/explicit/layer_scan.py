@@ -165,19 +165,26 @@ def position_sources(blocks: RepeatedBlocks, position: int) -> list:
     return [source] if source is not None else [layer[position] for layer in blocks.per_layer]
 
 
-def _synced(ctx: Context, synced: dict, params: list[Sharded], prefix: str) -> list[Sharded]:
-    """`params` with those at `synced` positions cast to varying by gradient_sync.in_layer: one
-    all-reduce per group of (axes, dtype, varying axes) in this layer's backward pass."""
+def _per_bucket(params: list[Sharded], axes_of: Mapping[int, tuple], apply) -> list[Sharded]:
+    """`params` with those at `axes_of`'s positions (position -> mesh axes) replaced by
+    `apply(positions, axes)`, called once per group of (axes, dtype, varying axes): one bucket,
+    one collective per group in this layer's backward pass."""
     groups: dict[tuple, list[int]] = {}
-    for position, axes in synced.items():
+    for position, axes in axes_of.items():
         p = params[position]
         groups.setdefault((axes, str(p.value.dtype), tuple(sorted(vma(p.value)))), []).append(position)
     out = list(params)
     for (axes, _, _), positions in groups.items():
-        values = gradient_sync.in_layer([params[k].value for k in positions], axes, ctx.sync, f"{prefix}.*")
-        for k, v in zip(positions, values):
+        for k, v in zip(positions, apply(positions, axes)):
             out[k] = dataclasses.replace(params[k], value=v)
     return out
+
+
+def _synced(ctx: Context, synced: dict, params: list[Sharded], prefix: str) -> list[Sharded]:
+    """`params` with those at `synced` positions cast to varying by gradient_sync.in_layer: one
+    all-reduce per bucket in this layer's backward pass."""
+    return _per_bucket(params, synced, lambda positions, axes: gradient_sync.in_layer(
+        [params[k].value for k in positions], axes, ctx.sync, f"{prefix}.*"))
 
 
 def scattered_positions(scattered: Mapping, blocks: RepeatedBlocks) -> dict[int, tuple]:
@@ -191,18 +198,10 @@ def scattered_positions(scattered: Mapping, blocks: RepeatedBlocks) -> dict[int,
 def _scattered(ctx: Context, scattered: dict, blocks_of: dict, params: list[Sharded], prefix: str) -> list[Sharded]:
     """`params` with those at `scattered` positions cast to varying by zero.scatter_in_layer, the
     derivative going to this device's block of each (`blocks_of`, position -> this layer's
-    block): one reduce-scatter per group of (axes, dtype, varying axes) in this layer's backward."""
-    groups: dict[tuple, list[int]] = {}
-    for position, (_, _, axes) in scattered.items():
-        p = params[position]
-        groups.setdefault((axes, str(p.value.dtype), tuple(sorted(vma(p.value)))), []).append(position)
-    out = list(params)
-    for (axes, _, _), positions in groups.items():
-        values = zero.scatter_in_layer([blocks_of[k] for k in positions], [params[k].value for k in positions],
-                                       [scattered[k][1] - 1 for k in positions], axes, ctx.sync, f"{prefix}.*")
-        for k, v in zip(positions, values):
-            out[k] = dataclasses.replace(params[k], value=v)
-    return out
+    block): one reduce-scatter per bucket in this layer's backward pass."""
+    return _per_bucket(params, {k: axes for k, (_, _, axes) in scattered.items()}, lambda positions, axes: (
+        zero.scatter_in_layer([blocks_of[k] for k in positions], [params[k].value for k in positions],
+                              [scattered[k][1] - 1 for k in positions], axes, ctx.sync, f"{prefix}.*")))
 
 
 def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, positions: list) -> tuple[list, list]:
