@@ -117,3 +117,40 @@ def test_long_modules_and_functions_say_why():
                 if lines > FUNCTION_LINES and REASON not in (ast.get_docstring(node) or ""):
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"split these, or say at their top ({REASON!r}) why not: {long}"
+
+
+def _context_assignments(tree) -> list[str]:
+    """`ctx.<field> = ...` (or `ctx.a.b = `, or one inside a tuple target) in a module's source:
+    the interpreter's state changes only through the cursor's context managers."""
+    def on_ctx(target) -> bool:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(on_ctx(t) for t in target.elts)
+        while isinstance(target, ast.Attribute):
+            target = target.value
+            if isinstance(target, ast.Name) and target.id == "ctx":
+                return True
+        return False
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if any(on_ctx(t) for t in targets):
+            found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_the_check_for_context_assignments_finds_them():
+    source = "def rule(ctx):\n    path, ctx.path = ctx.path, 'x'\n    ctx.cursor.layer = None\n    ctx.memo[k] = v\n"
+    assert _context_assignments(ast.parse(source)) == ["line 2: path, ctx.path = (ctx.path, 'x')",
+                                                         "line 3: ctx.cursor.layer = None"]
+
+
+def test_no_lowering_code_assigns_the_interpreter_state():
+    """Rules move the cursor with `with ctx.cursor.at(path):`, never save and restore a field."""
+    offenders = {}
+    for path in sorted((ROOT / "xtrain" / "lowering").rglob("*.py")):
+        found = _context_assignments(ast.parse(path.read_text()))
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, f"interpreter state assigned by hand (use the Cursor's context managers): {offenders}"

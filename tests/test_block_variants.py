@@ -62,7 +62,7 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch(blocks_o
     assert_parity(result)
     assert step.scan_layers is True  # the default on 8 emulated devices
     assert scan_lengths(step.program(*batches[0])).count(6) == 2  # the layer scan and its transpose
-    (blocks,) = step.lowered.strategy.program.repeated
+    (blocks,) = step.lowered.findings.repeated
     assert (blocks.prefix, blocks.length) == ("model.layers", 6)
     # the mask and the rotary cos / sin: each layer reads its type's
     assert [s.choice for s in blocks.variants.selections] == [(0, 0, 0, 0, 0, 1)] * 3
@@ -80,7 +80,7 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_
     result, step = train(model, sgd, batches, dict(pipe=2, data=4), plan, reference, loss_fn=lm_loss)
     assert_parity(result)
     # stage 0 runs 3 sliding attention layers, stage 1 2 sliding and the full one
-    assert step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist() == [3, 3]
+    assert list(step.lowered.findings.stage_layers) == [3, 3]
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
 
 
@@ -92,7 +92,7 @@ def test_gemma3_mixed_attention_under_context_parallel_rings_each_layer_with_its
     result, step = train(model, sgd, batches, dict(data=2, context=4), None,
                          torch_reference(model, sgd, batches, lm_loss), loss_fn=lm_loss)
     assert_parity(result)
-    assert [b.length for b in step.lowered.strategy.program.repeated] == [6]
+    assert [b.length for b in step.lowered.findings.repeated] == [6]
     assert "attention in 'model.layers.0.self_attn': ring attention over 'context'=4" in step.report().notes
 
 
@@ -182,7 +182,7 @@ def test_blocks_differing_in_constants_are_one_scan_and_train_like_torch():
     result, step = train(model, sgd_small, batches, dict(data=8), None, torch_reference(model, sgd_small, batches))
     assert_parity(result)
     assert scan_lengths(step.program(*batches[0])) == [4, 4]
-    (blocks,) = step.lowered.strategy.program.repeated
+    (blocks,) = step.lowered.findings.repeated
     assert sorted(t.tolist() for t in blocks.variants.literals) == [[0.5, 1.5, 0.5, 2.0], [16, 8, 8, 16]]
 
 
@@ -196,7 +196,7 @@ def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_diffe
     result, step = train(model, sgd_small, batches, dict(data=8), None, torch_reference(model, sgd_small, batches))
     assert_parity(result)
     notes = step.report(*batches[0]).notes
-    assert step.lowered.strategy.program.repeated == []
+    assert step.lowered.findings.repeated == ()
     assert "the 3 numbered layers run as traced, one after another: the program has no family of repeated " \
            "blocks to scan" in notes
     (note,) = [n for n in notes if "not one family" in n]

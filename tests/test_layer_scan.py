@@ -80,7 +80,7 @@ def test_blocks_become_one_scan_and_training_matches_torch(name):
     prefix = MODELS[name][3]
     # the forward scan and its transpose in the backward pass, each with L iterations
     assert scan_lengths(step.program(*batches[0])) == [LAYERS, LAYERS]
-    assert [(r.prefix, r.length) for r in step.lowered.strategy.program.repeated] == [(prefix, LAYERS)]
+    assert [(r.prefix, r.length) for r in step.lowered.findings.repeated] == [(prefix, LAYERS)]
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=MODELS[name][1], scan_layers=True))
 
 
@@ -147,7 +147,7 @@ def test_unrolled_blocks_gather_each_layer_flat_and_train_like_torch(name):
                           scan_layers=False)
     program = step.program(*data[0])
     assert scan_lengths(program) == []
-    assert [(r.prefix, r.length) for r in step.lowered.strategy.program.repeated] == [(prefix, LAYERS)]
+    assert [(r.prefix, r.length) for r in step.lowered.findings.repeated] == [(prefix, LAYERS)]
     assert not any("*" in n for n in step.state.params)  # stored per layer
     flat = [s for s in all_gather_sources(program) if "zero3_flat_gather" in s]
     assert len(flat) == 2 * LAYERS, flat
@@ -224,5 +224,5 @@ def test_blocks_that_differ_are_not_scanned():
     model, batches = Uneven(), mlp_batches()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     step(*batches[0])
-    assert step.lowered.strategy.program.repeated == []
+    assert step.lowered.findings.repeated == ()
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8)))

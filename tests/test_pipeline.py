@@ -64,7 +64,7 @@ def test_schedule_matches_torch(schedule, pipe, layers, v, split):
         with torch.no_grad():
             expected = trained.eval()(*batches[0]).item()
         assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
-    per_stage = step.lowered.strategy.program.layers.valid.sum(-1).ravel().tolist()
+    per_stage = list(step.lowered.findings.stage_layers)
     assert sum(per_stage) == layers
     # each stage stores only its own layers: every block family's rows split over 'pipe'
     families = step.layout.stacking.groups

@@ -39,7 +39,7 @@ def _offload_note(step, batch: tuple, memory: dict[str, int]) -> str:
 
 def _layers_note(step) -> str:
     layers = layout_mod.depth(step.user_model().param_shapes())
-    if layers and not step.lowered.strategy.program.repeated:  # the traced blocks are not one family
+    if layers and not step.lowered.findings.repeated:  # the traced blocks are not one family
         return (f"the {layers} numbered layers run as traced, one after another: the program has no family of "
                 "repeated blocks to scan")
     how = "as one layer scan" if step.layout.scan_layers else "unrolled, one after another"

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from xtrain.lowering import collectives
-from xtrain.sharding.remat import LayerRemat
+from xtrain.lowering.context import Context
 
 Axes = tuple[str, ...]
 
@@ -98,41 +98,6 @@ class Sharded:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-
-@dataclasses.dataclass
-class Context:
-    """Per-lowering facts: mesh axis sizes and what fell back to replicated execution."""
-
-    sizes: Mapping[str, int]
-    module_paths: frozenset = frozenset()
-    batch_axes: tuple = ()  # axes the batch is split on (activations are never gathered over them)
-    fallbacks: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # primitive -> module paths
-    path: str = ""
-    # conversions already emitted in the jaxpr being interpreted (see `memoized`)
-    memo: dict = dataclasses.field(default_factory=dict)
-    remat: LayerRemat | None = None  # activation checkpointing of each layer of a layer scan
-    regather: Callable | None = None  # ZeRO-3's re-gather policy in each layer (zero.RegatherPolicy)
-    unroll: bool = False  # repeated blocks emitted one after another instead of as a layer scan
-    layer: tuple[str, str] | None = None  # (block 0's module path, the unrolled layer's) while emitting it
-    notes: dict[str, None] = dataclasses.field(default_factory=dict)  # what rules tell the report, in order
-    # per-step counts for the step's outputs: (name, module path) -> Sharded, e.g. ("expert_tokens", MoE layer)
-    counts: dict[tuple[str, str], "Sharded"] = dataclasses.field(default_factory=dict)
-    capacity_factor: float | None = None  # MoE layers drop the pairs past each expert's capacity (Plan)
-    # parameters whose gradients the layer scan all-reduces inside the backward pass: jaxpr var
-    # -> mesh axes (xtrain.lowering.gradient_sync.in_layer), with `sync` the GradSync to use
-    synced: Mapping = dataclasses.field(default_factory=dict)
-    sync: Any = None
-    # ZeRO-2 parameters whose gradients the layer scan reduce-scatters inside the backward pass:
-    # jaxpr var -> (this device's block of the stacked parameter, its ZeRO dim, mesh axes)
-    # (xtrain.lowering.zero.scatter_in_layer)
-    scattered: Mapping = dataclasses.field(default_factory=dict)
-
-    def note(self, text: str) -> None:
-        self.notes[text] = None
-
-    def note_fallback(self, primitive: str) -> None:
-        self.fallbacks.setdefault(primitive, set()).add(self.path or "<top level>")
 
 
 def memoized(ctx: Context, key: tuple, source, make):

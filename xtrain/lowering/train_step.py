@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain.lowering import collectives, gradient_sync, input_checks, offload
 from xtrain.lowering import ordering
+from xtrain.lowering.findings import Findings
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.options import StepOptions
@@ -78,6 +79,7 @@ class Gradients:
     pending: Mapping[str, tuple[str, ...]]  # per gradient, the mesh axes still to sum it over
     counts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-step counts for the outputs
     shards: frozenset = frozenset()  # ZeRO-2 gradients already reduce-scattered (in the backward pass)
+    findings: Findings = Findings()  # what the lowering found tracing this program (fallbacks, notes, blocks)
 
 
 class Strategy(Protocol):
@@ -92,8 +94,8 @@ class Strategy(Protocol):
     def loss(self, state: TrainState, batch: tuple) -> Callable:
         """Traces the eval forward; returns (state, batch, key) -> loss."""
 
-    def notes(self) -> list[str]:
-        """What the report says about this lowering's program."""
+    def notes(self, findings: Findings) -> list[str]:
+        """What the report says about this lowering's program, whose trace found `findings`."""
 
 
 def batch_specs(batch_spec: Spec, batch: tuple, batch_args=()) -> tuple:
@@ -141,18 +143,32 @@ class GlobalView:
         return fn
 
 
+class Traced:
+    """What the training step's last trace found; jit traces it when first called (once per
+    batch signature), and the trace sets `findings` (the strategy returns them with its gradients)."""
+
+    def __init__(self):
+        self.findings = Findings()
+
+
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
     """A compiled step: `train(state, batch, lrs) -> (state, outputs)`, `eval(state, batch) -> loss`;
-    `inputs`: the input checks of the batch shape it last traced (the host names a violation)."""
+    `inputs`: the input checks of the batch shape it last traced (the host names a violation);
+    `findings`: what the lowering found when it last traced `train`."""
 
     train: Callable
     eval: Callable
     strategy: Strategy
     inputs: input_checks.Found = dataclasses.field(default_factory=input_checks.Found)
+    traced: Traced = dataclasses.field(default_factory=Traced, repr=False)
+
+    @property
+    def findings(self) -> Findings:
+        return self.traced.findings
 
     def notes(self) -> list[str]:
-        return self.strategy.notes() + self.inputs.notes()
+        return self.strategy.notes(self.findings) + self.inputs.notes()
 
 
 def _checks(model, config: StepConfig, runner, state: TrainState, batch: tuple, found: input_checks.Found) -> list:
@@ -185,7 +201,7 @@ def _poisoned(grads, bad) -> dict:
     return {n: g * jnp.where(flag(g), jnp.nan, 1.0).astype(g.dtype) for n, g in grads.items()}
 
 
-def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.Found) -> Callable:
+def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.Found, traced: Traced) -> Callable:
     def train_step(state: TrainState, batch: tuple, lrs):
         compute = strategy.gradients(state, batch)  # traced at global shapes, outside shard_map
         checks = _checks(model, config, strategy.runner, state, batch, found)
@@ -194,6 +210,7 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
             key = jax.random.fold_in(state.key, state.step)
             scale = state.loss_scale["scale"] if state.loss_scale is not None else None
             out = compute(state, batch, key, scale)
+            traced.findings = out.findings
             grads = _poisoned(out.grads, input_checks.violated(checks, batch)) if checks else out.grads
             grads = gradient_sync.with_feedback(grads, state.grad_residual)  # int8's error feedback
             grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
@@ -246,6 +263,7 @@ def _evaluator(strategy: Strategy) -> Callable:
 def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig, model) -> StepProgram:
     """The jit-compiled step of `strategy` for `model`, its state laid out by `shardings` (donated)."""
     gradient_sync.check_axes(config.sync, dict(mesh.shape))
-    replicated, found = NamedSharding(mesh, PartitionSpec()), input_checks.Found()
-    train = jax.jit(_trainer(strategy, config, model, found), out_shardings=(shardings, replicated), donate_argnums=0)
-    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy, found)
+    replicated, found, traced = NamedSharding(mesh, PartitionSpec()), input_checks.Found(), Traced()
+    train = jax.jit(_trainer(strategy, config, model, found, traced), out_shardings=(shardings, replicated),
+                    donate_argnums=0)
+    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy, found, traced)

@@ -12,6 +12,7 @@ import jax
 
 from xtrain.ir.model import Model
 from xtrain.lowering import accumulation
+from xtrain.lowering.findings import Findings
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import GlobalView, Gradients, StepConfig
 from xtrain.lowering.zero import Update
@@ -63,8 +64,8 @@ class XlaStrategy:
 
         return compute
 
-    def notes(self) -> list[str]:
-        return []
+    def notes(self, findings: Findings) -> list[str]:
+        return []  # XLA partitions the global program: the explicit lowering's rules find nothing here
 
     def _torch_order(self, params: dict) -> dict:
         return {n: segments.to_torch(v, self.fused[n], self.sizes) if n in self.fused else v for n, v in params.items()}

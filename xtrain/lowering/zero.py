@@ -35,7 +35,8 @@ from xtrain.ir.trust_ratio import SUM_SQUARES
 from xtrain.lowering import clipping, collectives, int8_sync
 from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.gradient_sync import GradSync, buckets
 from xtrain.sharding.layout import StateLayout

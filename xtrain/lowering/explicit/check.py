@@ -13,7 +13,9 @@ from jax.sharding import PartitionSpec
 
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules: checked alone, none would be)
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.findings import Findings, collected
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
 
@@ -30,10 +32,10 @@ def _partialize(ctx: Context, value, layout: Layout):
 
 
 def run_partitioned(fn: Callable, args: Sequence[np.ndarray], layouts: Sequence[Layout],
-                    mesh: jax.sharding.Mesh) -> tuple[list, Context]:
-    """Evaluates `fn(*args)` through the explicit lowering; returns (outputs, context)."""
+                    mesh: jax.sharding.Mesh) -> tuple[list, Findings]:
+    """Evaluates `fn(*args)` through the explicit lowering; returns (outputs, what it found)."""
     closed = jax.make_jaxpr(fn)(*args)
-    ctx = Context(dict(mesh.shape))
+    ctx = Context.of(dict(mesh.shape))
     axes = tuple(mesh.axis_names)
 
     def per_device(*local):
@@ -45,4 +47,5 @@ def run_partitioned(fn: Callable, args: Sequence[np.ndarray], layouts: Sequence[
     out_specs = [PartitionSpec()] * len(closed.jaxpr.outvars)
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(l) for l in layouts),
                            out_specs=out_specs, check_vma=False)
-    return [np.asarray(o) for o in jax.jit(mapped)(*args)], ctx
+    outputs = [np.asarray(o) for o in jax.jit(mapped)(*args)]
+    return outputs, collected([ctx.record])

@@ -5,6 +5,7 @@ their gradients itself: the skeleton's gradient sync does (xtrain.lowering.train
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -20,7 +21,9 @@ from xtrain.lowering.explicit.blocks import examine
 from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context, LoweringOptions
+from xtrain.lowering.findings import Findings, collected
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import Gradients, PerDevice, StepConfig
 from xtrain.sharding.annotate import tracing_for
@@ -42,22 +45,36 @@ def global_args(state: TrainState, batch: tuple):
                         ({**state.params, **state.frozen}, state.buffers, state.key, batch))
 
 
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """The per-device forward of one batch shape, and what tracing the model found.
+
+    `run(params, buffers, key, batch, shards=None) -> ((loss, buffers), counts)` on local
+    values; each call interprets the program once and keeps what its rules recorded in
+    `records` (`findings()` collects them once the backward pass is traced too)."""
+
+    run: Callable
+    repeated: tuple           # the families of repeated blocks (blocks.RepeatedBlocks) the layer scan runs
+    block_notes: tuple[str, ...]  # families with per-layer variants or outputs; blocks that are not one
+    scanned: frozenset[str]   # stacked parameters the layer scan reads in place
+    synced: frozenset[str]    # parameters whose gradients the layer scans all-reduce in their backward pass
+    scattered: frozenset[str]  # ZeRO-2 parameters they reduce-scatter (their gradients: this device's block)
+    records: list = dataclasses.field(default_factory=list)
+
+    def findings(self) -> Findings:
+        return collected(self.records, repeated=self.repeated, block_notes=self.block_notes, scanned=self.scanned)
+
+
 class Program:
-    """Builds the per-device forward for one batch shape and records what it emitted."""
+    """Builds the per-device forward for one batch shape."""
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
         self.capacity_factor = config.capacity_factor
-        self.ctx: Context | None = None
-        self.repeated: list = []
-        self.block_notes: list[str] = []  # families with per-layer variants or outputs; blocks that are not one
-        self.scanned: set[str] = set()  # stacked parameters the layer scan reads in place
         self.sync = config.sync
         self.in_layer: dict[str, tuple[str, ...]] = {}  # name -> axes: may be all-reduced inside the layer scan
-        self.synced: set[str] = set()  # those the traced layer scans do all-reduce in their backward pass
         # ZeRO-2: name -> (ZeRO dim, data axes): may be reduce-scattered inside the layer scan
         self.scatter_in_layer: dict[str, tuple[int, tuple[str, ...]]] = {}
-        self.scattered: set[str] = set()  # those the traced layer scans do reduce-scatter (their gradients: blocks)
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
 
@@ -73,11 +90,17 @@ class Program:
         return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else ())
                 for i, (v, l, a) in enumerate(zip(values, layouts, avals))]
 
-    def forward(self, training: bool, global_args) -> Callable:
+    def _options(self, training: bool, synced: dict) -> LoweringOptions:
+        return LoweringOptions(sizes=dict(self.mesh.shape), module_paths=self.model.module_paths(),
+                               batch_axes=self.layout.batch_axes, remat=self.remat if training else None,
+                               regather=self.regather if training else None, unroll=not self.layout.scan_layers,
+                               capacity_factor=self.capacity_factor, synced=synced, sync=self.sync)
+
+    def forward(self, training: bool, global_args) -> Forward:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
-        returns the per-device function: local params, buffers, key, batch -> ((loss, buffers),
-        counts: {name: {module path: count}}, e.g. "expert_tokens": (experts,) tokens routed to
-        each expert of each MoE layer)."""
+        returns the per-device forward (Forward.run: local params, buffers, key, batch ->
+        ((loss, buffers), counts: {name: {module path: count}}, e.g. "expert_tokens": (experts,)
+        tokens routed to each expert of each MoE layer))."""
 
         def apply(params, buffers, key, batch):
             return self.model.apply(params, buffers, key, batch, training=training)
@@ -85,32 +108,31 @@ class Program:
         with tracing_for(self.mesh):  # xtrain.shard calls in the model become sharding_constraint
             closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*global_args)
         closed = gather_blocks(closed, self.model.module_paths())  # per-layer side terms after the blocks
-        repeated = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
+        repeated, block_notes = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
-        self.scanned = {by_var[v] for blocks in repeated for v in blocks.stacked if v is not None}
         synced, scattered = self._synced(repeated, by_var, closed.jaxpr) if training else ({}, {})
+        options, records = self._options(training, synced), []
 
         def local(params, buffers, key, batch, shards=None):
             """`shards`: name -> this device's block of each `scattered` parameter (differentiated
             in its place; `params` holds the whole)."""
             ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
             blocks = {v: (shards[by_var[v]], dim, axes) for v, (dim, axes) in scattered.items()} if shards else {}
-            self.ctx = Context(dict(self.mesh.shape), self.model.module_paths(), batch_axes=self.layout.batch_axes,
-                               remat=self.remat if training else None,
-                               regather=self.regather if training else None, unroll=not self.layout.scan_layers,
-                               capacity_factor=self.capacity_factor, synced=synced, sync=self.sync,
-                               scattered=blocks)
-            regions, live = layer_scan.regions(self.ctx, closed.jaxpr, repeated)
-            outs = interpret(self.ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
-            outs = [C.replicate(self.ctx, o).value for o in outs]
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), self._counts()
+            ctx = Context(dataclasses.replace(options, scattered=blocks))
+            records.append(ctx.record)
+            regions, live = layer_scan.regions(ctx, closed.jaxpr, repeated)
+            outs = interpret(ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
+            outs = [C.replicate(ctx, o).value for o in outs]
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), _counts(ctx)
 
-        return local
+        return Forward(local, tuple(repeated), tuple(block_notes),
+                       frozenset(by_var[v] for blocks in repeated for v in blocks.stacked if v is not None),
+                       frozenset(by_var[v] for v in synced), frozenset(by_var[v] for v in scattered), records)
 
     def _synced(self, repeated: list, by_var: dict, jaxpr) -> tuple[dict, dict]:
         """(jaxpr var -> axes of the `in_layer` parameters, jaxpr var -> (ZeRO dim, axes) of the
         `scatter_in_layer` ones whose only reader is a scan's stacked position) that the layer
-        scans sync per layer (recorded in `synced` and `scattered`)."""
+        scans sync per layer."""
         wanted = {v: self.in_layer[n] for v, n in by_var.items() if n in self.in_layer}
         once = layer_scan.read_once(jaxpr, repeated) if self.scatter_in_layer else set()
         split = {v: self.scatter_in_layer[n] for v, n in by_var.items() if n in self.scatter_in_layer and v in once}
@@ -123,32 +145,32 @@ class Program:
             if gradient_sync.per_layer(self.sync, layer_bytes):
                 synced.update(found)
                 scattered.update(shards)
-        self.synced, self.scattered = {by_var[v] for v in synced}, {by_var[v] for v in scattered}
         return synced, scattered
 
-    def _counts(self) -> dict:
-        """The per-step counts the rules recorded, summed over the devices that split them."""
-        out: dict = {}
-        for (name, path), count in sorted(self.ctx.counts.items()):
-            out.setdefault(name, {})[path] = C.replicate(self.ctx, count).value
-        return out
-
-    def _repeated_blocks(self, jaxpr, num_params: int) -> list:
+    def _repeated_blocks(self, jaxpr, num_params: int) -> tuple[list, list[str]]:
+        """The families of repeated blocks, and the report's notes on them."""
         examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
-        self.repeated = examined.found
-        self.block_notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
-                            f"{b.variants.describe()}" for b in examined.found if b.variants]
-        self.block_notes += [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: {len(b.collected)} value(s) each layer "
-                             f"computes are read after the blocks and leave them per layer (stacked along a layer "
-                             f"dim in the layer scan), e.g. {b.collected[0].what}" for b in examined.found if b.collected]
-        self.block_notes += examined.notes
-        if self.remat is not None and not self.repeated:
+        notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
+                 f"{b.variants.describe()}" for b in examined.found if b.variants]
+        notes += [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: {len(b.collected)} value(s) each layer "
+                  f"computes are read after the blocks and leave them per layer (stacked along a layer "
+                  f"dim in the layer scan), e.g. {b.collected[0].what}" for b in examined.found if b.collected]
+        notes += examined.notes
+        if self.remat is not None and not examined.found:
             why = f" ({'; '.join(examined.notes)})" if examined.notes else " (no run of identical blocks.0, blocks.1, ...)"
             raise ValueError(
                 f"{self.remat.setting} checkpoints each layer of the model's repeated blocks, but "
                 f"{self.model.name} has none{why}; use remat='off'"
                 + (" and offload='none'" if self.remat.offload else ""))
-        return self.repeated
+        return examined.found, notes
+
+
+def _counts(ctx: Context) -> dict:
+    """The per-step counts the rules recorded, summed over the devices that split them."""
+    out: dict = {}
+    for (name, path), count in sorted(ctx.record.counts.items()):
+        out.setdefault(name, {})[path] = C.replicate(ctx, count).value
+    return out
 
 
 class ExplicitStrategy:
@@ -172,13 +194,13 @@ class ExplicitStrategy:
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
         steps = self.config.options.accumulate
         forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps)))
-        regather, scattered = self.program.regather, self.program.scattered
+        regather, scattered, synced = self.program.regather, forward.scattered, forward.synced
 
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
                 whole = {**params, **{n: state.params[n] for n in scattered}, **state.frozen}
-                (loss, buffers), counts = forward(whole, buffers, micro_key, micro, {n: params[n] for n in scattered})
+                (loss, buffers), counts = forward.run(whole, buffers, micro_key, micro, {n: params[n] for n in scattered})
                 return accumulation.objective(loss, scale), (loss, buffers, counts)
 
             if regather is not None and self.config.remat is None:
@@ -188,14 +210,14 @@ class ExplicitStrategy:
                 # inside it, the layer scan's remat policy included; the layers' weights are
                 # then gathered again by that policy, the rest stay gathered (FSDP's root).
                 loss_of = jax.checkpoint(loss_of, policy=regather)
-            synced = self.program.synced  # all-reduced by the layer scan inside the backward pass
+            # `synced`: all-reduced by the layer scan inside the backward pass
             params = {n: lax.pcast(p, self.grad_axes[n], to="varying") if self.grad_axes[n] and n not in synced else p
                       for n, p in state.params.items()}
             # ZeRO-2 reduce-scattered by the layer scan: differentiated as this device's block
             params.update({n: self.update.shard(n, state.params[n]) for n in scattered})
             loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
             pending = {n: () if n in synced else a for n, a in self.pending.items()}
-            return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered))
+            return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered), forward.findings())
 
         return compute
 
@@ -203,21 +225,18 @@ class ExplicitStrategy:
         forward = self.program.forward(False, global_args(state, batch))
 
         def compute(state: TrainState, batch: tuple, key):
-            return forward({**state.params, **state.frozen}, state.buffers, key, batch)[0][0]
+            return forward.run({**state.params, **state.frozen}, state.buffers, key, batch)[0][0]
 
         return compute
 
-    def notes(self) -> list[str]:
-        ctx = self.program.ctx
-        return self._stacking_notes() + [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
-                                         for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())] + \
-            self.program.block_notes + list(ctx.notes if ctx else ())
+    def notes(self, findings: Findings) -> list[str]:
+        return self._stacking_notes(findings.scanned) + findings.report_notes()
 
-    def _stacking_notes(self) -> list[str]:
+    def _stacking_notes(self, scanned: frozenset[str]) -> list[str]:
         groups = self.layout.stacking.groups
         if not groups:
             return []
-        unscanned = sorted(n for n in groups if n not in self.program.scanned)
+        unscanned = sorted(n for n in groups if n not in scanned)
         lengths = sorted({len(m) for m in groups.values()})
         notes = [f"{len(groups)} block parameter families stored stacked ({'/'.join(map(str, lengths))} layers each); "
                  f"the layer scan reads {len(groups) - len(unscanned)} of them in place"]

@@ -19,7 +19,8 @@ from xtrain.ir import walk
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit import segmented, shift
 from xtrain.lowering.explicit.registry import call_rule_for, rule_for
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.remat import KEPT
 
 
@@ -60,13 +61,8 @@ def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], *, regions: Mapp
     closed_call), so it shares the caller's conversions (sharded.memoized)."""
     if inline:  # a deferred pad may leave an inline call (torch's pad is a jit of its own)
         return _run(ctx, jaxpr, consts, args, regions, live)
-    # a nested jaxpr that may run in another trace (scan body) must neither leak its
-    # conversions out nor see the outer ones
-    outer_memo, ctx.memo = ctx.memo, {}
-    try:
+    with ctx.cursor.fresh_memo():  # the jaxpr may run in another trace (a scan body)
         return [shift.materialize(ctx, o) for o in _run(ctx, jaxpr, consts, args, regions, live)]
-    finally:
-        ctx.memo = outer_memo
 
 
 def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
@@ -75,16 +71,15 @@ def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
               for v, c in zip(jaxpr.constvars, consts)]
 
     def bind(eqn, values, path):
-        ctx.path = path
-        if not _reads_pending_pad(eqn):  # a deferred pad is read by its slice only (shift.py)
-            values = [shift.materialize(ctx, v) for v in values]
-        outs = segmented.apply(ctx, eqn, values, rule_for(eqn.primitive))
+        with ctx.cursor.at(path):
+            if not _reads_pending_pad(eqn):  # a deferred pad is read by its slice only (shift.py)
+                values = [shift.materialize(ctx, v) for v in values]
+            outs = segmented.apply(ctx, eqn, values, rule_for(eqn.primitive))
         if ctx.remat is not None and (ctx.remat.keeps(path) or ctx.remat.tags_dots and _is_dot(eqn)):
             outs = [_kept(o) for o in outs]
-        ctx.path = outer
         return outs
 
-    def name_stack(eqn):  # read per equation: ctx.layer is set while an unrolled layer is emitted
+    def name_stack(eqn):  # read per equation: the cursor is in a layer while an unrolled layer is emitted
         own = eqn.source_info.name_stack
         return own if ctx.layer is None else _renamed(own, *ctx.layer)
 

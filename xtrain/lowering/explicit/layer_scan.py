@@ -31,7 +31,8 @@ from xtrain.lowering.explicit.blocks import RepeatedBlocks
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 def _vary(values, vmas):
@@ -113,8 +114,11 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
 
     def body(carry, xs, index=None):
-        ctx.path = path
-        ctx.layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
+        layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
+        with ctx.cursor.at(path), ctx.cursor.in_layer(layer):
+            return _layer(carry, xs, index)
+
+    def _layer(carry, xs, index):
         xs, number = xs[:len(first)], (index if index is not None else (xs[len(first):] or [None])[0])
         blocks_of = {position: xs[position][0] for position in scattered}
         xs = [x[1] if position in scattered else x for position, x in enumerate(xs)]
@@ -128,12 +132,11 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         params = _scattered(ctx, scattered, blocks_of, params, blocks.prefix)  # ZeRO-2's: reduce-scattered
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
         ins = [dataclasses.replace(x, value=v) for x, v in zip(init, carry)] + shared + params + picker.at(number)
-        before = set(ctx.counts)
+        before = set(ctx.record.counts)
         outs = interpret(ctx, blocks.body, [], ins)
         collected[:] = outs[len(init):]
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
-        ctx.layer = None
-        counts = {key: C.replicate(ctx, ctx.counts.pop(key)).value for key in set(ctx.counts) - before}
+        counts = {key: C.replicate(ctx, c).value for key, c in ctx.record.take_counts(before).items()}
         # per-layer counts and collected values leave the scan as its outputs
         return [o.value for o in outs], (counts, [o.value for o in collected])
 
@@ -227,7 +230,7 @@ def _record_counts(ctx: Context, prefix: str, k: int, counts: dict) -> None:
     """Layer k's counts (recorded under block 0's module path inside the body), whole."""
     for (name, path), count in counts.items():
         at = layer_path(prefix, k, path)
-        ctx.counts[name, at] = Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype)
+        ctx.record.count(name, at, Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype))
 
 
 def layer_path(prefix: str, k: int, path: str) -> str:

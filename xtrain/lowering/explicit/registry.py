@@ -14,7 +14,8 @@ from typing import Callable
 from xtrain.lowering.collectives import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 Rule = Callable[[Context, object, list], list]
 RULES: dict[str, Rule] = {}

@@ -26,7 +26,8 @@ from jax import lax
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.registry import RULES, out_avals, wrap
-from xtrain.lowering.sharded import Context, Layout, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Layout, Sharded
 from xtrain.sharding.segments import Segments
 
 

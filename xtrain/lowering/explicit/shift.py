@@ -17,7 +17,8 @@ from jax import lax
 
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 from xtrain.sharding.mesh import CONTEXT
 
 

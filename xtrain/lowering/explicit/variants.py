@@ -26,7 +26,8 @@ from jax.extend import core as jcore
 
 from xtrain.lowering import sharded as C
 from xtrain.lowering.collectives import vma
-from xtrain.lowering.sharded import Context, Layout, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Layout, Sharded
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,6 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir.model import Model
-from xtrain.lowering.sharded import Context
 from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.pipeline import executors, graph, partition, schedule
 from xtrain.lowering.pipeline.stage import Layers
@@ -57,7 +56,6 @@ class PipelineProgram:
         self.batch_axes = layout.batch_axes
         self.table = schedule.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, pipeline.virtual_stages)
         self.ticks = executors.tick_tables(self.table) if pipeline.schedule != "gpipe" else None
-        self.ctx: Context | None = None
         self.cut = self.layers = self.costs = None
         self.storage = layout.stacking  # block parameter families stored on their stages
 

@@ -21,7 +21,8 @@ from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.explicit.layer_scan import layer_path, scan_with_stable_carry
 from xtrain.lowering.explicit.variants import Picker
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.pipeline.graph import Cut
 
 
@@ -75,14 +76,14 @@ class Stage:
         ctx, body, path = self.ctx, self.cut.blocks.body, self.ctx.path
 
         def step(values, xs):
-            ctx.path = path
             layer, number, ok = xs[:-2], xs[-2], xs[-1]
             ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry, values)] + shared
                    + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)] + picker.at(number))
-            before = set(ctx.counts)
-            outs = interpret(ctx, body, [], ins)
-            outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
-            counts = {key: C.replicate(ctx, ctx.counts.pop(key)).value for key in set(ctx.counts) - before}
+            before = set(ctx.record.counts)
+            with ctx.cursor.at(path):
+                outs = interpret(ctx, body, [], ins)
+                outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
+            counts = {key: C.replicate(ctx, c).value for key, c in ctx.record.take_counts(before).items()}
             counts = {key: jnp.where(ok, c, jnp.zeros_like(c)) for key, c in counts.items()}
             return [jnp.where(ok, o, v) for o, v in zip(outs, values)], counts  # padding slot: identity
 

@@ -41,7 +41,9 @@ from xtrain.ir.model import Model
 from xtrain.ir.stacked import Stacking
 from xtrain.lowering import collectives, zero
 from xtrain.lowering.explicit.forward import layout_of
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.findings import Findings, collected
+from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline import executors
@@ -170,8 +172,8 @@ class PipelineStrategy:
     def _setup(self, training: bool, shapes):
         program = self.program
         closed, cut, args = program.trace(training, shapes)
-        program.ctx = Context(program.sizes, self.model.module_paths(), batch_axes=program.batch_axes)
-        return _Runner(program, closed, cut, args), Stage(program.ctx, cut, closed.consts)
+        ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes)
+        return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):
         """(run, x0): run(chunk params, other params, x, (batch_mb, i), chunk) for this device,
@@ -245,7 +247,7 @@ class PipelineStrategy:
             grads = {n: g for n, g in {**g_block, **g_other}.items() if n in state.params}
             blocks = runner.cut.blocks  # each MoE layer's tokens per expert, under its own module path
             counts = layer_counts(counts, self.program.layers, index, blocks.prefix, blocks.length, self.pipeline.axis)
-            return Gradients(loss, {}, grads, self.pending, counts)
+            return Gradients(loss, {}, grads, self.pending, counts, findings=self._findings(stage))
 
         return compute
 
@@ -272,8 +274,11 @@ class PipelineStrategy:
 
         return compute
 
-    def notes(self) -> list[str]:
-        ctx = self.program.ctx
-        fallbacks = [f"no partition rule for {prim}: gathered and run replicated in {sorted(paths)}"
-                     for prim, paths in sorted((ctx.fallbacks if ctx else {}).items())]
-        return self.program.describe() + fallbacks + list(ctx.notes if ctx else ())  # the stages' rules (ring attention)
+    def _findings(self, stage: Stage) -> Findings:
+        """What the stages' rules recorded (ring attention, fallbacks), the family of blocks the
+        stages split, and the layers of each (stage, chunk)."""
+        return collected([stage.ctx.record], repeated=(stage.cut.blocks,),
+                         stage_layers=tuple(self.program.layers.valid.sum(-1).ravel().tolist()))
+
+    def notes(self, findings: Findings) -> list[str]:
+        return self.program.describe() + findings.report_notes()

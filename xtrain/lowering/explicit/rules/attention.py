@@ -26,7 +26,8 @@ from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.registry import bind, register, wrap
-from xtrain.lowering.sharded import Context, Layout, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Layout, Sharded
 from xtrain.sharding.mesh import CONTEXT
 
 

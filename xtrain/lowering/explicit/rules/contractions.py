@@ -7,7 +7,8 @@ from xtrain.sharding.mesh import CONTEXT
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.rules import linear_grad
 from xtrain.lowering.explicit.registry import bind, register, same_vma, whole_dims_where, wrap
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 def _match_pairs(ctx, lhs, rhs, pairs):

@@ -17,7 +17,8 @@ from xtrain.lowering.explicit.rules.attention import context_attention
 from xtrain.lowering.explicit.layer_scan import scan_with_stable_carry
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import call_rule_for, fallback, register, replicated, same_vma, wrap
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 def call(ctx: Context, eqn, args):
@@ -54,8 +55,8 @@ def custom_jvp(ctx: Context, eqn, args):
     with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
 
     def primal(*vals):
-        ctx.path = path
-        return interpret(ctx, call_jaxpr.jaxpr, call_jaxpr.consts, consts + with_values(prims, vals))
+        with ctx.cursor.at(path):
+            return interpret(ctx, call_jaxpr.jaxpr, call_jaxpr.consts, consts + with_values(prims, vals))
 
     layouts: list = []  # output layouts, fixed by whichever of f / f_jvp is traced first
 
@@ -68,18 +69,15 @@ def custom_jvp(ctx: Context, eqn, args):
     @f.defjvp
     def f_jvp(primals, tangents):
         jaxpr, jconsts, out_zeros = _trace_jvp(eqn, jvp_fun, len(prims))
-        ctx.path = path
-        # remat='selective' tags nothing inside the rule: its tangents are linear, and a tag
-        # (checkpoint_name) on them has no transpose; the rule's outputs are tagged outside
-        remat, ctx.remat = ctx.remat, None
-        try:
-            outs = interpret(ctx, jaxpr, jconsts, with_values(prims, primals) + with_values(prims, tangents))
-        finally:
-            ctx.remat = remat
-        n = len(out_zeros)
-        want = layouts or [o.layout for o in outs[:n]]
-        p_out = [C.relayout(ctx, o, l) for o, l in zip(outs[:n], want)]
-        t_out = [C.relayout(ctx, o, l) for o, l in zip(outs[n:], want)]
+        with ctx.cursor.at(path):
+            # remat='selective' tags nothing inside the rule: its tangents are linear, and a tag
+            # (checkpoint_name) on them has no transpose; the rule's outputs are tagged outside
+            outs = interpret(ctx.without_remat(), jaxpr, jconsts,
+                             with_values(prims, primals) + with_values(prims, tangents))
+            n = len(out_zeros)
+            want = layouts or [o.layout for o in outs[:n]]
+            p_out = [C.relayout(ctx, o, l) for o, l in zip(outs[:n], want)]
+            t_out = [C.relayout(ctx, o, l) for o, l in zip(outs[n:], want)]
         layouts[:] = want
         return [o.value for o in p_out], [o.value for o in t_out]
 
@@ -133,53 +131,68 @@ def custom_vjp(ctx, eqn, args):
     if n_consts:
         return fallback(ctx, eqn, args)
     prims, path = args, ctx.path
-    out_avals = [v.aval for v in eqn.outvars]
-    prim_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in prims]
-    with_values = lambda xs, vals: [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
-    layouts: dict = {}
-
-    def resolved(outs):
-        return [C.resolve(ctx, o) for o in outs]
+    layouts: dict = {}  # "out": the outputs' layouts, "res": the residuals (Sharded) as fwd left them
 
     @jax.custom_vjp
     def f(*vals):
-        ctx.path = path
-        outs = resolved(interpret(ctx, call.jaxpr, call.consts, with_values(prims, vals)))
+        with ctx.cursor.at(path):
+            outs = _resolved(ctx, interpret(ctx, call.jaxpr, call.consts, _with_values(prims, vals)))
         layouts.setdefault("out", [o.layout for o in outs])
         return [o.value for o in outs]
 
     def f_fwd(*primals):
-        ctx.path = path
-        vals = [x.value for x in primals]
-        fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[x.perturbed for x in primals])
-        # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
-        # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
-        _, res_tree, forwards = p["out_trees"]()
-        n_res = sum(f is None for f in forwards)
-        ins = with_values(prims, vals)
-        outs = interpret(ctx, fwd_jaxpr, fwd_consts, ins)
-        primal = resolved(outs[n_res:])
-        want = layouts.setdefault("out", [o.layout for o in primal])
-        primal = [C.relayout(ctx, o, l) for o, l in zip(primal, want)]
-        own = iter(outs[:n_res])
-        res = [next(own) if f is None else ins[f] for f in forwards]
-        layouts["res"] = res
-        return [o.value for o in primal], [r.value for r in res]
+        with ctx.cursor.at(path):
+            return _vjp_fwd(ctx, p, prims, primals, layouts)
 
     def f_bwd(res, cts):
-        ctx.path = path
-        cts = [_zeros_for(c, a) for c, a in zip(cts, out_avals)]
-        res_structs = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in layouts["res"]]
-        bwd = jax.make_jaxpr(lambda *a: _instantiate(p["bwd"].call_wrapped(*a), prim_avals))(
-            *res_structs, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
-        ins = ([dataclasses.replace(r, value=v) for r, v in zip(layouts["res"], res)]
-               + [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(cts, layouts["out"], out_avals)])
-        outs = interpret(ctx, bwd.jaxpr, bwd.consts, ins)
-        return tuple(_cotangent_for(ctx, o, x) for o, x in zip(outs, prims))
+        with ctx.cursor.at(path):
+            return _vjp_bwd(ctx, eqn, prims, res, cts, layouts)
 
     f.defvjp(f_fwd, f_bwd, symbolic_zeros=True)
     values = f(*[x.value for x in prims])
     return wrap(eqn, values, layouts["out"])
+
+
+def _with_values(xs: list[Sharded], vals) -> list[Sharded]:
+    return [dataclasses.replace(x, value=v) for x, v in zip(xs, vals)]
+
+
+def _resolved(ctx: Context, outs: list[Sharded]) -> list[Sharded]:
+    return [C.resolve(ctx, o) for o in outs]
+
+
+def _vjp_fwd(ctx: Context, p, prims: list[Sharded], primals, layouts: dict):
+    """custom_vjp's fwd on shards: (primal outputs, residuals) as values, their layouts kept in
+    `layouts`."""
+    vals = [x.value for x in primals]
+    fwd_jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*[x.perturbed for x in primals])
+    # fwd returns [residuals not forwarded from inputs..., primal outputs...]; `forwards[i]` is
+    # the input index residual i is forwarded from, or None (as JAX's own JVP rule reads it)
+    _, res_tree, forwards = p["out_trees"]()
+    n_res = sum(f is None for f in forwards)
+    ins = _with_values(prims, vals)
+    outs = interpret(ctx, fwd_jaxpr, fwd_consts, ins)
+    primal = _resolved(ctx, outs[n_res:])
+    want = layouts.setdefault("out", [o.layout for o in primal])
+    primal = [C.relayout(ctx, o, l) for o, l in zip(primal, want)]
+    own = iter(outs[:n_res])
+    res = [next(own) if f is None else ins[f] for f in forwards]
+    layouts["res"] = res
+    return [o.value for o in primal], [r.value for r in res]
+
+
+def _vjp_bwd(ctx: Context, eqn, prims: list[Sharded], res, cts, layouts: dict):
+    """custom_vjp's bwd on shards: each input's cotangent in its primal's layout and type."""
+    out_avals = [v.aval for v in eqn.outvars]
+    prim_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in prims]
+    cts = [_zeros_for(c, a) for c, a in zip(cts, out_avals)]
+    res_structs = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in layouts["res"]]
+    bwd = jax.make_jaxpr(lambda *a: _instantiate(eqn.params["bwd"].call_wrapped(*a), prim_avals))(
+        *res_structs, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+    ins = ([dataclasses.replace(r, value=v) for r, v in zip(layouts["res"], res)]
+           + [Sharded(v, l, tuple(a.shape), a.dtype) for v, l, a in zip(cts, layouts["out"], out_avals)])
+    outs = interpret(ctx, bwd.jaxpr, bwd.consts, ins)
+    return tuple(_cotangent_for(ctx, o, x) for o, x in zip(outs, prims))
 
 
 def scan_rule(ctx: Context, eqn, args):
@@ -194,11 +207,11 @@ def scan_rule(ctx: Context, eqn, args):
     path = ctx.path
 
     def body(carry, x_vals):
-        ctx.path = path
         ins = (consts + [dataclasses.replace(c, value=v) for c, v in zip(init, carry)]
                + [Sharded(v, Layout(x.layout.dims[1:]), x.shape[1:], x.dtype) for x, v in zip(xs, x_vals)])
-        outs = interpret(ctx, body_jaxpr.jaxpr, body_jaxpr.consts, ins)
-        new = [C.relayout(ctx, o, c.layout) for o, c in zip(outs[:n_carry], init)]
+        with ctx.cursor.at(path):
+            outs = interpret(ctx, body_jaxpr.jaxpr, body_jaxpr.consts, ins)
+            new = [C.relayout(ctx, o, c.layout) for o, c in zip(outs[:n_carry], init)]
         y_layouts[:] = [o.layout for o in outs[n_carry:]]
         return [o.value for o in new], [o.value for o in outs[n_carry:]]
 
@@ -223,14 +236,14 @@ def while_rule(ctx: Context, eqn, args):
         return [dataclasses.replace(c, value=v) for c, v in zip(init, vals)]
 
     def cond_fn(vals):
-        ctx.path = path
-        (pred,) = interpret(ctx, cond.jaxpr, cond.consts, c_consts + as_sharded(vals))
-        return C.replicate(ctx, pred).value
+        with ctx.cursor.at(path):
+            (pred,) = interpret(ctx, cond.jaxpr, cond.consts, c_consts + as_sharded(vals))
+            return C.replicate(ctx, pred).value
 
     def body_fn(vals):
-        ctx.path = path
-        outs = interpret(ctx, body.jaxpr, body.consts, b_consts + as_sharded(vals))
-        return [C.relayout(ctx, o, c.layout).value for o, c in zip(outs, init)]
+        with ctx.cursor.at(path):
+            outs = interpret(ctx, body.jaxpr, body.consts, b_consts + as_sharded(vals))
+            return [C.relayout(ctx, o, c.layout).value for o, c in zip(outs, init)]
 
     final = lax.while_loop(cond_fn, body_fn, [c.value for c in init])
     return as_sharded(final)

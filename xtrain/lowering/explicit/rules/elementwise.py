@@ -10,7 +10,8 @@ from jax.extend import core as jcore
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, out_avals, register, wrap
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 LINEAR_UNARY = {"neg", "copy", "copy_p", "reduce_precision", "real", "imag", "conj", "stop_gradient"}

@@ -8,7 +8,8 @@ from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, fallback, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.contractions import _gather_axes, _match_pairs
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 def _row_lookup_dim(eqn, operand: Sharded) -> int | None:

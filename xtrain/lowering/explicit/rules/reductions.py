@@ -6,7 +6,8 @@ from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, out_avals, register, whole_dims_where, wrap
-from xtrain.lowering.sharded import Context, Sharded
+from xtrain.lowering.context import Context
+from xtrain.lowering.sharded import Sharded
 
 
 def _kept(x: Sharded, axes) -> tuple:

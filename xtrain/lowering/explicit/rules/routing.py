@@ -17,7 +17,7 @@ from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.rules import experts
 from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
                                                whole_dims_where, wrap)
-from xtrain.lowering.sharded import Context
+from xtrain.lowering.context import Context
 
 
 def top_k(ctx: Context, eqn, args):
@@ -101,7 +101,7 @@ def _count_tokens(ctx: Context, ids: C.Sharded, experts: int) -> None:
     device's count, a pending sum over the axes that split the tokens."""
     counts = moe.group_sizes(ids.value.reshape(-1).astype("int32"), experts)  # (E,)
     layout = Layout(((),), ids.layout.split_axes())
-    ctx.counts["expert_tokens", ctx.path or "<top level>"] = C.Sharded(counts, layout, (experts,), counts.dtype)
+    ctx.count("expert_tokens", C.Sharded(counts, layout, (experts,), counts.dtype))
 
 
 def _capacity(ctx: Context, ids: C.Sharded, experts: int) -> int | None:
@@ -116,7 +116,7 @@ def _capacity(ctx: Context, ids: C.Sharded, experts: int) -> int | None:
              f"device's {tokens} tokens x top_k {k} pairs (ceil(tokens x top_k / experts {experts} x factor)); "
              "the rest are dropped, counted in step(...)['expert_dropped']")
     dropped = moe.dropped(ids.value, experts, per_expert)
-    ctx.counts["expert_dropped", where] = C.Sharded(dropped, Layout((), ids.layout.split_axes()), (), dropped.dtype)
+    ctx.count("expert_dropped", C.Sharded(dropped, Layout((), ids.layout.split_axes()), (), dropped.dtype))
     return per_expert
 
 

@@ -11,7 +11,7 @@ from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit import shift
 from xtrain.lowering.explicit.registry import bind, fallback, local_shape, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.elementwise import _align
-from xtrain.lowering.sharded import Context
+from xtrain.lowering.context import Context
 
 
 def broadcast_in_dim(ctx: Context, eqn, args):
