@@ -8,6 +8,10 @@ with every collective chosen and counted by xtrain.
     pipeline/          pipeline parallelism: schedules, stage partition, stages, executors
     xla_partitioner.py the same step through XLA's SPMD partitioner (for comparison)
     sharded.py         values of the per-device program (Layout, Sharded) and their moves
+    context.py         the interpreter's state: frozen LoweringOptions, a Cursor (module path,
+                       layer, memo) moved by context managers, and the Record of what rules find
+    findings.py        Findings: what one trace found (notes, fallbacks, counts, repeated blocks),
+                       returned with the gradients and read as StepProgram.findings
     collectives.py     the collectives layer: every collective the program contains
     zero.py            ZeRO: flat gathers of stage 3, re-gather policy, sharded update of 1/2
     gradient_sync.py   bucketed (optionally hierarchical, narrower-dtype) gradient all-reduce
