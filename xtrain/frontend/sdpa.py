@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from xtrain.frontend import static_mask, uniform_attention
 from xtrain.ir import blockwise as attention
 from xtrain.ir import neuron_attention as nki
-from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
+from xtrain.ir import markers
+from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site
 from xtrain.ir.trace_options import TraceOptions
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -152,10 +153,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     rng = env.get_and_rotate_prng_key() if dropout_p > 0 else None
     kind, why = choose(_backend(), query, value, attn_mask, dropout_p)
     if kind is Implementation.CUDNN:
-        with jax.named_scope(scope_name(Site(kind))):
+        with jax.named_scope(markers.name(Site(kind))):
             return _cudnn(query, key, value, is_causal, scale)
     if kind is Implementation.NKI_FLASH:
-        with jax.named_scope(scope_name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
+        with jax.named_scope(markers.name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
             return _nki_flash(query, key, value, is_causal, scale)
     return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
 
@@ -172,5 +173,5 @@ def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, caus
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
     # calls of one shape share one structure (layers differing only in their masks stay one family)
     b, attn_mask = uniform_attention.adjust(b, query, key, value, attn_mask, band, rng, dropped_mask)
-    with jax.named_scope(scope_name(attention.site(b, why))):
+    with jax.named_scope(markers.name(attention.site(b, why))):
         return _blockwise(b, query, key, value, attn_mask, rng)
