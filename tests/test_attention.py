@@ -11,6 +11,7 @@ import torch
 from xtrain.frontend import sdpa
 from xtrain.ir import blockwise as attention
 from xtrain.ir import attention as markers
+from xtrain.ir import markers as codec
 from xtrain.ir import flops, walk
 
 B, HQ, L, S, D = 2, 4, 10, 13, 8
@@ -201,7 +202,7 @@ def test_sliding_window_mask_built_from_positions_matches_torch_and_skips_blocks
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=2e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got_grads, want_grads):
         np.testing.assert_allclose(np.asarray(g), w.numpy(), atol=5e-5, rtol=1e-4, err_msg=name)
-    sites = {markers.marker_in(e.source_info.name_stack) for e, _ in walk.equations(jax.make_jaxpr(f)(*x).jaxpr, frozenset())}
+    sites = {codec.outermost(markers.Site, e.source_info.name_stack) for e, _ in walk.equations(jax.make_jaxpr(f)(*x).jaxpr, frozenset())}
     site = next(s for s in sites if s is not None)
     # 3 query blocks of 4 over a window of 3: 1 + 2 + 2 pairs of 9 (the padding operand is runtime, the band static)
     assert (site.blocks, site.total, site.skipped_by) == (5, 9, "mask's static band"), site

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from xtrain import runtime
-from xtrain.frontend import jax_function, sdpa, torch_module
+from xtrain.frontend import jax_function, torch_module
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import LOWERINGS
 from xtrain.lowering.options import StepOptions
-from xtrain.sharding.mesh import CONTEXT, Mesh
+from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import Plan
 from xtrain.step import AUTO, CompileOptions, TrainStep
 
@@ -89,20 +89,9 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
     runtime.init()
     if torch_module.is_module(model):
         trainable = torch_module.wrap(model, optimizer, loss_fn)
-        sdpa.rule_out_nki_while_running(model, _no_nki(mesh, lowering))
     elif callable(model):
         trainable = jax_function.wrap(model, params, optimizer)
     else:
         raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
     return TrainStep(trainable, Mesh(data=-1) if mesh is None else mesh, plan or Plan(), options)
 
-
-def _no_nki(mesh: Mesh | None, lowering: str) -> str:
-    """Why the step's attention must not use Neuron's NKI kernels ("" when it may): a sequence split
-    over `context` runs ring attention (blockwise); XLA's partitioner sees the kernel call as
-    opaque and would gather its operands onto every device."""
-    if mesh is not None and mesh.axes.get(CONTEXT, 1) != 1:
-        return f"the sequence is split over {CONTEXT!r} (ring attention runs the blockwise kernel)"
-    if lowering != "explicit":
-        return f"lowering={lowering!r} (XLA's partitioner cannot split the kernel call)"
-    return ""

@@ -15,13 +15,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from xtrain.frontend import sdpa
 from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir.structure import Structure
 from xtrain.ir import dimflow
-from xtrain.sharding import annotate, presets, tensor_parallel
+from xtrain.ir.trace_options import SequenceParallel, TraceOptions
+from xtrain.sharding import presets, tensor_parallel
 from xtrain.sharding.mesh import CONTEXT, DATA, TENSOR, Mesh, job_devices
 from xtrain.sharding.plan import PendingPlan, Plan, Spec
 from xtrain.sharding.presets import MIN_SIZE, ddp
@@ -110,9 +110,10 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     `axis`; the token embedding and LM head are split on the vocabulary where the graph reads
     them as a lookup table and logits (xtrain.sharding.tensor_parallel says how). Module names
     and containers play no part; they only name what was found in `plan.notes`. Grouped-query
-    attention whose key/value heads `axis` does not divide splits the query heads only: a
-    forward hook on `model` has xtrain's sdpa repeat keys and values per query head when it
-    traces the model (xtrain.frontend.sdpa.split_heads; torch eager runs unchanged).
+    attention whose key/value heads `axis` does not divide splits the query heads only: the
+    plan's trace options (`plan.trace.head_split`) have xtrain's sdpa repeat keys and values per
+    query head when a step of this plan traces the model (xtrain.frontend.sdpa; `model` itself
+    is left as it is).
 
     Args:
         model: a torch.nn.Module.
@@ -124,8 +125,9 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
             regions over the sequence on `axis` (Megatron-SP: each all-reduce becomes a
             reduce-scatter and an all-gather). The blocks are found in the graph (the modules
             holding each layer's row-parallel matmuls); their inputs and outputs are annotated
-            as `xtrain.shard(x, (batch axis, axis, None))` would, by forward hooks that do nothing
-            outside xtrain (torch eager runs unchanged). The activations must be (batch, sequence, ...).
+            as `xtrain.shard(x, (batch axis, axis, None))` would, while a step of this plan traces
+            the model (`plan.trace.sequence_parallel`; forward hooks installed for that trace
+            only). The activations must be (batch, sequence, ...).
             With a `context` axis the sequence splits over context, then `axis` within each chunk.
         example: one batch as `step(*batch)` takes it (only shapes are read), to trace now.
             Without it the plan is pending: `xtrain.compile` derives its rules at the step's
@@ -142,22 +144,13 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     presets.require_axes((axis,), sizes, "megatron")
 
     def derive(wrapped, batch: tuple) -> Plan:
-        # the step traces the model as this plan sees it: the hooks set the split first (a model
-        # planned before for another size traces for this one)
-        sdpa.split_heads_while_running(getattr(wrapped, "module", model), sizes[axis])
-        with sdpa.split_heads(sizes[axis]):
-            flow = dimflow.of_model(wrapped, batch, sizes[axis])
+        trace = TraceOptions(head_split=sizes[axis])  # the heads as a step of this plan traces them
+        flow = dimflow.of_model(wrapped.specialised(trace), batch, sizes[axis])
         shapes = {n: tuple(s.shape) for n, s in wrapped.param_shapes().items()}
         plan = presets.megatron(flow, shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
-        if not sequence_parallel:
-            return plan
-        # under context parallelism the sequence is split over context, then `axis` within it
-        spec = (DATA if DATA in sizes else None, (CONTEXT, axis) if sizes.get(CONTEXT, 1) > 1 else axis, None)
-        blocks = tensor_parallel.block_paths(flow)
-        _annotate_blocks(getattr(wrapped, "module", model), blocks, spec)
-        note = (f"sequence parallel: the inputs and outputs of {presets.listing(blocks)} split {spec} (batch, "
-                f"sequence over {axis}, width): each block's all-reduces become reduce-scatter + all-gather")
-        return dataclasses.replace(plan, notes=plan.notes + (note,))
+        if sequence_parallel:
+            plan, trace = _sequence_parallel(plan, trace, flow, sizes, axis)
+        return dataclasses.replace(plan, trace=trace)
 
     if example is None:
         return PendingPlan(derive=derive)
@@ -165,27 +158,15 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
     return derive(TorchModel(model, loss_fn), batch)
 
 
-def _annotate_blocks(module, paths: list[str], spec: tuple) -> None:
-    """Forward hooks on the blocks at `paths` that mark their hidden-state input and output
-    with `spec` (xtrain.shard: the identity outside xtrain's traces). Installed once per block."""
-    first = lambda value: value[0] if isinstance(value, tuple) else value
-    swap = lambda value, x: (x, *value[1:]) if isinstance(value, tuple) else x
-    mark = lambda value: swap(value, annotate.shard(first(value), spec)) if getattr(first(value), "ndim", 0) == len(
-        spec) else value
-
-    def before(_module, args, kwargs):
-        if args:
-            return (mark(args[0]), *args[1:]), kwargs
-        key = next(iter(kwargs), None)
-        return args, ({**kwargs, key: mark(kwargs[key])} if key is not None else kwargs)
-
-    for path in paths:
-        block = module.get_submodule(path)
-        if getattr(block, "_xtrain_sequence_parallel", None) == spec:
-            continue
-        block._xtrain_sequence_parallel = spec
-        block.register_forward_pre_hook(before, with_kwargs=True)
-        block.register_forward_hook(lambda _m, _args, out: mark(out))
+def _sequence_parallel(plan: Plan, trace: TraceOptions, flow, sizes: dict[str, int], axis: str):
+    """`plan` and `trace` with the blocks' inputs and outputs split over the sequence on `axis`
+    (under context parallelism the sequence is split over context, then `axis` within it)."""
+    spec = (DATA if DATA in sizes else None, (CONTEXT, axis) if sizes.get(CONTEXT, 1) > 1 else axis, None)
+    blocks = tensor_parallel.block_paths(flow)
+    note = (f"sequence parallel: the inputs and outputs of {presets.listing(blocks)} split {spec} (batch, "
+            f"sequence over {axis}, width): each block's all-reduces become reduce-scatter + all-gather")
+    trace = dataclasses.replace(trace, sequence_parallel=SequenceParallel(blocks=tuple(blocks), spec=spec))
+    return dataclasses.replace(plan, notes=plan.notes + (note,)), trace
 
 
 # -- checks ---------------------------------------------------------------------------------

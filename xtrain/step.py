@@ -91,7 +91,7 @@ class TrainStep:
         runtime_devices.check_plan_precision(plan.precision.compute.value)  # Neuron reads its flags at start
         emulated = getattr(runtime.emulated_cluster(), "instance", None)  # bf16 on V100s (or emulated p3s): an error
         hardware.check_device_precision(mesh.devices.flat[0].device_kind, plan.precision.compute.value, emulated)
-        model = precision.apply_policy(self.trainable.model, plan.precision)
+        model = precision.apply_policy(self.trainable.model.specialised(plan.trace_options(dict(mesh.shape), self.options.lowering)), plan.precision)
         shapes = model.param_shapes()
         plan = expert_parallel(plan, self.trainable.experts, dict(mesh.shape),
                                {n: tuple(s.shape) for n, s in shapes.items()},

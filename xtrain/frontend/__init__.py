@@ -3,6 +3,7 @@
     torch_module.py   torch.nn.Module -> xtrain.ir.Model (named state + pure JAX loss function)
     torch_ops.py      torch ops xtrain lowers itself (derivative rules, fixes to torchax's table)
     sdpa.py           F.scaled_dot_product_attention: picks cuDNN's or Neuron's NKI fused kernels or the blockwise one
+    options_scope.py  what a trace under xtrain.ir.trace_options installs on the module, for that trace only
     attention.py      blockwise attention (online softmax, causal block skipping) and its derivative rule
     jax_function.py   a JAX loss function + parameter pytree -> xtrain.ir.Model
     optim.py          torch.optim optimizers -> optax transformations

@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 
 from xtrain.frontend import sdpa, static_mask
-from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
+from xtrain.ir import markers
+from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site
 
 _CASTS = (lax.convert_element_type_p,)
 
@@ -131,15 +132,15 @@ def matmul(x, y):
         reason = _why_not(x)
         if reason is None:
             return jnp.matmul(x, y)
-        with jax.named_scope(scope_name(Site(Implementation.EAGER, why=reason))):
+        with jax.named_scope(markers.name(Site(Implementation.EAGER, why=reason))):
             return jnp.matmul(x, y)
     found = _scores(source)
     if isinstance(found, str):
-        with jax.named_scope(scope_name(Site(Implementation.EAGER, why=found))):
+        with jax.named_scope(markers.name(Site(Implementation.EAGER, why=found))):
             return jnp.matmul(x, y)
     q, k, scale, mask = found
     if y.shape[:-2] != q.shape[:-2] or y.shape[-2] != k.shape[-2]:
-        with jax.named_scope(scope_name(Site(Implementation.EAGER, why=f"values of shape {tuple(y.shape)}"))):
+        with jax.named_scope(markers.name(Site(Implementation.EAGER, why=f"values of shape {tuple(y.shape)}"))):
             return jnp.matmul(x, y)
     causal = _is_causal(mask, q.shape[-2], k.shape[-2])
     why = "HF eager attention recognised" + (", its constant mask is causal" if causal else "")

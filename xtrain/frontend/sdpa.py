@@ -3,7 +3,8 @@
 Heads stay a batch dim of every product (a tensor-parallel split of the heads stays local;
 torch's reference flattens 4-D matmuls to 3-D bmm, merging batch and heads). Grouped-query
 and multi-query attention group the query heads per key/value head instead of repeating keys
-and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`).
+and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`,
+under the trace options of the model being traced, `traced_under`).
 Each call site picks its implementation (`choose`): cuDNN's fused attention on
 CUDA, Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention) on Neuron, where they
 apply, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
@@ -23,51 +24,28 @@ import jax.numpy as jnp
 from xtrain.frontend import static_mask, uniform_attention
 from xtrain.ir import blockwise as attention
 from xtrain.ir import neuron_attention as nki
-from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site, scope_name
+from xtrain.ir import markers
+from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site
+from xtrain.ir.trace_options import TraceOptions
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _NKI_DTYPES = (jnp.bfloat16, jnp.float16)
 _backend = jax.default_backend  # the platform the trace is for (tests stand in a GPU's)
-# The tensor-parallel size the query heads are split over while the model is traced for a
-# Megatron plan (xtrain.plans.megatron installs it with `split_heads_while_running`).
-_HEAD_SPLIT: contextvars.ContextVar[int] = contextvars.ContextVar("xtrain_head_split", default=1)
-# Why the step being traced must not use the NKI kernels ("" when it may): its sequence is split
-# over `context`, or XLA's partitioner lowers it (xtrain.api.compile installs it: `rule_out_nki_while_running`).
-_NO_NKI: contextvars.ContextVar[str] = contextvars.ContextVar("xtrain_no_nki", default="")
+# The trace options of the model being traced (xtrain.ir.trace_options: the head split, why NKI
+# is ruled out), set only for the duration of one trace by `traced_under`; torch eager never
+# reads it.
+_OPTIONS: contextvars.ContextVar[TraceOptions] = contextvars.ContextVar("xtrain_trace_options",
+                                                                         default=TraceOptions())
 
 
 @contextlib.contextmanager
-def split_heads(n: int):
-    """Trace attention for query heads split `n` ways (see `_for_split`)."""
-    token = _HEAD_SPLIT.set(n)
+def traced_under(options: TraceOptions):
+    """Attention traced inside follows `options` (the front end's trace of one model)."""
+    token = _OPTIONS.set(options)
     try:
         yield
     finally:
-        _HEAD_SPLIT.reset(token)
-
-
-def _set_while_running(module, var: contextvars.ContextVar, attr: str, value) -> None:
-    """Forward hooks on `module` that set `var` to `value` while it runs; torch's own attention
-    never reads it (eager runs unchanged). Installed once; a later call changes `value`."""
-    first = not hasattr(module, attr)
-    setattr(module, attr, value)
-    if not first:
-        return
-    tokens = []
-    module.register_forward_pre_hook(lambda m, _args: tokens.append(var.set(getattr(m, attr))))
-    module.register_forward_hook(lambda _m, _args, _out: var.reset(tokens.pop()), always_call=True)
-
-
-def split_heads_while_running(module, n: int) -> None:
-    """Forward hooks on `module` that trace its attention under `split_heads(n)`."""
-    _set_while_running(module, _HEAD_SPLIT, "_xtrain_head_split", n)
-
-
-def rule_out_nki_while_running(module, why: str) -> None:
-    """Forward hooks on `module` under which attention does not use the NKI kernels, because
-    `why` ("": it may; no hooks are installed for that unless earlier ones must be cleared)."""
-    if why or hasattr(module, "_xtrain_no_nki"):
-        _set_while_running(module, _NO_NKI, "_xtrain_no_nki", why)
+        _OPTIONS.reset(token)
 
 
 def _for_split(query, key, value):
@@ -75,7 +53,7 @@ def _for_split(query, key, value):
     tensor-parallel size and the key/value heads do not (GQA with 3 key/value heads on
     tensor=2): grouping the query heads by key/value head would mix the split; repeated, each
     device reads the key/value heads its query heads use and the split stays local."""
-    n, hq, hk = _HEAD_SPLIT.get(), query.shape[-3], key.shape[-3]
+    n, hq, hk = _OPTIONS.get().head_split, query.shape[-3], key.shape[-3]
     if n == 1 or hk in (1, hq) or hk % n == 0 or hq % n:
         return key, value
     return jnp.repeat(key, hq // hk, axis=-3), jnp.repeat(value, hq // hk, axis=-3)  # (..., Hq, S, D)
@@ -131,7 +109,7 @@ def _choose_on_neuron(query, value, attn_mask, dropout_p: float) -> tuple[Implem
         (length != source, f"{length} queries and {source} keys (the kernel takes equal lengths)"),
         (not nki.seq_tile(length), f"sequence {length} (the kernel tiles it by a multiple of {nki.MIN_TILE})"),
         (dim > nki.MAX_DIM or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]} (at most {nki.MAX_DIM})"),
-        (bool(_NO_NKI.get()), _NO_NKI.get()),
+        (bool(_OPTIONS.get().no_nki), _OPTIONS.get().no_nki),
     ) if bad]
     if not reasons:
         reasons = [why for why in (nki.unavailable(),) if why]
@@ -175,10 +153,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     rng = env.get_and_rotate_prng_key() if dropout_p > 0 else None
     kind, why = choose(_backend(), query, value, attn_mask, dropout_p)
     if kind is Implementation.CUDNN:
-        with jax.named_scope(scope_name(Site(kind))):
+        with jax.named_scope(markers.name(Site(kind))):
             return _cudnn(query, key, value, is_causal, scale)
     if kind is Implementation.NKI_FLASH:
-        with jax.named_scope(scope_name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
+        with jax.named_scope(markers.name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
             return _nki_flash(query, key, value, is_causal, scale)
     return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
 
@@ -195,5 +173,5 @@ def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, caus
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
     # calls of one shape share one structure (layers differing only in their masks stay one family)
     b, attn_mask = uniform_attention.adjust(b, query, key, value, attn_mask, band, rng, dropped_mask)
-    with jax.named_scope(scope_name(attention.site(b, why))):
+    with jax.named_scope(markers.name(attention.site(b, why))):
         return _blockwise(b, query, key, value, attn_mask, rng)

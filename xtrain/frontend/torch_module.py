@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import re
 from typing import Any, Callable, Mapping
@@ -13,9 +14,10 @@ import torchax
 from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
-from xtrain.frontend import autograd_function, moe, optim, structure, torch_ops, uniform_attention
+from xtrain.frontend import autograd_function, moe, optim, options_scope, structure, torch_ops, uniform_attention
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
+from xtrain.ir.trace_options import TraceOptions
 
 LossFn = Callable[..., Any]
 
@@ -157,6 +159,15 @@ class TorchModel(Model):
         self._paths = frozenset(p for p, _ in module.named_modules() if p)
         self._state_keys = list(module.state_dict().keys())
         self._attention = uniform_attention.Tracer()  # one structure per attention shape (Gemma's window layers)
+        self.options = TraceOptions()
+
+    def specialised(self, options: TraceOptions) -> "TorchModel":
+        """This model traced under `options`; installed on the module only while it is traced."""
+        if options == self.options:
+            return self
+        other = copy.copy(self)
+        other.options, other._attention = options, uniform_attention.Tracer()
+        return other
 
     # -- state ---------------------------------------------------------------------------
     def initial_params(self) -> dict[str, np.ndarray]:
@@ -222,7 +233,7 @@ class TorchModel(Model):
         # arrays, not host tensors: make "jax" the default device while tracing.
         with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
                 _training_mode(self.module, training), torch_ops.module_rules(self.module), \
-                moe.module_rules(self.module), \
+                moe.module_rules(self.module), options_scope.installed(self.module, self.options), \
                 autograd_function.honoured(env, scopes.current):
             t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
             full = {**t_params, **t_buffers}

@@ -33,7 +33,7 @@ from torchax.decompositions import DECOMPOSITIONS
 from torchax.ops import jaten, mappings, ops_registry
 
 from xtrain.frontend import eager_attention, sdpa
-from xtrain.ir import index_ops
+from xtrain.ir import index_ops, markers
 
 aten = torch.ops.aten
 _NLL_DECOMPOSITION = DECOMPOSITIONS[aten.nll_loss_forward.default]
@@ -74,7 +74,7 @@ def _indexing(name: str, index):
     """Traces an index op under its torch rule's marker (xtrain.ir.index_ops); yields the index,
     cast to int32 if it came as floats (refused by the lowering, naming the batch argument)."""
     is_float = jnp.issubdtype(index.dtype, jnp.inexact)
-    with jax.named_scope(index_ops.scope_name(index_ops.IndexOp(name, negatives=False, float_index=is_float))):
+    with jax.named_scope(markers.name(index_ops.IndexOp(name, negatives=False, float_index=is_float))):
         yield index.astype(jnp.int32) if is_float else index
 
 
@@ -101,7 +101,7 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
 def _nll_loss_forward(*args):
     """nll_loss (cross_entropy's) as torchax decomposes it, under its torch rule: targets in
     [0, classes) or the ignore index."""
-    with jax.named_scope(index_ops.scope_name(index_ops.IndexOp("cross_entropy/nll_loss target"))):
+    with jax.named_scope(markers.name(index_ops.IndexOp("cross_entropy/nll_loss target"))):
         return _NLL_DECOMPOSITION(*args)
 
 

@@ -1,8 +1,8 @@
 """Markers on attention call sites: which implementation each got.
 
 The front end computes scaled-dot-product attention one of a few ways (`Implementation`) and
-traces each call inside a `jax.named_scope` whose name says which, with its block size and
-how many key blocks a causal mask let it skip. `sites` reads them back from a program, so
+traces each call inside a `jax.named_scope` named by its `Site` marker (xtrain.ir.markers): which
+implementation, its block size and how many key blocks a causal mask let it skip. `sites` reads them back from a program, so
 `step.report()` can name the attention every call site got.
 """
 from __future__ import annotations
@@ -10,10 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from xtrain.ir import walk
-
-_PREFIX = "xtrain_attention="
-
+from xtrain.ir import markers, walk
 
 class Implementation(enum.Enum):
     """How an attention call is computed."""
@@ -29,6 +26,7 @@ class Implementation(enum.Enum):
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 128, "cuda": 128, "neuron": 512}
 
 
+@markers.marker("attention")
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One attention call as traced.
@@ -61,26 +59,11 @@ class Site:
         return f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}){'; ' + self.why if self.why else ''}"
 
 
-def scope_name(site: Site) -> str:
-    """The named_scope of a call ("/" separates name-stack levels, so none here)."""
-    why = site.why.replace("/", "|").replace(";", ",")
-    return f"{_PREFIX}{site.implementation.value};{site.block};{site.blocks};{site.total};{site.skipped_by};{why}"
-
-
-def marker_in(name_stack: str) -> Site | None:
-    """The site of the outermost attention marker of a name stack."""
-    for part in str(name_stack).split("/"):
-        if part.startswith(_PREFIX):
-            kind, block, blocks, total, by, why = part[len(_PREFIX):].split(";", 5)
-            return Site(Implementation(kind), int(block), int(blocks), int(total), why.replace("|", "/"), by)
-    return None
-
-
 def sites(jaxpr, module_paths: frozenset[str]) -> dict[str, Site]:
     """Module path -> the attention of each call site in a program ("" for top-level code)."""
     found: dict[str, Site] = {}
     for eqn, path in walk.equations(jaxpr, module_paths):
-        site = marker_in(eqn.source_info.name_stack)
+        site = markers.outermost(Site, eqn.source_info.name_stack)
         if site is not None:
             found.setdefault(path, site)
     return found

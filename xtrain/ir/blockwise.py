@@ -29,9 +29,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from xtrain.ir import attention_dropout as dropout_mask
+from xtrain.ir import markers
 from xtrain.ir.attention import Implementation, Site
 
 
+@markers.marker("blocking")
 @dataclasses.dataclass(frozen=True)
 class Blocking:
     """Static shape of one blockwise attention call.
@@ -305,29 +307,9 @@ def blockwise(q, k, v, mask, key, b: Blocking):
         # the key dim is blocked, so it is made whole; a broadcast query dim stays 1
         mask = jnp.broadcast_to(mask, mask.shape[:-1] + (b.source,))
         mask = _pad(_pad(mask, -1, sp), -2, lp)
-    with jax.named_scope(blocking_scope(b)):
+    # the marker: a lowering may compute the call another way (ring attention over a split sequence)
+    with jax.named_scope(markers.name(b)):
         return _attention(b, q, k, v, mask, key)[..., :b.length, :]
-
-
-_BLOCKING = "xtrain_blocking="
-
-
-def blocking_scope(b: Blocking) -> str:
-    """The named_scope of the kernel's call: its Blocking, for a lowering that computes the
-    call another way (ring attention over a context-split sequence)."""
-    fields = [repr(getattr(b, f.name)) for f in dataclasses.fields(b) if f.name != "visible"]
-    return _BLOCKING + ";".join(fields + [",".join(f"{lo}-{hi}" for lo, hi in b.visible)])
-
-
-def blocking_in(name_stack) -> Blocking | None:
-    """The Blocking of the innermost kernel call in a name stack, else None."""
-    parts = [p for p in str(name_stack).split("/") if p.startswith(_BLOCKING)]
-    if not parts:
-        return None
-    scale, causal, bq, bk, length, source, dropout, visible = parts[-1][len(_BLOCKING):].split(";")
-    ranges = tuple(tuple(int(x) for x in r.split("-")) for r in visible.split(",") if r)
-    return Blocking(float(scale), causal == "True", int(bq), int(bk), int(length), int(source), float(dropout),
-                    ranges)
 
 
 def default_scale(dim: int) -> float:

@@ -24,7 +24,7 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
-from xtrain.ir import detour, moe, per_head, provenance, reshapes, walk
+from xtrain.ir import detour, markers, moe, per_head, provenance, reshapes, walk
 from xtrain.ir.model import Model
 
 # Bodies the analysis enters: they run inline, their inputs are the caller's operands.
@@ -134,7 +134,7 @@ class _Analysis:
             ins = [None if isinstance(v, jcore.Literal) else self.live(labels.get(v)) for v in eqn.invars]
             gins = [None if isinstance(v, jcore.Literal) else self.ghosts.get(v) for v in eqn.invars]
             vws = [None if isinstance(v, jcore.Literal) else views.get(v) for v in eqn.invars]
-            if (spec := moe.spec_of(str(eqn.params.get("name", "")))) is not None:
+            if (spec := markers.outermost(moe.ExpertsSpec, eqn.params.get("name", ""))) is not None:
                 self.experts(spec, eqn, ins, vws, path)
                 continue
             body = _body(eqn)

@@ -3,7 +3,7 @@
 JAX clips or fills an out-of-range gather index and wraps a negative one; torch raises for an
 index out of range, and per op either wraps negatives (advanced indexing, `x[idx]`) or raises
 (`embedding`, `gather`, the targets of `nll_loss` / `cross_entropy`). The front end traces such
-ops inside a `jax.named_scope` whose name carries the torch op's rule, so the lowering's input
+ops inside a `jax.named_scope` named by their `IndexOp` marker (xtrain.ir.markers), so the lowering's input
 checks (xtrain.lowering.input_checks) can hold a batch's indices to torch's rule. Gathers
 without a marker follow advanced indexing's rule.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-_PREFIX = "xtrain_index="
+from xtrain.ir import markers
 
 
+@markers.marker("index")
 @dataclasses.dataclass(frozen=True)
 class IndexOp:
     """A torch op that indexes with a tensor.
@@ -33,19 +34,10 @@ class IndexOp:
 ADVANCED_INDEXING = IndexOp("indexing (x[idx])", negatives=True)
 
 
-def scope_name(op: IndexOp) -> str:
-    """The named_scope to trace `op` in ("/" separates name-stack levels, so none here)."""
-    return f"{_PREFIX}{op.name.replace('/', '|')};{int(op.negatives)};{int(op.float_index)}"
-
-
 def marker_in(name_stack: str) -> IndexOp | None:
     """The op of a name stack's markers: the outermost names it and its rule (an op such as
     nll_loss contains a gather); a floating-point index at any level is one."""
-    found = []
-    for part in name_stack.split("/"):
-        if part.startswith(_PREFIX):
-            name, negatives, float_index = part[len(_PREFIX):].rsplit(";", 2)
-            found.append(IndexOp(name.replace("|", "/"), negatives == "1", float_index == "1"))
+    found = markers.found(IndexOp, name_stack)
     if not found:
         return None
     return dataclasses.replace(found[0], float_index=any(op.float_index for op in found))

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 from xtrain.ir.structure import Structure
+from xtrain.ir.trace_options import TraceOptions
 
 
 class TraceError(ValueError):
@@ -57,6 +58,11 @@ class Model(abc.ABC):
     def module_paths(self) -> frozenset[str]:
         """Module paths that can appear in the traced graph's name stacks."""
         return frozenset()
+
+    def specialised(self, options: TraceOptions) -> "Model":
+        """This model traced under `options` (xtrain.ir.trace_options): a new Model, this one
+        unchanged. A front end without such choices (JAX functions) returns itself."""
+        return self
 
     def export_state(self, params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray]) -> dict:
         """Full state under the user's names (torch: every key of module.state_dict())."""

@@ -8,8 +8,8 @@ equals torch's), each expert's rows go through its FFN as one grouped matmul
 
 Every token's output depends on that token alone, so the function is token-local: on a shard of
 the tokens it computes exactly that shard of the output. The front end traces an MoE layer's
-experts as a call of this function under a name that encodes its `ExpertsSpec` (`call_name`),
-and the explicit lowering recognises the call by that name (`spec_of`) and runs it on each
+experts as a call of this function named by its `ExpertsSpec` marker (xtrain.ir.markers), and
+the explicit lowering recognises the call by that name (`markers.outermost`) and runs it on each
 device's own tokens (no gather of tokens, no collective), where a rule per primitive could not:
 the sort by expert runs over all tokens of the batch.
 """
@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_PREFIX = "xtrain_routed_experts"
+from xtrain.ir import markers
+
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -32,6 +33,7 @@ ACTIVATIONS = {
 }
 
 
+@markers.marker("routed_experts")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertsSpec:
     """What each expert's FFN computes (HF's experts flags).
@@ -54,22 +56,6 @@ class ExpertsSpec:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
-
-
-def call_name(spec: ExpertsSpec) -> str:
-    """The name of the traced call of `routed_experts` with `spec` (parsed back by `spec_of`)."""
-    flags = "".join("1" if f else "0" for f in (spec.gated, spec.concatenated, spec.transposed))
-    return f"{_PREFIX}__{spec.activation}__{flags}__{spec.compute or 'same'}"
-
-
-def spec_of(name: str) -> ExpertsSpec | None:
-    """The spec of a call named by `call_name`, else None."""
-    parts = name.split("__")
-    if len(parts) != 4 or parts[0] != _PREFIX:
-        return None
-    gated, concatenated, transposed = (c == "1" for c in parts[2])
-    return ExpertsSpec(activation=parts[1], gated=gated, concatenated=concatenated, transposed=transposed,
-                       compute=None if parts[3] == "same" else parts[3])
 
 
 def ffn_dims(spec: ExpertsSpec) -> tuple[int, int]:
@@ -145,9 +131,9 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: ExpertsSpec, capac
 
 @functools.cache
 def traced_call(spec: ExpertsSpec):
-    """`routed_experts` for `spec` as a jitted function whose traced call is named `call_name(spec)`."""
+    """`routed_experts` for `spec` as a jitted function whose traced call is named by `spec`'s marker."""
     def fn(x, expert_ids, weights, up, down):
         return routed_experts(x, expert_ids, weights, up, down, spec=spec)
 
-    fn.__name__ = fn.__qualname__ = call_name(spec)
+    fn.__name__ = fn.__qualname__ = markers.name(spec)
     return jax.jit(fn)

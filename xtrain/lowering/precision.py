@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xtrain.ir import moe, walk
+from xtrain.ir import markers, moe, walk
 from xtrain.sharding.precision import Compute, LossScale, Precision
 
 # primitives whose operands the policy narrows (the FLOPs); the rest keep their traced dtypes
@@ -37,7 +37,7 @@ def _eval(jaxpr, consts, args, policy: Precision, paths: frozenset, outer: str) 
 
 
 def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
-    spec = moe.spec_of(str(eqn.params.get("name", ""))) if eqn.primitive.name in walk.CALLS else None
+    spec = markers.outermost(moe.ExpertsSpec, eqn.params.get("name", "")) if eqn.primitive.name in walk.CALLS else None
     if spec is not None:  # kept one call (the lowering partitions it whole), its matmuls narrowed
         if not policy.keeps_fp32(path):
             spec = dataclasses.replace(spec, compute=jnp.dtype(policy.dtype).name)

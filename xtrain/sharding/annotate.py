@@ -54,6 +54,9 @@ def shard(x: Any, spec: Sequence[AxisEntry]) -> Any:
     return interop.apply(lambda v: _constrain(v, spec, mesh), x)  # a traced torch tensor: through torchax
 
 
+interop.register_shard(shard)  # for front ends annotating a plan's activations (sequence parallel)
+
+
 def _constrain(x, spec: tuple, mesh):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec

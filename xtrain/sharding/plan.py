@@ -11,6 +11,8 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from xtrain.ir.trace_options import TraceOptions
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.pipeline import Pipeline, pipeline
 from xtrain.sharding.precision import Precision
@@ -83,6 +85,9 @@ class Plan:
             the rest are dropped (their expert output is zero; `step(...)["expert_dropped"]`
             counts them) and expert parallel's all-to-all buffers shrink to that capacity.
             None (default): drop-free, as torch computes.
+        trace: how the front end traces the model for this plan (xtrain.ir.trace_options):
+            Megatron's head split and sequence-parallel blocks (`xtrain.plans.megatron` sets
+            them). Default: as torch computes it.
     """
 
     params: Mapping[str, Sequence[AxisEntry]] = dataclasses.field(default_factory=dict)
@@ -97,6 +102,7 @@ class Plan:
     pipeline: Pipeline | None = None
     offload: Offload | str = "none"
     capacity_factor: float | None = None
+    trace: TraceOptions = TraceOptions()
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
                       split: Sequence[str] | str = "auto", virtual_stages: int = 1, axis: str = "pipe",
@@ -164,7 +170,14 @@ class Plan:
         width = max((len(p) for p in self.params), default=0)
         lines += [f"  {p:<{width}}  {tuple(s)}" for p, s in self.params.items()] or ["  (every parameter replicated)"]
         lines += [f"  note: {n}" for n in self.notes]
+        if not self.trace.is_default:
+            lines.append(f"  trace: {self.trace}")
         return "\n".join(lines)
+
+    def trace_options(self, mesh_axes: Mapping[str, int], lowering: str) -> TraceOptions:
+        """The trace options of a step of this plan on a mesh of `mesh_axes` lowered by
+        `lowering`: the plan's own, plus why the NKI kernels are ruled out there."""
+        return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering))
 
     def check_batch(self, mesh_axes: Mapping[str, int]) -> None:
         """Fails when `batch` names an axis the mesh lacks (or one twice)."""
@@ -213,7 +226,7 @@ class PendingPlan(Plan):
         notes = [f"user rule {p!r}: {tuple(s)} wins over the derived rules" for p, s in self.params.items()]
         return Plan(**{**fields, "params": {**self.params, **{k: v for k, v in derived.params.items()
                                                                  if k not in self.params}},
-                       "notes": tuple(notes) + derived.notes + self.notes})
+                       "notes": tuple(notes) + derived.notes + self.notes, "trace": derived.trace})
 
     def param_specs(self, shapes, mesh_axes) -> dict[str, Spec]:
         raise ValueError("this plan's tensor-parallel rules are derived from the program traced on the first batch "
@@ -225,6 +238,17 @@ class PendingPlan(Plan):
         rest = [r for r in rest if r != "  (every parameter replicated)"]
         return "\n".join([first, "  pending: the tensor-parallel rules are derived from the program traced at the "
                            "step's first call (plans.megatron(..., example=batch) derives them now)", *rest])
+
+
+def no_nki(mesh_axes: Mapping[str, int], lowering: str) -> str:
+    """Why a step's attention must not use Neuron's NKI kernels ("" when it may): a sequence split
+    over `context` runs ring attention (blockwise); XLA's partitioner sees the kernel call as
+    opaque and would gather its operands onto every device."""
+    if mesh_axes.get(CONTEXT, 1) != 1:
+        return f"the sequence is split over {CONTEXT!r} (ring attention runs the blockwise kernel)"
+    if lowering != "explicit":
+        return f"lowering={lowering!r} (XLA's partitioner cannot split the kernel call)"
+    return ""
 
 
 def _check_axes(what: str, spec: Spec, mesh_axes: Mapping[str, int], rule: str) -> None:

@@ -97,7 +97,7 @@ def fsdp(shapes: Shapes, sizes: Mapping[str, int], *, axis: str | tuple[str, ...
         notes.append(f"{len(small)} tensors under min_size={min_size} elements not split over {where}: {listing(small)}")
     notes += [f"{m} {shapes[m]}: no dimension divisible by {where}={n}; not split over {where}" for m in indivisible]
     split = {k: tuple(v) for k, v in specs.items() if v}
-    return Plan(params=compact(split, list(shapes)), batch=base.batch, notes=_dedup(notes))
+    return Plan(params=compact(split, list(shapes)), batch=base.batch, notes=_dedup(notes), trace=base.trace)
 
 
 def zero(stage: int, shapes: Shapes | None = None, sizes: Mapping[str, int] | None = None, **fsdp_kwargs) -> Plan:

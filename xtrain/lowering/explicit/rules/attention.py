@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from xtrain.ir import attention_dropout as dropout_mask
-from xtrain.ir import blockwise
+from xtrain.ir import blockwise, markers
 from xtrain.ir import neuron_attention as nki
 from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
@@ -132,7 +132,7 @@ def context_attention(ctx: Context, eqn, args):
     """The blockwise kernel's call on a sequence split over `context`: ring attention
     (xtrain.lowering.ring_attention), balanced under a causal mask. None when the sequence is
     not split (the call is interpreted as any other)."""
-    b = blockwise.blocking_in(eqn.source_info.name_stack)
+    b = markers.innermost(blockwise.Blocking, eqn.source_info.name_stack)
     if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
     if b.causal and len(args) > (4 if b.dropout else 3):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from xtrain.ir import moe
+from xtrain.ir import markers, moe
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
@@ -125,7 +125,7 @@ def routed_experts(ctx: Context, eqn, args):
     split, every other dim is whole; the experts' weights are gathered if split, except over
     `expert` (expert parallel: experts.routed_experts) and a tensor axis splitting their FFN
     dim (each device computes its FFN features; the output a pending sum over that axis)."""
-    spec = moe.spec_of(str(eqn.params["name"]))
+    spec = markers.outermost(moe.ExpertsSpec, eqn.params["name"])
     x, ids, weights, up, down = args
     x = whole_dims_where(ctx, C.resolve(ctx, x), lambda d: d != 0)
     tokens = Layout((x.layout.dims[0], ()))
@@ -152,4 +152,4 @@ register(top_k, "top_k")
 register(sort, "sort")
 register(ragged_dot, "ragged_dot_general")
 register(scatter_add, "scatter-add", "scatter_add")
-register_call(lambda name: moe.spec_of(name) is not None, routed_experts)
+register_call(lambda name: markers.outermost(moe.ExpertsSpec, name) is not None, routed_experts)
