@@ -1,6 +1,6 @@
 """The program xtrain compiles, free of torch: what every other layer builds on.
 
-    model.py     the Model contract every front end implements; TraceError
+    model.py     the Model contract every front end implements; TraceError (from xtrain.errors)
     graph.py     the traced graph (a jaxpr) and the torch module path of each equation
     walk.py      the one jaxpr walker: environment, inlined calls, module paths
     stacked.py   block parameters stored stacked, (L, ...) per block position

@@ -8,11 +8,8 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 import optax
 
+from xtrain.errors import TraceError  # re-exported: defined with the other errors
 from xtrain.ir.structure import Structure
-
-
-class TraceError(ValueError):
-    """The model could not be turned into a JAX function (names the module path and op)."""
 
 
 class Model(abc.ABC):

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import UnsupportedError
+
 _PREFIX = "xtrain_routed_experts"
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -53,7 +55,7 @@ class ExpertsSpec:
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
+            raise UnsupportedError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
 
 
 def call_name(spec: ExpertsSpec) -> str:
