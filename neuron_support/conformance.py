@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 from neuron_support import topology
 from neuron_support.hlo import Instruction, Module, parse, static_trip_count
+from xtrain.errors import ConformanceError, OptionsError  # ConformanceError: re-exported
 from xtrain.ir.hlo import replica_groups as replica_groups_of  # the one parser of HLO groups
 
 # Distinct replica groups one compiled program may use, by Neuron runtime. Which releases moved
@@ -83,7 +84,7 @@ class Target:
         """The target for an instance type; `devices_per_node` shrinks a node for emulation."""
         t = topology.instance(name)
         if runtime not in REPLICA_GROUP_LIMITS:
-            raise ValueError(f"runtime={runtime!r} is not one of {', '.join(map(repr, REPLICA_GROUP_LIMITS))}")
+            raise OptionsError(f"runtime={runtime!r} is not one of {', '.join(map(repr, REPLICA_GROUP_LIMITS))}")
         neuron = t.backend is topology.Backend.NEURON
         per_node = devices_per_node or t.devices
         sizes = tuple(s for s in t.node_group_sizes if s <= per_node) if t.node_group_sizes else None
@@ -340,13 +341,6 @@ def check(hlo_text: str, target: Target | None = None, *,
     return findings
 
 
-class ConformanceError(ValueError):
-    def __init__(self, findings: list[Finding], target: Target):
-        self.findings = findings
-        lines = "\n".join(f"  {f}" for f in findings)
-        super().__init__(f"the program does not fit {target.name} ({len(findings)} findings):\n{lines}")
-
-
 def assert_conforms(hlo_text: str, target: Target | None = None, *, allow: Iterable[str] = (),
                     device_ids: list[int] | None = None) -> list[Finding]:
     """Raises ConformanceError on any error-severity finding whose rule is not in `allow`;
@@ -355,5 +349,5 @@ def assert_conforms(hlo_text: str, target: Target | None = None, *, allow: Itera
     findings = check(hlo_text, target, device_ids=device_ids)
     errors = [f for f in findings if f.severity is Severity.ERROR and f.rule not in set(allow)]
     if errors:
-        raise ConformanceError(errors, target)
+        raise ConformanceError(errors, target.name)
     return findings

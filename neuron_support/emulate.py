@@ -17,6 +17,7 @@ import dataclasses
 
 from neuron_support import conformance, topology
 from neuron_support.topology import Backend, InstanceTopology
+from xtrain.errors import MeshError, OptionsError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,13 +59,13 @@ class VirtualCluster:
     def mesh_axes(self, *, tensor: int = 1, pipe: int = 1) -> dict[str, int]:
         """{"data", "pipe", "tensor"} over the emulated devices, tensor innermost."""
         if self.devices_per_node % tensor:
-            raise ValueError(f"tensor={tensor} does not divide the {self.devices_per_node} devices emulating "
-                             f"one {self.instance.name}; use a size that divides {self.devices_per_node}")
+            raise MeshError(f"tensor={tensor} does not divide the {self.devices_per_node} devices emulating "
+                            f"one {self.instance.name}; use a size that divides {self.devices_per_node}")
         if self.instance.node_group_sizes and tensor not in self.instance.node_group_sizes:
-            raise ValueError(f"tensor={tensor} is not a replica-group size {self.instance.name} supports "
-                             f"inside a node ({', '.join(map(str, self.instance.node_group_sizes))})")
+            raise MeshError(f"tensor={tensor} is not a replica-group size {self.instance.name} supports "
+                            f"inside a node ({', '.join(map(str, self.instance.node_group_sizes))})")
         if self.num_devices % (tensor * pipe):
-            raise ValueError(f"tensor={tensor} x pipe={pipe} does not divide the {self.num_devices} devices")
+            raise MeshError(f"tensor={tensor} x pipe={pipe} does not divide the {self.num_devices} devices")
         return {"data": self.num_devices // (tensor * pipe), "pipe": pipe, "tensor": tensor}
 
     def target(self, runtime: str = conformance.DEFAULT_RUNTIME) -> conformance.Target:
@@ -79,13 +80,13 @@ class VirtualCluster:
 
 def _scaled_node(t: InstanceTopology, nodes: int, devices: int) -> int:
     if devices % nodes:
-        raise ValueError(f"{devices} CPU devices cannot emulate {nodes} x {t.name}: use a device count "
-                         f"that is a multiple of {nodes}")
+        raise MeshError(f"{devices} CPU devices cannot emulate {nodes} x {t.name}: use a device count "
+                        f"that is a multiple of {nodes}")
     per_node = devices // nodes
     if t.devices % per_node or per_node % t.devices_per_chip:
-        raise ValueError(f"{per_node} CPU devices per node cannot stand for whole chips of one {t.name} "
-                         f"({t.devices_per_chip} devices per chip, {t.devices} per instance); use "
-                         f"{nodes} x a divisor of {t.devices} that is a multiple of {t.devices_per_chip}")
+        raise MeshError(f"{per_node} CPU devices per node cannot stand for whole chips of one {t.name} "
+                        f"({t.devices_per_chip} devices per chip, {t.devices} per instance); use "
+                        f"{nodes} x a divisor of {t.devices} that is a multiple of {t.devices_per_chip}")
     return per_node
 
 
@@ -147,6 +148,6 @@ def check_step(step, *batch, cluster: VirtualCluster | None = None,
     if cluster is None:
         cluster = current()
         if cluster is None:
-            raise ValueError("check_step needs cluster=virtual_cluster('trn1.32xlarge:2', ...) or a job "
-                             "started with xtrain.init(emulate='trn1.32xlarge:2')")
+            raise OptionsError("check_step needs cluster=virtual_cluster('trn1.32xlarge:2', ...) or a job "
+                               "started with xtrain.init(emulate='trn1.32xlarge:2')")
     return check_compiled(step.compiled(*batch), cluster, runtime=runtime)

@@ -20,6 +20,7 @@ import enum
 from typing import Protocol
 
 from neuron_support.topology import InstanceTopology, instance
+from xtrain.errors import LaunchError, OptionsError
 
 
 class ProcessEnv(Protocol):
@@ -58,7 +59,7 @@ def _choice(enum_type: type[enum.Enum], name: str, value) -> enum.Enum:
         return enum_type(value)
     except ValueError:
         valid = ", ".join(repr(m.value) for m in enum_type)
-        raise ValueError(f"{name}={value!r} is not one of {valid}") from None
+        raise OptionsError(f"{name}={value!r} is not one of {valid}") from None
 
 
 def cores_per_process(topology: str | InstanceTopology, layout: Layout) -> int:
@@ -70,8 +71,8 @@ def _check_fits(process: ProcessEnv, t: InstanceTopology, layout: Layout, per_pr
     if process.local_world_size * per_process > t.devices:
         fix = ("launch one process per node (torchrun --nproc_per_node 1)" if layout is Layout.PROCESS_PER_NODE
                else f"launch at most {t.devices} processes per node")
-        raise ValueError(f"layout {layout.value} on {t.name}: LOCAL_WORLD_SIZE={process.local_world_size} "
-                         f"processes x {per_process} cores exceed the {t.devices} cores of the instance; {fix}")
+        raise LaunchError(f"layout {layout.value} on {t.name}: LOCAL_WORLD_SIZE={process.local_world_size} "
+                          f"processes x {per_process} cores exceed the {t.devices} cores of the instance; {fix}")
 
 
 def _core_range(first: int, count: int) -> str:
@@ -117,7 +118,7 @@ def compiler_flags(topology: str | InstanceTopology, *, optimization: int = 1,
     accumulate in fp32, as they do on GPUs and in torch.autocast."""
     t = instance(topology)
     if optimization not in (1, 2, 3):
-        raise ValueError(f"optimization={optimization} is not a neuronx-cc level; use 1, 2 or 3 (-O1/-O2/-O3)")
+        raise OptionsError(f"optimization={optimization} is not a neuronx-cc level; use 1, 2 or 3 (-O1/-O2/-O3)")
     flags = ["--model-type", model_type, f"-O{optimization}", "--target", t.compiler_target or "", "--auto-cast", "none"]
     if _choice(Precision, "precision", precision) is not Precision.FP32:
         flags.append("--enable-mixed-precision-accumulation")
@@ -152,7 +153,7 @@ def neuron_env(process: ProcessEnv, topology: str | InstanceTopology,
     """
     t = instance(topology)
     if t.compiler_target is None:
-        raise ValueError(f"{t.name} has no NeuronCores ({t.backend.value}); neuron_env is for trn1/trn1n/trn2")
+        raise OptionsError(f"{t.name} has no NeuronCores ({t.backend.value}); neuron_env is for trn1/trn1n/trn2")
     return {
         **runtime_env(process, t, layout, root_comm_port=root_comm_port),
         **efa_env(t, process.num_nodes),

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 import math
 
+from xtrain.errors import MeshError, OptionsError
+
 GIB = 2**30
 
 # Neuron docs (Neuron Collective Communication, trn1): inside a node, replica groups of size 1,
@@ -195,7 +197,7 @@ def instance(name: str | InstanceTopology) -> InstanceTopology:
         return name
     key = name[3:] if name.startswith("ml.") else name
     if key not in INSTANCES:
-        raise ValueError(f"unknown instance type {name!r}; known: {', '.join(INSTANCES)}")
+        raise OptionsError(f"unknown instance type {name!r}; known: {', '.join(INSTANCES)}")
     return INSTANCES[key]
 
 
@@ -203,8 +205,8 @@ def parse_cluster(spec: str) -> tuple[InstanceTopology, int]:
     """'trn1.32xlarge:2' -> (trn1.32xlarge, 2 nodes); a bare name means one node."""
     name, _, count = spec.partition(":")
     if count and not (count.isdigit() and int(count) >= 1):
-        raise ValueError(f"cluster spec {spec!r}: the node count after ':' must be a positive "
-                         "integer, e.g. 'trn1.32xlarge:2'")
+        raise OptionsError(f"cluster spec {spec!r}: the node count after ':' must be a positive "
+                           "integer, e.g. 'trn1.32xlarge:2'")
     return instance(name), int(count or 1)
 
 
@@ -240,16 +242,16 @@ def mesh_axes(topology: str | InstanceTopology, nodes: int = 1, *, tensor: int =
     """
     t = instance(topology)
     if t.node_group_sizes and tensor not in t.node_group_sizes:
-        raise ValueError(f"tensor={tensor} is not a replica-group size {t.name} supports inside a node "
-                         f"({', '.join(map(str, t.node_group_sizes))}); pick one of those")
+        raise MeshError(f"tensor={tensor} is not a replica-group size {t.name} supports inside a node "
+                        f"({', '.join(map(str, t.node_group_sizes))}); pick one of those")
     if t.devices % tensor:
-        raise ValueError(f"tensor={tensor} does not divide the {t.devices} devices of one {t.name}; "
-                         "tensor parallelism stays inside an instance: use a size that divides "
-                         f"{t.devices}")
+        raise MeshError(f"tensor={tensor} does not divide the {t.devices} devices of one {t.name}; "
+                        "tensor parallelism stays inside an instance: use a size that divides "
+                        f"{t.devices}")
     total = nodes * t.devices
     if total % (tensor * pipe):
-        raise ValueError(f"tensor={tensor} x pipe={pipe} does not divide the {total} devices of "
-                         f"{nodes} x {t.name}; choose sizes whose product divides {total}")
+        raise MeshError(f"tensor={tensor} x pipe={pipe} does not divide the {total} devices of "
+                        f"{nodes} x {t.name}; choose sizes whose product divides {total}")
     return {"data": total // (tensor * pipe), "pipe": pipe, "tensor": tensor}
 
 

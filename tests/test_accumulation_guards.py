@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import xtrain
+from xtrain.errors import InputError, OptionsError
 from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, MLP, mlp_batches, token_batches
@@ -36,14 +37,14 @@ def test_accumulation_on_gpt_with_tensor_parallel():
 def test_accumulation_needs_a_batch_that_splits_per_device():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), accumulate=3)
-    with pytest.raises(ValueError, match=r"batch argument 0 has shape \(16, 12\): global batch 16 does not split "
+    with pytest.raises(InputError, match=r"batch argument 0 has shape \(16, 12\): global batch 16 does not split "
                                          r"into accumulate=3 micro-batches on each of 8 data-parallel devices; "
                                          r"use a global batch that is a multiple of 24"):
         step(*mlp_batches(n=1)[0])
 
 
 def test_accumulate_must_be_a_positive_integer():
-    with pytest.raises(ValueError, match=r"accumulate=0 must be an integer >= 1"):
+    with pytest.raises(OptionsError, match=r"accumulate=0 must be an integer >= 1"):
         xtrain.compile(MLP(), xtrain.Mesh(data=8), optimizer=sgd(MLP().parameters()), accumulate=0)
 
 
@@ -53,7 +54,7 @@ def test_a_new_batch_shape_is_refused_naming_the_input():
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     x, y = token_batches(n=1)[0]
     step(x, y)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(InputError) as err:
         step(x[:, :8], y[:, :8])
     assert str(err.value) == (
         "this step would recompile: the batch differs from the one it was compiled for (batch argument 0: "
@@ -69,7 +70,7 @@ def test_a_dtype_change_is_named_and_allow_recompile_lets_it_through():
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
     x, y = mlp_batches(n=1)[0]
     step(x, y)
-    with pytest.raises(ValueError, match=r"batch argument 1: shape \(16,\) dtype int32 -> shape \(16,\) dtype float32"):
+    with pytest.raises(InputError, match=r"batch argument 1: shape \(16,\) dtype int32 -> shape \(16,\) dtype float32"):
         step(x, y.float())
     other = MLP()
     allowed = xtrain.compile(other, xtrain.Mesh(data=8), optimizer=sgd(other.parameters()), allow_recompile=True)
@@ -79,7 +80,7 @@ def test_a_dtype_change_is_named_and_allow_recompile_lets_it_through():
     third = MLP()
     two = xtrain.compile(third, xtrain.Mesh(data=8), optimizer=sgd(third.parameters()), allow_recompile=2)
     two(x, y), two(x[:8], y[:8]), two(x, y)
-    with pytest.raises(ValueError, match=r"already has its 2 \(allow_recompile=2\) \(batch argument 0: shape "
+    with pytest.raises(InputError, match=r"already has its 2 \(allow_recompile=2\) \(batch argument 0: shape "
                                          r"\(16, 12\) dtype float32 -> shape \(24, 12\)"):
         two(torch.cat([x, x[:8]]), torch.cat([y, y[:8]]))
 

@@ -15,6 +15,7 @@ import torch
 
 import xtrain
 from models import GPT, MLP, token_batches
+from xtrain.errors import UnsupportedError
 from xtrain.testing import ParityResult, assert_parity, torch_reference
 
 OFFLOAD = xtrain.Plan(offload="activations")
@@ -89,7 +90,7 @@ def test_activation_offload_errors_name_the_setting_and_the_fix():
                                                    "repeated blocks, but MLP has none")):
         step(torch.randn(16, 12), torch.randint(0, 5, (16,)))
     gpt = GPT(layers=2)
-    with pytest.raises(ValueError, match=re.escape("Plan(offload='activations') checkpoints each layer of the "
-                                                   "explicit lowering")):
+    with pytest.raises(UnsupportedError, match=re.escape("Plan(offload='activations') checkpoints each layer of the "
+                                                         "explicit lowering")):
         xtrain.compile(gpt, xtrain.Mesh(data=8), optimizer=adamw(gpt.parameters()), plan=OFFLOAD, lowering="xla")
     assert "offload=activations" in str(OFFLOAD)

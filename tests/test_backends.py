@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from xtrain.errors import LaunchError, OptionsError
 from xtrain.runtime import backends
 from xtrain.runtime.devices import local_device_ids
 from xtrain.runtime.launch import ProcessEnv, process_env
@@ -22,7 +23,7 @@ def test_detection_order_and_overrides():
     assert detect(modules={"libneuronxla"}) == "cpu"     # plugin installed, no Neuron device
     assert detect({"XTRAIN_BACKEND": "cpu"}, **both) == "cpu"
     assert detect({"JAX_PLATFORMS": "gpu,cpu"}) == "cuda"
-    with pytest.raises(ValueError, match="XTRAIN_BACKEND='tpu' names no backend xtrain runs on"):
+    with pytest.raises(LaunchError, match="XTRAIN_BACKEND='tpu' names no backend xtrain runs on"):
         detect({"XTRAIN_BACKEND": "tpu"})
 
 
@@ -44,7 +45,7 @@ def test_local_device_counts_and_default_processes():
     assert backends.default_nproc_per_node("neuron", local_devices=32) == 1
     assert backends.default_nproc_per_node("neuron", layout="process-per-core", local_devices=32) == 32
     assert backends.default_nproc_per_node("cpu") == 1
-    with pytest.raises(ValueError, match="cannot count the NeuronCores of this node; set XTRAIN_INSTANCE_TYPE"):
+    with pytest.raises(LaunchError, match="cannot count the NeuronCores of this node; set XTRAIN_INSTANCE_TYPE"):
         backends.default_nproc_per_node("neuron", layout="process-per-core", local_devices=None)
 
 
@@ -55,7 +56,7 @@ def test_neuron_variables_follow_the_launch():
     assert (out["NEURON_RT_VISIBLE_CORES"], out["NEURON_PJRT_PROCESS_INDEX"]) == ("3", "3")
     assert backends.backend_env("neuron", ProcessEnv(), instance="trn1.32xlarge")["NEURON_RT_VISIBLE_CORES"] == "0-31"
     assert backends.backend_env("cuda", per_core, instance=None) == {}
-    with pytest.raises(ValueError, match="set XTRAIN_INSTANCE_TYPE=trn1.32xlarge"):
+    with pytest.raises(LaunchError, match="set XTRAIN_INSTANCE_TYPE=trn1.32xlarge"):
         backends.backend_env("neuron", ProcessEnv(), instance=None)
 
 
@@ -150,7 +151,7 @@ def test_neuron_compiler_flags_and_rounding_follow_the_plans_precision():
     assert bf16["NEURON_CC_FLAGS"].endswith("--auto-cast none --enable-mixed-precision-accumulation")
     assert bf16["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert "NEURON_RT_STOCHASTIC_ROUNDING_EN" not in env("fp16")  # fp16 scales its loss instead
-    with pytest.raises(ValueError, match="precision='int8' is not one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(OptionsError, match="precision='int8' is not one of 'fp32', 'bf16', 'fp16'"):
         env("int8")
 
 
@@ -158,13 +159,13 @@ def test_a_plan_of_another_precision_than_init_is_an_error_naming_the_fix():
     applied = backends.backend_env("neuron", TWO_NODES, instance="trn1.32xlarge")
     backends.check_precision("fp32", "fp32", applied)
     backends.check_precision("bf16", "fp32", {})           # the user set the variables: theirs
-    with pytest.raises(ValueError, match=r"the plan's precision is 'bf16' but xtrain.init\(\) started the Neuron runtime "
-                       r"for 'fp32' \(NEURON_CC_FLAGS=.*--auto-cast none\).*xtrain.init\(precision='bf16'\)"):
+    with pytest.raises(LaunchError, match=r"precision is 'bf16' but xtrain.init\(\) started the Neuron runtime for "
+                                          r"'fp32' \(NEURON_CC_FLAGS=.*xtrain.init\(precision='bf16'\)"):
         backends.check_precision("bf16", "fp32", applied)
 
 
 def test_init_refuses_an_unknown_precision():
     from xtrain.runtime import devices
 
-    with pytest.raises(ValueError, match=r"xtrain.init\(precision='tf32'\): use one of fp32, bf16, fp16"):
+    with pytest.raises(OptionsError, match=r"xtrain.init\(precision='tf32'\): use one of fp32, bf16, fp16"):
         devices.init(precision="tf32")

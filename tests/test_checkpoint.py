@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import xtrain
 from xtrain import plans
 from xtrain.checkpoint import CheckpointError, CheckpointManager, CheckpointOptions, read_manifest
+from xtrain.errors import OptionsError
 from xtrain.testing import assert_parity, torch_reference
 from xtrain.testing.parity import ParityResult
 
@@ -224,7 +225,7 @@ def test_loading_into_a_different_model_names_the_tensors(saved):
 
 
 def test_extra_must_be_json(saved, tmp_path):
-    with pytest.raises(ValueError, match="checkpoint extra must be JSON-serialisable"):
+    with pytest.raises(OptionsError, match="checkpoint extra must be JSON-serialisable"):
         saved[1].save(tmp_path / "x", extra={"loader": object()})
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
@@ -247,5 +248,5 @@ def test_a_tensor_the_pieces_do_not_cover_is_named(saved, tmp_path):
     ("save_every", -5, "CheckpointOptions.save_every=-5 must be >= 0"),
     ("sigterm_grace_s", 0, "CheckpointOptions.sigterm_grace_s=0 must be > 0")])
 def test_checkpoint_options_name_the_bad_field(field, value, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(OptionsError, match=message):
         CheckpointOptions(**{field: value})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from xtrain.cli import RunOptions, launch_command, launch_env
+from xtrain.errors import LaunchError, OptionsError
 from xtrain.runtime.launch import ProcessEnv, process_env
 
 TESTS = Path(__file__).resolve().parent
@@ -88,13 +89,14 @@ def test_run_emulation_is_one_local_process_per_node():
     assert launch_env(opts) == {"XTRAIN_EMULATE": "trn1.32xlarge:2"}
 
 
-@pytest.mark.parametrize("opts, message", [
-    (RunOptions(script="t.py", nnodes=2), "--nnodes 2 needs --master-addr"),
-    (RunOptions(script="t.py", nnodes=2, node_rank=2, master_addr="h"), "--node-rank 2 is outside --nnodes 2"),
-    (RunOptions(script="t.py", layout="per-chip"), "--layout 'per-chip' is not one of"),
+@pytest.mark.parametrize("opts, error, message", [
+    (RunOptions(script="t.py", nnodes=2), LaunchError, "--nnodes 2 needs --master-addr"),
+    (RunOptions(script="t.py", nnodes=2, node_rank=2, master_addr="h"), LaunchError,
+     "--node-rank 2 is outside --nnodes 2"),
+    (RunOptions(script="t.py", layout="per-chip"), OptionsError, "--layout 'per-chip' is not one of"),
 ])
-def test_run_bad_flags(opts, message):
-    with pytest.raises(ValueError, match=message):
+def test_run_bad_flags(opts, error, message):
+    with pytest.raises(error, match=message):
         command(opts, backend="cuda", local_devices=8)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import xtrain
 from xtrain import plans
+from xtrain.errors import OptionsError
 from xtrain.testing import ParityResult, assert_parity
 from xtrain.testing.parity import PARAM_ATOL
 
@@ -103,7 +104,7 @@ def test_clipping_with_zero1_optimizer_slices_and_the_xla_lowering():
 
 
 def test_clip_grad_norm_must_be_positive():
-    with pytest.raises(ValueError, match=r"clip_grad_norm=-1.0 must be a positive number or None"):
+    with pytest.raises(OptionsError, match=r"clip_grad_norm=-1.0 must be a positive number or None"):
         xtrain.compile(MLP(), xtrain.Mesh(data=8), optimizer=sgd(MLP().parameters()), clip_grad_norm=-1.0)
 
 

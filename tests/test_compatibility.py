@@ -57,7 +57,10 @@ def test_a_checkpoint_of_the_earlier_format_loads_and_resumes(saved, layout):
 PUBLIC = {
     "xtrain": ["compile", "init", "Mesh", "Plan", "GradSync", "Precision", "LossScale", "shard", "plans",
                "checkpoint", "observe", "Loader", "ShardedLoader", "Buckets", "Monitor", "optim", "Remat",
-               "TrainStep", "sagemaker"],
+               "TrainStep", "sagemaker", "errors"],
+    "xtrain.errors": ["XtrainError", "PlanError", "MeshError", "OptionsError", "InputError", "BatchTypeError",
+                      "BatchIndexError", "UnsupportedError", "UnsupportedOpError", "TraceError", "TopKTooLarge",
+                      "LaunchError", "ConformanceError", "CheckpointError"],
     "xtrain.hooks": ["intercept_first_step"],
     "xtrain.plans": ["ddp", "fsdp", "zero", "hybrid", "megatron", "assert_sharded", "largest_replicated"],
     "xtrain.checkpoint": ["CheckpointError", "CheckpointManager", "CheckpointOptions", "CheckpointWarning",

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import xtrain
+from xtrain.errors import OptionsError
 from neuron_support import conformance, emulate
 from neuron_support.conformance import Severity, Target
 
@@ -186,7 +187,7 @@ def test_distinct_replica_group_cap_per_runtime():
     (found,) = count("recent-runtime")
     assert "15 distinct replica groups" in found.message and "allows 12 per program" in found.message
     assert count("older-docs") == []  # 16 in the older documentation
-    with pytest.raises(ValueError, match="runtime='2.99' is not one of 'older-docs', 'recent-runtime'"):
+    with pytest.raises(OptionsError, match="runtime='2.99' is not one of 'older-docs', 'recent-runtime'"):
         target("2.99")
 
 

@@ -13,6 +13,7 @@ import xtrain
 from xtrain import plans
 from xtrain.cost import hardware, search
 from xtrain.cost.candidates import Candidate
+from xtrain.errors import InputError, PlanError, UnsupportedError
 from xtrain.lowering import ring_attention as ra
 from xtrain.step import host_batch
 from xtrain.testing import ParityResult, assert_parity, torch_reference
@@ -145,13 +146,13 @@ def test_what_context_parallelism_refuses():
     model, data, loss, _ = reference("llama", False, 256)
     compile = lambda mesh, plan=None: xtrain.compile(model, mesh, optimizer=adamw(model.parameters()), loss_fn=loss,
                                                      plan=plan)
-    with pytest.raises(ValueError, match=r"sequence 196 does not split into 8 chunks .*multiple of"):
+    with pytest.raises(InputError, match=r"sequence 196 does not split into 8 chunks .*multiple of"):
         compile(xtrain.Mesh(data=2, context=4))(data[0][0][:, :196])
     # 264 tokens are padded to whole blocks of 256 before the attention: the pad gathers the sequence
-    with pytest.raises(ValueError, match=r"its sequence \(264\) reaches the attention whole .* 'context'"):
+    with pytest.raises(UnsupportedError, match=r"its sequence \(264\) reaches the attention whole .* 'context'"):
         compile(xtrain.Mesh(data=2, context=4))(torch.zeros(8, 264, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec \('data',\) does not "
-                                         r"split the sequence .*Plan\(batch=\('data', 'context'\)\)"):
+    with pytest.raises(PlanError, match=r"mesh axis 'context' \(size 4\): the plan's batch spec \('data',\) does not "
+                                        r"split the sequence .*Plan\(batch=\('data', 'context'\)\)"):
         compile(xtrain.Mesh(data=2, context=4), xtrain.Plan(batch=("data",)))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain.errors import OptionsError, PlanError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.cost import hardware, search
@@ -129,7 +130,7 @@ def test_peak_flops_by_device_kind_and_dtype():
     assert hardware.peak_flops("trn1", "bf16") == 95e12
     assert hardware.peak_flops("cpu", "bf16") is None
     assert hardware.peak_flops("NVIDIA A100-SXM4-40GB", "int4") is None
-    with pytest.raises(ValueError, match="no hardware profile for 'trn9.fake'.*known: p4d.24xlarge"):
+    with pytest.raises(OptionsError, match="no hardware profile for 'trn9.fake'.*known: p4d.24xlarge"):
         hardware.profile("trn9.fake")
 
 
@@ -214,7 +215,7 @@ def test_pipeline_bubble_is_the_schedule_tables_or_the_formula():
 
     assert Pipeline(stages=4, microbatches=8).bubble_fraction == pytest.approx(3 / 11)
     assert Pipeline(stages=4, microbatches=8, idle=0.1).bubble_fraction == 0.1   # e.g. interleaved
-    with pytest.raises(ValueError, match=r"Pipeline\(idle=1.0\): the idle share must be in \[0, 1\)"):
+    with pytest.raises(PlanError, match=r"Pipeline\(idle=1.0\): the idle share must be in \[0, 1\)"):
         Pipeline(stages=2, microbatches=2, idle=1.0)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain.errors import PlanError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.cost import hardware, search
@@ -123,11 +124,11 @@ def test_unusable_pipelines_are_listed_with_the_reason():
 
 
 def test_candidate_and_enumeration_errors():
-    with pytest.raises(ValueError, match=r"pipe_degrees=\(3,\): \[3\] do not divide the 4 devices"):
+    with pytest.raises(PlanError, match=r"pipe_degrees=\(3,\): \[3\] do not divide the 4 devices"):
         search.candidates(4, PROFILE, pipe_degrees=(3,))
-    with pytest.raises(ValueError, match="microbatches and schedule belong to a pipeline; set pipe >= 2"):
+    with pytest.raises(PlanError, match="microbatches and schedule belong to a pipeline; set pipe >= 2"):
         Candidate(data=4, microbatches=4)
-    with pytest.raises(ValueError, match="1F1B always recomputes"):
+    with pytest.raises(PlanError, match="1F1B always recomputes"):
         Candidate(data=2, pipe=2, schedule="1f1b", remat=True)
     assert search.pipeline_degrees(8, layers=4) == [2, 4] and search.pipeline_degrees(8, layers=0) == []
     plan = Candidate(data=2, pipe=2, microbatches=4, remat=True).plan()

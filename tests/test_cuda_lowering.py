@@ -26,6 +26,7 @@ import xtrain
 from models import GPT, SequenceParallelGPT, token_batches
 from neuron_support import conformance
 from xtrain import explain, plans
+from xtrain.errors import OptionsError
 from xtrain.lowering import zero
 
 BATCH = token_batches(n=1, batch=16, seq=16)[0]
@@ -242,5 +243,5 @@ def test_the_neuron_program_has_the_same_collectives_and_fits_a_trn1_node(family
 
 def test_platform_errors():
     low = lowered("dp")
-    with pytest.raises(ValueError, match=r"platform='tpu' is not one xtrain lowers for; use one of cpu, cuda, neuron"):
+    with pytest.raises(OptionsError, match=r"platform='tpu' is not one xtrain lowers for; use one of cpu, cuda"):
         low.step.lower(*BATCH, platform="tpu")

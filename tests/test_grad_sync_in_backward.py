@@ -11,6 +11,7 @@ import torch
 
 import xtrain
 from xtrain import plans
+from xtrain.errors import BatchIndexError
 from xtrain.lowering import gradient_sync
 from xtrain.testing import assert_parity, run_parity
 
@@ -62,7 +63,7 @@ def test_a_bad_index_on_one_device_skips_the_step_everywhere():
     x, y = token_batches(n=1, seed=5)[0]
     y[-1, 3] = 999  # only the last device's rows
     before = step.state_dict()
-    with pytest.raises(IndexError, match="The update was skipped"):
+    with pytest.raises(BatchIndexError, match="The update was skipped"):
         step(x, y)
     assert all(torch.equal(before[k], v) for k, v in step.state_dict().items())
     assert any("xtrain.input_checks.any_device" in c.source for c in step.report().collectives)

@@ -7,6 +7,7 @@ import torch
 
 import xtrain
 from xtrain import plans
+from xtrain.errors import OptionsError
 from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, token_batches
@@ -87,6 +88,6 @@ def test_one_gradient_axis_keeps_the_flat_all_reduce():
 def test_inner_axes_must_exist():
     torch.manual_seed(0)
     model = GPT()
-    with pytest.raises(ValueError, match=r"GradSync.inner_axes=\('gpu',\).*no axis 'gpu'"):
+    with pytest.raises(OptionsError, match=r"GradSync.inner_axes=\('gpu',\).*no axis 'gpu'"):
         xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=PLAN,
                        grad_sync=xtrain.GradSync(inner_axes=("gpu",)))

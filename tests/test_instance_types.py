@@ -13,6 +13,7 @@ import xtrain
 from models import GPT, token_batches
 from neuron_support import emulate, topology
 from xtrain.cost import hardware, search
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 
@@ -40,22 +41,23 @@ def test_v100_peaks_and_no_bf16():
 
 def test_bf16_on_v100_is_an_error_naming_fp16(monkeypatch):
     message = "has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds dynamic loss scaling, or 'fp32'"
-    with pytest.raises(ValueError, match=re.escape("p3.16xlarge " + message.replace("; use", " (NVIDIA V100); use"))):
+    v100 = message.replace("; use", " (NVIDIA V100); use")
+    with pytest.raises(UnsupportedError, match=re.escape("p3.16xlarge " + v100)):
         hardware.profile("p3.16xlarge").check_precision("bf16")
-    with pytest.raises(ValueError, match=re.escape("Tesla V100-SXM2-32GB " + message)):
+    with pytest.raises(UnsupportedError, match=re.escape("Tesla V100-SXM2-32GB " + message)):
         hardware.check_device_precision("Tesla V100-SXM2-32GB", "bf16")
     hardware.check_device_precision("NVIDIA A100-SXM4-40GB", "bf16")
     # a script flying a p3 cluster on CPU (xtrain.init(emulate="p3.16xlarge:2")) is refused alike
     monkeypatch.setattr("xtrain.runtime.emulated_cluster", lambda: emulate.virtual_cluster("p3.16xlarge:2", devices=8))
     model = GPT()
-    with pytest.raises(ValueError, match=re.escape("p3.16xlarge has no bfloat16 arithmetic (NVIDIA V100)")):
+    with pytest.raises(UnsupportedError, match=re.escape("p3.16xlarge has no bfloat16 arithmetic (NVIDIA V100)")):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                        plan=xtrain.Plan(precision="bf16"))
 
 
 def test_unknown_types_name_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown instance type 'p3.4xlarge'; known: .*p3.2xlarge, p3.8xlarge, "
-                                         r"p3.16xlarge, p3dn.24xlarge"):
+    with pytest.raises(OptionsError, match=r"unknown instance type 'p3.4xlarge'; known: .*p3.2xlarge, p3.8xlarge, "
+                                           r"p3.16xlarge, p3dn.24xlarge"):
         topology.instance("p3.4xlarge")
 
 

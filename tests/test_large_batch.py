@@ -16,6 +16,7 @@ import xtrain
 from models import GPT, token_batches
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 from xtrain import plans
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir import trust_ratio
 from xtrain.optim import LAMB, LARS, exclude_from_adaptation
 from xtrain.testing import assert_parity, torch_reference
@@ -161,7 +162,7 @@ def test_another_packages_lamb_is_refused_by_its_own_name():
             super().__init__(params, dict(lr=1e-3))
     LookAlike = type("LAMB", (Lamb,), {})
     model = GPT()
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(UnsupportedError, match=re.escape(
             "optimizer test_large_batch.LAMB is not supported by xtrain; supported: torch.optim.SGD, "
             "torch.optim.Adam, torch.optim.AdamW, xtrain.optim.LARS, xtrain.optim.LAMB")):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=LookAlike(model.parameters()))
@@ -169,7 +170,7 @@ def test_another_packages_lamb_is_refused_by_its_own_name():
 
 def test_bad_options_name_the_fix():
     params = GPT().parameters()
-    with pytest.raises(ValueError, match=re.escape("nesterov=True is invalid: Nesterov momentum needs momentum > 0")):
+    with pytest.raises(OptionsError, match=re.escape("nesterov=True is invalid: Nesterov momentum needs momentum > 0")):
         LARS(params, momentum=0.0, nesterov=True)
-    with pytest.raises(ValueError, match=re.escape("betas=(0.9, 1.0) is invalid: use two decays in [0, 1)")):
+    with pytest.raises(OptionsError, match=re.escape("betas=(0.9, 1.0) is invalid: use two decays in [0, 1)")):
         LAMB(params, betas=(0.9, 1.0))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 import xtrain
 from xtrain.buckets import IGNORE_INDEX, Buckets
 from xtrain.cli import free_port_pair
+from xtrain.errors import BatchTypeError, InputError, OptionsError, PlanError
 from xtrain.loader import Loader, ShardedLoader, prefetched
 
 from models import GPT
@@ -94,13 +95,13 @@ def test_loader_resumes_an_epoch_function():
 def test_loader_refuses_a_position_its_source_cannot_reach():
     loader = Loader(rank_coded(3), epochs=1)
     loader.load_state_dict({"kind": "Loader", "epoch": 0, "batch": 5})
-    with pytest.raises(ValueError, match="resume at batch 5 of epoch 0: the source yields only 3 batches"):
+    with pytest.raises(InputError, match="resume at batch 5 of epoch 0: the source yields only 3 batches"):
         next(iter(loader))
-    with pytest.raises(ValueError, match="a Loader cannot resume from a 'ShardedLoader' position"):
+    with pytest.raises(InputError, match="a Loader cannot resume from a 'ShardedLoader' position"):
         loader.load_state_dict({"kind": "ShardedLoader", "step": 1})
     one_shot = Loader(iter(rank_coded(3)))
     one_shot.load_state_dict({"kind": "Loader", "epoch": 1, "batch": 0})
-    with pytest.raises(ValueError, match="cannot resume at epoch 1: the source is a one-shot iterator"):
+    with pytest.raises(InputError, match="cannot resume at epoch 1: the source is a one-shot iterator"):
         next(iter(one_shot))
 
 
@@ -114,15 +115,15 @@ def test_loader_resumes_a_generator_and_continues_where_it_stopped():
 
 
 def test_placement_errors_name_the_fix():
-    with pytest.raises(ValueError, match=r"batch_spec=\('batch',\) names mesh axes \['batch'\] that the mesh"):
+    with pytest.raises(PlanError, match=r"batch_spec=\('batch',\) names mesh axes \['batch'\] that the mesh"):
         Loader([], mesh=xtrain.Mesh(data=8), batch_spec=("batch",))
-    with pytest.raises(TypeError, match=r"got a dict with keys \['input_ids', 'labels'\]; give the Loader e.g."):
+    with pytest.raises(BatchTypeError, match=r"got a dict with keys \['input_ids', 'labels'\]; give the Loader e.g."):
         next(iter(Loader([{"labels": np.zeros(8), "input_ids": np.zeros(8)}], prefetch=0)))
-    with pytest.raises(ValueError, match="ShardedLoader needs step=<compiled step> or mesh="):
+    with pytest.raises(OptionsError, match="ShardedLoader needs step=<compiled step> or mesh="):
         ShardedLoader(Samples(), batch_size=8)
-    with pytest.raises(ValueError, match="the dataset has 50 samples, fewer than one global batch of 64"):
+    with pytest.raises(InputError, match="the dataset has 50 samples, fewer than one global batch of 64"):
         ShardedLoader(Samples(), batch_size=64, mesh=xtrain.Mesh(data=8))
-    with pytest.raises(ValueError, match="global batch 12 is not divisible by mesh axis data=8"):
+    with pytest.raises(InputError, match="global batch 12 is not divisible by mesh axis data=8"):
         ShardedLoader(Samples(), batch_size=12, mesh=xtrain.Mesh(data=8))
 
 
@@ -166,7 +167,7 @@ def test_sharded_loader_resumes_with_shuffling_by_seed():
     assert len(set(epoch0.tolist())) == 48 and epoch0.tolist() != sorted(epoch0.tolist())  # shuffled, no repeats
     assert not np.array_equal(want[0][1], want[3][1])  # epoch 1 has its own order
     other = ShardedLoader(Samples(), batch_size=16, mesh=mesh, seed=4)
-    with pytest.raises(ValueError, match="seed saved 3, now 4; resume with the same dataset"):
+    with pytest.raises(InputError, match="seed saved 3, now 4; resume with the same dataset"):
         other.load_state_dict(first.state_dict())
 
 
@@ -252,11 +253,11 @@ def test_bucket_padding_and_errors():
     x, y, mask = buckets.pad(([np.arange(3), np.arange(5)], [np.arange(3), np.arange(5)]))
     assert x.shape == y.shape == mask.shape == (2, 8)
     assert y[0].tolist() == [0, 1, 2] + [IGNORE_INDEX] * 5 and mask[1].tolist() == [1] * 5 + [0] * 3
-    with pytest.raises(ValueError, match="a sequence of 17 tokens is longer than the largest bucket 16"):
+    with pytest.raises(InputError, match="a sequence of 17 tokens is longer than the largest bucket 16"):
         buckets.pad((np.zeros((2, 17)), np.zeros((2, 17))))
-    with pytest.raises(ValueError, match=r"Buckets.lengths=\(16, 8\) must be strictly increasing"):
+    with pytest.raises(OptionsError, match=r"Buckets.lengths=\(16, 8\) must be strictly increasing"):
         Buckets(lengths=(16, 8), pad_values=(0,))
-    with pytest.raises(ValueError, match="give one pad value per argument"):
+    with pytest.raises(InputError, match="give one pad value per argument"):
         Buckets(lengths=(8,), pad_values=(0,)).pad((np.zeros((2, 3)), np.zeros((2, 3))))
 
 
@@ -297,5 +298,5 @@ def test_sharded_loader_buckets_variable_length_samples():
     for t, (x, y) in zip(range(4), loader):
         longest = max(Ragged.lengths[i] for i in loader.global_indices(t))
         assert x.shape == (8, 8 if longest <= 8 else 16)
-    with pytest.raises(ValueError, match="samples of argument 0 have different shapes"):
+    with pytest.raises(InputError, match="samples of argument 0 have different shapes"):
         next(iter(ShardedLoader(Ragged(), batch_size=8, mesh=xtrain.Mesh(data=8), prefetch=0)))

@@ -17,6 +17,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 from transformers.integrations.moe import use_experts_implementation
 
 import xtrain
+from xtrain.errors import InputError, PlanError
 from xtrain.ir import flops
 from xtrain.ir.model import TraceError
 from xtrain.testing import ParityResult, assert_parity, run_parity, torch_reference
@@ -288,16 +289,16 @@ def test_eager_experts_error_names_op_module_and_switch():
 
 def test_expert_axis_on_a_model_without_moe_is_an_error():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
-    with pytest.raises(ValueError, match=r"mesh axis 'expert' \(size 4\) splits the experts of MoE layers, but "
-                                         r"Sequential has none"):
+    with pytest.raises(PlanError, match=r"mesh axis 'expert' \(size 4\) splits the experts of MoE layers, but "
+                                        r"Sequential has none"):
         xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
                        loss_fn=lambda m, x: m(x).sum())(torch.ones(8, 4))
 
 
 def test_experts_not_divisible_by_expert_axis_is_an_error():
     model = MoELM()
-    with pytest.raises(ValueError, match=r"expert weight 'blocks\.0\.experts\.down_proj' of shape \(4, 32, 48\) "
-                                         r"holds 4 experts, not divisible by the mesh axis 'expert' of size 8"):
+    with pytest.raises(PlanError, match=r"expert weight 'blocks\.0\.experts\.down_proj' of shape \(4, 32, 48\) "
+                                        r"holds 4 experts, not divisible by the mesh axis 'expert' of size 8"):
         xtrain.compile(model, xtrain.Mesh(expert=8), optimizer=sgd(model.parameters()),
                        loss_fn=moe_loss)(*lm_batches(n=1)[0])
 
@@ -312,7 +313,7 @@ def test_top_k_above_the_number_of_experts_is_an_error_naming_the_router():
 
 def test_batch_not_divisible_by_data_times_expert_is_an_error():
     model = MoELM()
-    with pytest.raises(ValueError, match=r"global batch 4 is not divisible by mesh axis data=2 x expert=4; use a "
+    with pytest.raises(InputError, match=r"global batch 4 is not divisible by mesh axis data=2 x expert=4; use a "
                                          r"global batch that is a multiple of 8"):
         xtrain.compile(model, xtrain.Mesh(data=2, expert=4), optimizer=sgd(model.parameters()),
                        loss_fn=moe_loss)(*lm_batches(n=1, batch=4)[0])

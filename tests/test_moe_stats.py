@@ -13,6 +13,7 @@ import xtrain
 from neuron_support import conformance, emulate
 from xtrain.cost import hardware, search
 from xtrain.cost import model as cost_model
+from xtrain.errors import PlanError, UnsupportedError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.step import host_batch
@@ -135,7 +136,7 @@ def test_capacity_shrinks_the_all_to_all_buffers():
 
 
 def test_capacity_factor_must_be_positive():
-    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
+    with pytest.raises(PlanError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
         xtrain.Plan(capacity_factor=0)
 
 
@@ -190,9 +191,9 @@ def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)
     capped = xtrain.Plan(capacity_factor=1.0)
-    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) drops MoE pairs in the explicit lowering"):
+    with pytest.raises(UnsupportedError, match=r"Plan\(capacity_factor=1.0\) drops MoE pairs in the explicit lowering"):
         xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=capped,
                        lowering="xla")(*batches[0])
-    with pytest.raises(ValueError, match=r"Plan\(capacity_factor=1.0\) is not applied by the pipeline step"):
+    with pytest.raises(UnsupportedError, match=r"Plan\(capacity_factor=1.0\) is not applied by the pipeline step"):
         xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
                        plan=capped.with_pipeline(stages=2, microbatches=2))(*batches[0])

@@ -3,6 +3,7 @@ import pytest
 
 from neuron_support import env as nenv
 from neuron_support import topology
+from xtrain.errors import LaunchError, MeshError, OptionsError
 from xtrain.runtime.launch import ProcessEnv, process_env
 
 
@@ -17,7 +18,7 @@ def test_topology_table():
     assert topology.instance("trn1n.32xlarge").efa_gbit_s == 1600
     assert topology.instance("trn2.48xlarge").devices == 64  # 16 chips x 8 cores at LNC=2
     assert topology.instance("p4d.24xlarge").devices == 8 and topology.instance("p5.48xlarge").efa_gbit_s == 3200
-    with pytest.raises(ValueError, match="unknown instance type 'trn9.large'; known: trn1.2xlarge"):
+    with pytest.raises(OptionsError, match="unknown instance type 'trn9.large'; known: trn1.2xlarge"):
         topology.instance("trn9.large")
 
 
@@ -26,12 +27,12 @@ def test_physical_and_logical_meshes():
     assert topology.physical_axes("p4d.24xlarge", 4) == {"node": 4, "gpu": 8}
     assert topology.mesh_axes("trn1.32xlarge", 4, tensor=8) == {"data": 16, "pipe": 1, "tensor": 8}
     assert topology.mesh_axes("trn1.32xlarge", 2, tensor=32, pipe=2) == {"data": 1, "pipe": 2, "tensor": 32}
-    with pytest.raises(ValueError, match="tensor=16 is not a replica-group size trn1.32xlarge supports"):
+    with pytest.raises(MeshError, match="tensor=16 is not a replica-group size trn1.32xlarge supports"):
         topology.mesh_axes("trn1.32xlarge", 1, tensor=16)
-    with pytest.raises(ValueError, match="tensor=3 does not divide the 8 devices of one p4d.24xlarge"):
+    with pytest.raises(MeshError, match="tensor=3 does not divide the 8 devices of one p4d.24xlarge"):
         topology.mesh_axes("p4d.24xlarge", 1, tensor=3)
     assert topology.parse_cluster("trn1.32xlarge:2")[1] == 2
-    with pytest.raises(ValueError, match="node count after ':' must be a positive integer"):
+    with pytest.raises(OptionsError, match="node count after ':' must be a positive integer"):
         topology.parse_cluster("trn1.32xlarge:x")
 
 
@@ -73,16 +74,16 @@ def test_single_node_and_trn2():
     (torchrun(3, 64, 3, 64), "process-per-core", "launch at most 32 processes per node"),
 ])
 def test_layout_mismatch(process, layout, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LaunchError, match=message):
         nenv.neuron_env(process, "trn1.32xlarge", layout)
 
 
 def test_bad_options():
-    with pytest.raises(ValueError, match="layout='process-per-chip' is not one of 'process-per-node', 'process-per-core'"):
+    with pytest.raises(OptionsError, match="layout='process-per-chip' is not one of 'process-per-node'"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", "process-per-chip")
-    with pytest.raises(ValueError, match="precision='fp8' is not one of 'fp32', 'bf16'"):
+    with pytest.raises(OptionsError, match="precision='fp8' is not one of 'fp32', 'bf16'"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", precision="fp8")
-    with pytest.raises(ValueError, match="optimization=4 is not a neuronx-cc level"):
+    with pytest.raises(OptionsError, match="optimization=4 is not a neuronx-cc level"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", optimization=4)
-    with pytest.raises(ValueError, match="p4d.24xlarge has no NeuronCores"):
+    with pytest.raises(OptionsError, match="p4d.24xlarge has no NeuronCores"):
         nenv.neuron_env(ProcessEnv(), "p4d.24xlarge")

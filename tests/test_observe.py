@@ -10,6 +10,7 @@ import pytest
 
 import xtrain
 from xtrain.cost.hardware import peak_flops
+from xtrain.errors import OptionsError
 from xtrain.observe import Monitor, format_postfix, matmul_flops, model_flops, plot, read_metrics, utilisation
 
 B, D, H, O = 16, 12, 20, 6
@@ -98,7 +99,7 @@ def test_profiler_traces_the_requested_steps(step, tmp_path):
     monitor.close()
     traces = list((tmp_path / "trace").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
-    with pytest.raises(ValueError, match=r"profile_steps=\(3, 1\): give \(first, last\)"):
+    with pytest.raises(OptionsError, match=r"profile_steps=\(3, 1\): give \(first, last\)"):
         Monitor(step, progress=False, profile_steps=(3, 1))
 
 

@@ -16,6 +16,7 @@ import xtrain
 from models import GPT, token_batches
 from test_cost import host_batch, wrapped_gpt
 from xtrain.cost import hardware, search
+from xtrain.errors import PlanError
 from xtrain.sharding.offload import Offload
 from xtrain.frontend.structure import describe
 from xtrain.testing import assert_parity, run_parity, torch_reference
@@ -76,8 +77,8 @@ def test_search_proposes_offload_when_nothing_else_fits():
 
 
 def test_offload_values_name_what_is_supported():
-    with pytest.raises(ValueError, match=re.escape("Plan(offload='gradients') must be one of ['none', 'optimizer', "
-                                                   "'activations']")):
+    with pytest.raises(PlanError, match=re.escape("Plan(offload='gradients') must be one of ['none', 'optimizer', "
+                                                  "'activations']")):
         xtrain.Plan(offload="gradients")
     assert "offload=optimizer" in str(OFFLOAD)
 
@@ -122,12 +123,12 @@ def test_search_picks_activation_offload_when_the_plain_plan_does_not_fit():
     assert result.best.prediction.offload_s > 0 and "dp2 act-offload" in str(result)
     assert result.best.candidate.plan().offload is Offload.ACTIVATIONS
     # no layer scan in a pipeline, and offloading already recomputes each layer
-    with pytest.raises(ValueError, match=re.escape("Candidate(offload='activations', pipe=2)")):
+    with pytest.raises(PlanError, match=re.escape("Candidate(offload='activations', pipe=2)")):
         search.Candidate(data=1, pipe=2, offload="activations")
-    with pytest.raises(ValueError, match=re.escape("Candidate(offload='activations', remat=True)")):
+    with pytest.raises(PlanError, match=re.escape("Candidate(offload='activations', remat=True)")):
         search.Candidate(data=2, remat=True, offload="activations")
-    with pytest.raises(ValueError, match=re.escape("Candidate(offload=True) must be one of ['none', 'optimizer', "
-                                                   "'activations']")):
+    with pytest.raises(PlanError, match=re.escape("Candidate(offload=True) must be one of ['none', 'optimizer', "
+                                                  "'activations']")):
         search.Candidate(data=2, offload=True)
     # without a host link in the profile, no offload candidates at all
     no_link = dataclasses.replace(profile, host_bytes_per_s=None)

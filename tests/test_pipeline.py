@@ -10,6 +10,7 @@ import torch
 
 import xtrain
 from xtrain import plans
+from xtrain.errors import InputError, PlanError, UnsupportedError
 from xtrain.testing import assert_parity, torch_reference
 from xtrain.testing.parity import ParityResult
 
@@ -239,26 +240,26 @@ def _step(layers, mesh, **pipeline):
 
 
 def test_error_pipe_axis_missing_from_mesh():
-    with pytest.raises(ValueError, match=r"runs over mesh axis 'pipe', which the mesh \(data=8\) does not have; "
-                                         r"use e.g. xtrain.Mesh\(pipe=2, data=-1\)"):
+    with pytest.raises(PlanError, match=r"runs over mesh axis 'pipe', which the mesh \(data=8\) does not have; "
+                                        r"use e.g. xtrain.Mesh\(pipe=2, data=-1\)"):
         _step(2, dict(data=8), stages=2, microbatches=2)
 
 
 def test_error_pipe_axis_size_differs_from_stages():
-    with pytest.raises(ValueError, match=r"stages=4\) but mesh axis 'pipe' has size 2"):
+    with pytest.raises(PlanError, match=r"stages=4\) but mesh axis 'pipe' has size 2"):
         _step(4, dict(pipe=2, data=4), stages=4, microbatches=2)
 
 
 def test_error_more_stages_than_layers():
     step = _step(2, dict(pipe=4, data=2), stages=4, microbatches=2)
-    with pytest.raises(ValueError, match=r"4 stages but the model has only 2 repeated blocks \(blocks.0 .. blocks.1\); "
-                                         r"use at most 2 stages"):
+    with pytest.raises(PlanError, match=r"4 stages but the model has only 2 repeated blocks \(blocks.0 .. blocks.1\); "
+                                        r"use at most 2 stages"):
         step(*token_batches(1, batch=8)[0])
 
 
 def test_error_batch_not_divisible_by_data_times_microbatches():
     step = _step(2, dict(pipe=2, data=4), stages=2, microbatches=4)
-    with pytest.raises(ValueError, match=r"batch argument 0 has 12 rows \(shape \(12, 16\)\), not divisible by data "
+    with pytest.raises(InputError, match=r"batch argument 0 has 12 rows \(shape \(12, 16\)\), not divisible by data "
                                          r"degree 4 x microbatches 4 = 16; use a global batch that is a multiple of 16"):
         step(*token_batches(1, batch=12)[0])
 
@@ -269,13 +270,13 @@ def test_error_model_without_repeated_blocks():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()),
                           plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
-    with pytest.raises(ValueError, match=r"pipeline parallelism needs repeated blocks .* none were found"):
+    with pytest.raises(UnsupportedError, match=r"pipeline parallelism needs repeated blocks .* none were found"):
         step(*mlp_batches(1, batch=16)[0])
 
 
 def test_error_pipeline_with_xla_lowering():
     model = GPT(layers=2)
-    with pytest.raises(ValueError, match=r"pipeline parallelism needs lowering='explicit' \(got 'xla'\)"):
+    with pytest.raises(UnsupportedError, match=r"pipeline parallelism needs lowering='explicit' \(got 'xla'\)"):
         xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()), lowering="xla",
                        plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
 
@@ -283,5 +284,5 @@ def test_error_pipeline_with_xla_lowering():
 def test_error_zero2_with_pipeline():
     model = GPT(layers=2)
     plan = xtrain.Plan(zero=2).with_pipeline(stages=2, microbatches=2)
-    with pytest.raises(ValueError, match=r"supports ZeRO stage 0 or 1 \(got Plan\(zero=2\)\)"):
+    with pytest.raises(UnsupportedError, match=r"supports ZeRO stage 0 or 1 \(got Plan\(zero=2\)\)"):
         xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd(model.parameters()), plan=plan)

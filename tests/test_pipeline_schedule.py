@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import xtrain
+from xtrain.errors import PlanError
 from xtrain.lowering.pipeline import partition, schedule
 from xtrain.lowering.pipeline.executors import tick_tables
 from xtrain.lowering.pipeline.schedule import Kind
@@ -146,14 +147,14 @@ def test_flops_of_a_matmul_layer():
 # -- configuration errors -------------------------------------------------------------------
 
 def test_interleaved_needs_microbatches_divisible_by_stages():
-    with pytest.raises(ValueError, match=r"microbatches=6 is not divisible by stages=4; use a multiple of 4"):
+    with pytest.raises(PlanError, match=r"microbatches=6 is not divisible by stages=4; use a multiple of 4"):
         xtrain.Plan().with_pipeline(stages=4, microbatches=6, schedule="interleaved", virtual_stages=2)
 
 
 def test_pipeline_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"schedule='zigzag'"):
+    with pytest.raises(PlanError, match=r"schedule='zigzag'"):
         xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule="zigzag")
-    with pytest.raises(ValueError, match=r"virtual_stages=2\) needs schedule='interleaved'"):
+    with pytest.raises(PlanError, match=r"virtual_stages=2\) needs schedule='interleaved'"):
         xtrain.Plan().with_pipeline(stages=2, microbatches=4, virtual_stages=2)
-    with pytest.raises(ValueError, match=r"names 1 cut points; 4 stages need 3"):
+    with pytest.raises(PlanError, match=r"names 1 cut points; 4 stages need 3"):
         xtrain.Plan().with_pipeline(stages=4, microbatches=4, split=["blocks.2"])

@@ -14,6 +14,7 @@ from neuron_support import conformance
 from xtrain import observe
 from xtrain.cost import hardware, search
 from xtrain.cost.program import abstract_step
+from xtrain.errors import UnsupportedError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.ir import flops
@@ -106,5 +107,5 @@ def test_every_aws_gpu_has_its_own_profile(kind, instance, hbm_gib):
     profile = hardware.profile_for_device("gpu", kind)
     assert profile.name == instance and profile.hbm_bytes == hbm_gib * 2**30
     assert profile.matmul_flops_per_s("bf16") == hardware.peak_flops(kind, "bf16")
-    with pytest.raises(ValueError, match="no hardware profile for device kind 'NVIDIA B200'"):
+    with pytest.raises(UnsupportedError, match="no hardware profile for device kind 'NVIDIA B200'"):
         hardware.profile_for_device("gpu", "NVIDIA B200")

@@ -11,6 +11,7 @@ import xtrain
 from models import GPT, token_batches
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 from xtrain import plans
+from xtrain.errors import PlanError
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
 TP2, TP4 = dict(data=4, tensor=2), dict(data=2, tensor=4)
@@ -128,12 +129,12 @@ class Probe(torch.nn.Module):
 
 
 def test_megatron_errors_name_the_fix():
-    with pytest.raises(ValueError, match=r"mesh \(data=8\) has no axis 'tensor'"):
+    with pytest.raises(PlanError, match=r"mesh \(data=8\) has no axis 'tensor'"):
         plans.megatron(GPT(), dict(data=8))
-    with pytest.raises(ValueError, match="found no column -> row matmul pairs in the traced program"):
+    with pytest.raises(PlanError, match="found no column -> row matmul pairs in the traced program"):
         plans.megatron(Probe(), TP2, example=(torch.zeros(8, 12), torch.zeros(8, dtype=torch.long)))
     assert "pending" in str(plans.megatron(GPT(), TP2)).splitlines()[1]
-    with pytest.raises(ValueError, match="pass example=<a batch> to plans.megatron to derive them now"):
+    with pytest.raises(PlanError, match="pass example=<a batch> to plans.megatron to derive them now"):
         plans.assert_sharded(plans.megatron(GPT(), TP2), GPT(), TP2)
 
 
@@ -148,7 +149,7 @@ def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
     assert odd.params == {} and "w (101, 7): no dimension divisible by data=8; not split over data" in odd.notes
     assert plans.zero(3, gpt2(), dict(data=8)) == plan and plans.zero(0) == plans.ddp()
     assert plans.zero(1).zero == 1 and plans.zero(2).zero == 2 and plans.zero(3).zero == 3
-    with pytest.raises(ValueError, match="must be 0, 1, 2 or 3"):
+    with pytest.raises(PlanError, match="must be 0, 1, 2 or 3"):
         plans.zero(4)
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import xtrain
 from models import MLP, mlp_batches
 from xtrain.checkpoint import CheckpointManager
+from xtrain.errors import LaunchError
 from xtrain.runtime import sagemaker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,9 +51,9 @@ def test_no_checkpoint_config_means_no_checkpoint_directory(tmp_path, monkeypatc
     assert sagemaker.paths(env).checkpoint_dir is None
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=re.escape("CheckpointManager() without a directory uses SageMaker's checkpoint "
-                                                   "directory, but this process runs in a SageMaker job that configured "
-                                                   "no checkpoints")):
+    with pytest.raises(LaunchError, match=re.escape("CheckpointManager() without a directory uses SageMaker's "
+                                                    "checkpoint directory, but this process runs in a SageMaker job "
+                                                    "that configured no checkpoints")):
         CheckpointManager()
 
 
@@ -60,8 +61,8 @@ def test_export_without_a_path_goes_to_sm_model_dir(tmp_path, monkeypatch):
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     step(*mlp_batches(n=1)[0])
-    with pytest.raises(ValueError, match=re.escape("step.export() without a path writes to SageMaker's model directory "
-                                                   "(SM_MODEL_DIR), but this process runs outside a SageMaker job")):
+    with pytest.raises(LaunchError, match=re.escape("step.export() without a path writes to SageMaker's model "
+                                                    "directory (SM_MODEL_DIR), but this process runs outside")):
         step.export()
     for name, value in fake_job(tmp_path).items():
         monkeypatch.setenv(name, value)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import xtrain
+from xtrain.errors import PlanError
 from xtrain.sharding.segments import Segments, to_stored, to_torch
 from xtrain.testing import assert_parity, run_parity
 
@@ -72,7 +73,7 @@ def test_a_per_segment_plan_trains_with_parity(lowering):
 def test_segments_that_do_not_fit_are_refused(sizes, message):
     model = FusedMLP()
     bad = xtrain.Plan(params={"up.weight": (Segments("tensor", sizes), None)})
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=bad)
 
 

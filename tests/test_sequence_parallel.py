@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import xtrain
 from models import GPT, SequenceParallelGPT, token_batches
 from xtrain import plans
+from xtrain.errors import PlanError
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
 MESH = dict(data=4, tensor=2)
@@ -136,5 +137,5 @@ def test_shard_errors_name_the_tensor_and_the_fix(spec, message):
     model = Outer(spec)
     step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()),
                           loss_fn=lambda m, x: m(x))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(PlanError, match=message):
         step(torch.ones(16, 6))

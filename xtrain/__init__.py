@@ -33,6 +33,7 @@ _LAZY = {
     "Buckets": ("xtrain.buckets", "Buckets"),
     "Monitor": ("xtrain.observe", "Monitor"),
     "sagemaker": ("xtrain.runtime.sagemaker", None),
+    "errors": ("xtrain.errors", None),
 }
 __all__ = ["Mesh", "Plan", *_LAZY]
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from xtrain.errors import InputError, OptionsError
 from xtrain.frontend.tensors import to_numpy
 
 IGNORE_INDEX = -100  # torch cross_entropy's default ignore_index
@@ -43,11 +44,12 @@ class Buckets:
     def __post_init__(self):
         lengths = tuple(self.lengths)
         if not lengths or any(not isinstance(n, int) or n <= 0 for n in lengths):
-            raise ValueError(f"Buckets.lengths={self.lengths!r}: give one or more positive integer lengths")
+            raise OptionsError(f"Buckets.lengths={self.lengths!r}: give one or more positive integer lengths")
         if list(lengths) != sorted(set(lengths)):
-            raise ValueError(f"Buckets.lengths={self.lengths!r} must be strictly increasing, e.g. {tuple(sorted(set(lengths)))}")
+            raise OptionsError(
+                f"Buckets.lengths={self.lengths!r} must be strictly increasing, e.g. {tuple(sorted(set(lengths)))}")
         if self.axis < 1:
-            raise ValueError(f"Buckets.axis={self.axis}: axis 0 is the batch axis; the sequence axis is 1 or later")
+            raise OptionsError(f"Buckets.axis={self.axis}: axis 0 is the batch axis; the sequence axis is 1 or later")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "pad_values", tuple(self.pad_values))
 
@@ -55,7 +57,7 @@ class Buckets:
         """The bucket a batch whose longest sequence has `longest` tokens is padded to."""
         at = bisect.bisect_left(self.lengths, longest)
         if at == len(self.lengths):
-            raise ValueError(f"a sequence of {longest} tokens is longer than the largest bucket "
+            raise InputError(f"a sequence of {longest} tokens is longer than the largest bucket "
                              f"{self.lengths[-1]} (Buckets.lengths={self.lengths}); add a larger bucket or "
                              f"truncate the data")
         return self.lengths[at]
@@ -66,13 +68,13 @@ class Buckets:
         Each argument is an array whose sequence axis may be shorter than the bucket, or a list
         of per-sample sequences of different lengths (ragged)."""
         if len(batch) != len(self.pad_values):
-            raise ValueError(f"the batch has {len(batch)} arguments but Buckets.pad_values has "
+            raise InputError(f"the batch has {len(batch)} arguments but Buckets.pad_values has "
                              f"{len(self.pad_values)} ({self.pad_values}); give one pad value per argument")
         rows = [_rows(x) for x in batch]
         longest = max(len_along(r, self.axis) for arg in rows for r in arg)
         length = self.length_for(longest) if length is None else length
         if length < longest:
-            raise ValueError(f"a sequence of {longest} tokens does not fit the requested bucket length {length}")
+            raise InputError(f"a sequence of {longest} tokens does not fit the requested bucket length {length}")
         out = [self._stack(arg, value, length) for arg, value in zip(rows, self.pad_values)]
         if self.mask:
             out.append(_mask([len_along(r, self.axis) for r in rows[0]], length))

@@ -21,6 +21,7 @@ import socket
 import sys
 from typing import Sequence
 
+from xtrain.errors import LaunchError, OptionsError
 from xtrain.runtime import backends, cache
 from xtrain.runtime.launch import (COORDINATOR_PORT_OFFSET, DEFAULT_MASTER_PORT, Launcher, ProcessEnv,
                                    process_env)
@@ -78,9 +79,9 @@ def resolve_nodes(opts: RunOptions, outer: ProcessEnv, *, free_port: int | None 
     rank = opts.node_rank if opts.node_rank is not None else rank
     master = opts.master_addr or master
     if nnodes > 1 and master is None:
-        raise ValueError(f"--nnodes {nnodes} needs --master-addr (the host of node 0) outside SageMaker and srun")
+        raise LaunchError(f"--nnodes {nnodes} needs --master-addr (the host of node 0) outside SageMaker and srun")
     if not 0 <= rank < nnodes:
-        raise ValueError(f"--node-rank {rank} is outside --nnodes {nnodes}")
+        raise LaunchError(f"--node-rank {rank} is outside --nnodes {nnodes}")
     port = opts.master_port or (free_port if nnodes == 1 and free_port else DEFAULT_MASTER_PORT)
     return Nodes(nnodes=nnodes, node_rank=rank, master_addr=master or "127.0.0.1", master_port=port)
 
@@ -89,7 +90,7 @@ def processes_per_node(opts: RunOptions, backend: str, local_devices: int | None
     """--nproc-per-node, else one per emulated node, else the backend's default."""
     if opts.nproc_per_node is not None:
         if opts.nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node {opts.nproc_per_node} must be >= 1")
+            raise OptionsError(f"--nproc-per-node {opts.nproc_per_node} must be >= 1")
         return opts.nproc_per_node
     if opts.emulate:
         from neuron_support.topology import parse_cluster
@@ -111,7 +112,7 @@ def launch_command(opts: RunOptions, *, backend: str, local_devices: int | None,
         free_port: a port to use on a single node when none is given.
     """
     if opts.layout not in LAYOUTS:
-        raise ValueError(f"--layout {opts.layout!r} is not one of {', '.join(LAYOUTS)}")
+        raise OptionsError(f"--layout {opts.layout!r} is not one of {', '.join(LAYOUTS)}")
     nodes = resolve_nodes(opts, outer, free_port=free_port)
     nproc = processes_per_node(opts, backend, local_devices)
     return [python, "-m", "torch.distributed.run", "--nnodes", str(nodes.nnodes), "--nproc_per_node", str(nproc),
@@ -323,8 +324,8 @@ def _intercepted(script: str, args: Sequence[str], run, *, build: bool, what: st
             _run_script(script, args)
         except _Stop:
             return 0
-    raise ValueError(f"{script} finished without calling a compiled training step, so there is no {what}: "
-                     "`xtrain.compile(...)` then `step(*batch)` must run")
+    raise LaunchError(f"{script} finished without calling a compiled training step, so there is no {what}: "
+                      "`xtrain.compile(...)` then `step(*batch)` must run")
 
 
 def report(script: str, args: Sequence[str]) -> int:
@@ -346,7 +347,7 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
 
     hardware.check_target(target)  # a bad target fails here, before the script runs
     if global_batch is not None and global_batch < 1:
-        raise ValueError(f"--global-batch {global_batch} must be >= 1")
+        raise OptionsError(f"--global-batch {global_batch} must be >= 1")
 
     def show(step, batch):
         from xtrain.cost import hardware, search

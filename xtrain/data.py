@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xtrain.errors import InputError
 from xtrain.frontend.tensors import to_numpy
 from xtrain.sharding.plan import Spec, axes_of
 
@@ -27,7 +28,7 @@ def check_divisible(index: int, shape: tuple[int, ...], spec: Spec, mesh: jax.sh
         if shape[dim] % size:
             axes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes_of(entry))
             what = "global batch" if dim == 0 else f"dimension {dim}"
-            raise ValueError(
+            raise InputError(
                 f"batch argument {index} has shape {tuple(shape)}: {what} {shape[dim]} is not "
                 f"divisible by mesh axis {axes}; use a {what} that is a multiple of {size}")
 
@@ -45,7 +46,7 @@ def _placed(index: int, x: jax.Array, sharding: NamedSharding) -> jax.Array:
     if x.sharding.is_equivalent_to(sharding, x.ndim):
         return x
     if not x.is_fully_addressable:
-        raise ValueError(
+        raise InputError(
             f"batch argument {index} is a multi-process jax.Array of shape {tuple(x.shape)} laid out as "
             f"{x.sharding}, but the step's batch layout is {sharding.spec}; place it with "
             f"xtrain.loader (or jax.make_array_from_process_local_data) under the step's batch sharding")

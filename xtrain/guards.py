@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from xtrain.errors import BatchIndexError, InputError
 from xtrain.lowering import input_checks, nan_check
 
 _SKIPPED = "The update was skipped: parameters and optimizer state are those before this step"
@@ -24,7 +25,7 @@ def check_not_empty(batch: Sequence[Any]) -> None:
     for index, x in enumerate(batch):
         shape = tuple(getattr(x, "shape", ()))
         if shape and shape[0] == 0:
-            raise ValueError(f"batch argument {index} has shape {shape}: an empty batch (no samples). Skip empty "
+            raise InputError(f"batch argument {index} has shape {shape}: an empty batch (no samples). Skip empty "
                              "batches before calling the step (for a loader's short last batch: drop_last=True)")
 
 
@@ -54,7 +55,8 @@ def raise_for_inputs(step_count: int, checks, placed: tuple, *, during: str = "t
     if violation is not None:
         check, value = violation
         after = _SKIPPED if during == "train" else "Nothing was evaluated"
-        raise IndexError(f"step {step_count}{'' if during == 'train' else ' (eval)'}: {check.describe(value)}. {after}")
+        raise BatchIndexError(
+            f"step {step_count}{'' if during == 'train' else ' (eval)'}: {check.describe(value)}. {after}")
 
 
 def explain_skip(step, out: dict, placed: tuple) -> None:

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain import data
 from xtrain.buckets import Buckets
+from xtrain.errors import BatchTypeError, InputError, OptionsError, PlanError
 from xtrain.sharding.plan import Spec, axes_of
 
 _DONE = object()
@@ -44,8 +45,8 @@ def _placement(step, mesh, batch_spec: Spec | None) -> tuple[jax.sharding.Mesh |
     if mesh is not None:
         unknown = [a for e in spec for a in axes_of(e) if a not in mesh.shape]
         if unknown:
-            raise ValueError(f"batch_spec={spec} names mesh axes {unknown} that the mesh "
-                             f"({dict(mesh.shape)}) lacks; use axes of the mesh")
+            raise PlanError(f"batch_spec={spec} names mesh axes {unknown} that the mesh "
+                            f"({dict(mesh.shape)}) lacks; use axes of the mesh")
     return mesh, spec
 
 
@@ -97,7 +98,7 @@ class _Resumable:
 
     def __init__(self, prefetch: int):
         if prefetch < 0:
-            raise ValueError(f"prefetch={prefetch}: give the number of batches to prepare ahead (0 = none)")
+            raise OptionsError(f"prefetch={prefetch}: give the number of batches to prepare ahead (0 = none)")
         self.prefetch = prefetch
         self._pipeline: Iterator | None = None
 
@@ -149,7 +150,7 @@ class Loader(_Resumable):
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position: the next iteration starts with the batch after it."""
         if state.get("kind") != "Loader":
-            raise ValueError(f"a Loader cannot resume from a {state.get('kind')!r} position {state}")
+            raise InputError(f"a Loader cannot resume from a {state.get('kind')!r} position {state}")
         self._restart()
         self._position = (int(state["epoch"]), int(state["batch"]))
 
@@ -179,7 +180,7 @@ class Loader(_Resumable):
         for epoch in range(epochs):
             batches = iter(self.source)
             if batches is self.source:
-                raise ValueError(f"cannot resume at epoch {epochs}: the source is a one-shot iterator "
+                raise InputError(f"cannot resume at epoch {epochs}: the source is a one-shot iterator "
                                  f"({type(self.source).__name__}); pass a re-iterable or `epoch -> iterable`")
             for _ in batches:
                 pass
@@ -187,15 +188,16 @@ class Loader(_Resumable):
     def _skip(self, batches: Iterator, count: int, epoch: int) -> int:
         for done in range(count):
             if next(batches, _DONE) is _DONE:
-                raise ValueError(f"cannot resume at batch {count} of epoch {epoch}: the source yields "
+                raise InputError(f"cannot resume at batch {count} of epoch {epoch}: the source yields "
                                  f"only {done} batches in that epoch; is it the same data?")
         return count
 
     def place(self, batch: Any) -> tuple:
         """Pads (buckets) and places one global batch on the mesh."""
         if isinstance(batch, Mapping):
-            raise TypeError(f"a batch is a tuple of the step's positional arguments, got a dict with keys "
-                            f"{sorted(batch)}; give the Loader e.g. ((b['input_ids'], b['labels']) for b in source)")
+            raise BatchTypeError(
+                f"a batch is a tuple of the step's positional arguments, got a dict with keys "
+                f"{sorted(batch)}; give the Loader e.g. ((b['input_ids'], b['labels']) for b in source)")
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         if self.buckets is not None:
             batch = self.buckets.pad(batch)
@@ -230,12 +232,12 @@ class ShardedLoader(_Resumable):
         super().__init__(prefetch)
         self.mesh, self.batch_spec = _placement(step, mesh, batch_spec)
         if self.mesh is None:
-            raise ValueError("ShardedLoader needs step=<compiled step> or mesh=: it reads each process's rows")
+            raise OptionsError("ShardedLoader needs step=<compiled step> or mesh=: it reads each process's rows")
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.buckets, self.lengths = buckets, None if lengths is None else np.asarray(lengths)
         self.steps_per_epoch = len(dataset) // batch_size
         if self.steps_per_epoch == 0:
-            raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {batch_size}")
+            raise InputError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {batch_size}")
         data.check_divisible(0, (batch_size,), self.batch_spec, self.mesh)
         self.rows = data.process_rows((batch_size,), self._sharding(1))
         self._position = 0  # global batches consumed
@@ -246,11 +248,11 @@ class ShardedLoader(_Resumable):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "ShardedLoader":
-            raise ValueError(f"a ShardedLoader cannot resume from a {state.get('kind')!r} position {state}")
+            raise InputError(f"a ShardedLoader cannot resume from a {state.get('kind')!r} position {state}")
         mine = self.state_dict()
         changed = {k: (state[k], mine[k]) for k in ("seed", "shuffle", "batch_size", "samples") if state[k] != mine[k]}
         if changed:
-            raise ValueError("the saved data position was taken with a different loader: "
+            raise InputError("the saved data position was taken with a different loader: "
                              + ", ".join(f"{k} saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
                              + "; resume with the same dataset, seed, shuffle and batch_size")
         self._restart()
@@ -310,6 +312,6 @@ def _as_tuple(sample: Any) -> tuple:
 def _stack(rows: list, arg: int) -> np.ndarray:
     shapes = {tuple(np.shape(r)) for r in rows}
     if len(shapes) > 1:
-        raise ValueError(f"samples of argument {arg} have different shapes {sorted(shapes)[:4]}; pad them to "
+        raise InputError(f"samples of argument {arg} have different shapes {sorted(shapes)[:4]}; pad them to "
                          f"a few shapes with buckets=xtrain.buckets.Buckets(lengths=..., pad_values=...)")
     return np.stack([data.to_numpy(r) for r in rows])

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
+from xtrain.errors import OptionsError
 from xtrain.ir import flops
 from xtrain.cost.hardware import peak_flops
 
@@ -187,7 +188,7 @@ def format_postfix(rec: dict) -> str:
 
 def _check_range(steps: tuple[int, int] | None) -> tuple[int, int] | None:
     if steps is not None and not (len(steps) == 2 and 0 <= steps[0] <= steps[1]):
-        raise ValueError(f"profile_steps={steps!r}: give (first, last) step indices with 0 <= first <= last")
+        raise OptionsError(f"profile_steps={steps!r}: give (first, last) step indices with 0 <= first <= last")
     return tuple(steps) if steps is not None else None
 
 

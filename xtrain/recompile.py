@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from xtrain.errors import InputError
+
 Signature = tuple  # per batch argument: (shape, dtype) of an array, or the Python value
 
 
@@ -30,7 +32,7 @@ def check(seen: list[Signature], now: Signature, limit: float) -> None:
         changes = [f"batch argument {i}: {_describe(a)} -> {_describe(b)}"
                    for i, (a, b) in enumerate(zip(first, now)) if a != b]
     budget = "" if limit == 1 else f" and it already has its {int(limit)} (allow_recompile={int(limit)})"
-    raise ValueError(
+    raise InputError(
         f"this step would recompile: the batch differs from the one it was compiled for{budget} ("
         + "; ".join(changes) + "). Pad or bucket batches to a fixed set of shapes, or pass "
         "xtrain.compile(..., allow_recompile=True) to compile one step per shape "

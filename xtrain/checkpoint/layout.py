@@ -14,11 +14,9 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from xtrain.errors import CheckpointError  # re-exported: defined with the other errors
+
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the global array
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupt, or does not fit the step loading it."""
 
 
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:

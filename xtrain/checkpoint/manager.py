@@ -20,6 +20,7 @@ from xtrain.checkpoint.integrity import CheckpointWarning
 from xtrain.checkpoint.layout import CheckpointError
 from xtrain.checkpoint.store import OLD, PARTIAL, check_complete
 from xtrain.checkpoint.writer import SaveHandle
+from xtrain.errors import OptionsError
 from xtrain.runtime import sagemaker
 
 # step_<N>, or step_<N>.old: a checkpoint a save of the same name was replacing when it stopped
@@ -43,11 +44,11 @@ class CheckpointOptions:
 
     def __post_init__(self):
         if self.keep < 0:
-            raise ValueError(f"CheckpointOptions.keep={self.keep} must be >= 0 (0 keeps every checkpoint)")
+            raise OptionsError(f"CheckpointOptions.keep={self.keep} must be >= 0 (0 keeps every checkpoint)")
         if self.sigterm_grace_s <= 0:
-            raise ValueError(f"CheckpointOptions.sigterm_grace_s={self.sigterm_grace_s} must be > 0")
+            raise OptionsError(f"CheckpointOptions.sigterm_grace_s={self.sigterm_grace_s} must be > 0")
         if self.save_every < 0:
-            raise ValueError(f"CheckpointOptions.save_every={self.save_every} must be >= 0 (0: no periodic saves)")
+            raise OptionsError(f"CheckpointOptions.save_every={self.save_every} must be >= 0 (0: no periodic saves)")
 
 
 class CheckpointManager:

@@ -33,6 +33,7 @@ from xtrain.checkpoint import integrity
 from xtrain.checkpoint.layout import CheckpointError, region_of
 from xtrain.checkpoint.store import (BEGIN, FORMAT, MANIFEST, MARKER, VERSION, index_file, old_of, partial_of,
                                      shard_file, stacked_rows)
+from xtrain.errors import OptionsError
 from xtrain.ir import stacked
 from xtrain.ir.tree import named_leaves
 
@@ -162,7 +163,8 @@ def save(tree: Any, path: str | os.PathLike, *, step: int, extra: dict | None = 
     try:
         meta = json.dumps({"step": int(step), "extra": extra or {}})
     except TypeError as err:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from None
+        raise OptionsError(
+            f"checkpoint extra must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from None
     arrays, pieces, tensors = host_pieces(tree, rows)
     tag = f"{next(_barriers)}-{path}"
     handle = SaveHandle(path)

@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 from neuron_support import topology
 from xtrain.cost.hardware import HardwareProfile
+from xtrain.errors import PlanError, UnsupportedError
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
@@ -80,33 +81,34 @@ class Candidate:
     def __post_init__(self):
         self._check_offload()
         if self.expert > 1 and self.pipe > 1:
-            raise ValueError(f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
-                             "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
-                             "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
+            raise UnsupportedError(
+                f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
+                "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
+                "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
-            raise ValueError(f"Candidate(order={self.order}) must order exactly the axes "
-                             f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
+            raise PlanError(f"Candidate(order={self.order}) must order exactly the axes "
+                            f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Candidate(schedule={self.schedule!r}) is not one of {SCHEDULES}")
+            raise PlanError(f"Candidate(schedule={self.schedule!r}) is not one of {SCHEDULES}")
         if self.pipe == 1 and (self.microbatches, self.schedule) != (1, "gpipe"):
-            raise ValueError(f"Candidate(pipe=1, microbatches={self.microbatches}, schedule={self.schedule!r}): "
-                             "microbatches and schedule belong to a pipeline; set pipe >= 2")
+            raise PlanError(f"Candidate(pipe=1, microbatches={self.microbatches}, schedule={self.schedule!r}): "
+                            "microbatches and schedule belong to a pipeline; set pipe >= 2")
         if self.schedule == "1f1b" and self.remat:
-            raise ValueError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
-                             "input; use remat=False")
+            raise PlanError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
+                            "input; use remat=False")
 
     def _check_offload(self) -> None:
         names = [o.value for o in Offload]
         if not isinstance(self.offload, (Offload, str)) or self.offload not in [*Offload, *names]:
-            raise ValueError(f"Candidate(offload={self.offload!r}) must be one of {names} (or an Offload)")
+            raise PlanError(f"Candidate(offload={self.offload!r}) must be one of {names} (or an Offload)")
         object.__setattr__(self, "offload", Offload.of(self.offload))
         if self.offload is Offload.ACTIVATIONS and self.pipe > 1:
-            raise ValueError(f"Candidate(offload='activations', pipe={self.pipe}): activation offload checkpoints "
-                             "the layer scan, which a pipeline does not run; use pipe=1, or remat=True for the "
-                             "pipeline's per-stage checkpoint")
+            raise PlanError(f"Candidate(offload='activations', pipe={self.pipe}): activation offload checkpoints "
+                            "the layer scan, which a pipeline does not run; use pipe=1, or remat=True for the "
+                            "pipeline's per-stage checkpoint")
         if self.offload is Offload.ACTIVATIONS and self.remat:
-            raise ValueError("Candidate(offload='activations', remat=True): offloaded activations already recompute "
-                             "each layer from its input, as remat does; use remat=False")
+            raise PlanError("Candidate(offload='activations', remat=True): offloaded activations already recompute "
+                            "each layer from its input, as remat does; use remat=False")
 
     def _sizes(self, order: tuple[str, ...]) -> dict[str, int]:
         sizes = {"data": self.data, "pipe": self.pipe, "context": self.context, "expert": self.expert,
@@ -145,8 +147,8 @@ class Candidate:
         base = Plan(precision=self.precision, offload=self.offload)
         if self.tensor > 1:
             if tensor is None:
-                raise ValueError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
-                                 "which needs a torch.nn.Module")
+                raise UnsupportedError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
+                                       "which needs a torch.nn.Module")
             base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload)
         return base
 
@@ -215,8 +217,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`)."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
-        raise ValueError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
-                         f"divisors of {devices}, e.g. {_divisors(devices)}")
+        raise PlanError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
+                        f"divisors of {devices}, e.g. {_divisors(devices)}")
     out = []
     for p, c in ((p, c) for p in pipe_degrees for c in context):
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p * c) == 0):

@@ -18,6 +18,8 @@ from typing import Mapping
 
 from neuron_support import topology
 
+from xtrain.errors import OptionsError, UnsupportedError
+
 GB = 1e9
 TFLOPS = 1e12
 
@@ -64,8 +66,8 @@ def check_device_precision(device_kind: str, compute: str, emulated: topology.In
     """Fails for bf16 on a device kind with fp16 but no bf16 arithmetic (V100), or on CPU
     devices emulating such an instance type (`emulated`), naming fp16."""
     if compute == "bf16" and peak_flops(device_kind, "bf16") is None and peak_flops(device_kind, "fp16"):
-        raise ValueError(f"{device_kind} has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds "
-                         "dynamic loss scaling, or 'fp32'")
+        raise UnsupportedError(f"{device_kind} has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds "
+                               "dynamic loss scaling, or 'fp32'")
     if emulated is not None and emulated.name in PROFILES:
         PROFILES[emulated.name].check_precision(compute)
 
@@ -130,8 +132,8 @@ class HardwareProfile:
     def check_precision(self, compute: str) -> None:
         """Fails for a compute dtype the device has no arithmetic for (bf16 on V100)."""
         if compute == "bf16" and not self.has_bf16:
-            raise ValueError(f"{self.name} has no bfloat16 arithmetic (NVIDIA V100); use Plan(precision='fp16'), "
-                             "which adds dynamic loss scaling, or 'fp32'")
+            raise UnsupportedError(f"{self.name} has no bfloat16 arithmetic (NVIDIA V100); use Plan(precision='fp16'), "
+                                   "which adds dynamic loss scaling, or 'fp32'")
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         key = _dtype_key(dtype) or "fp32"
@@ -203,8 +205,8 @@ def profile(name: str) -> HardwareProfile:
     """A profile by instance type ("trn1.32xlarge"; SageMaker's "ml." prefix allowed)."""
     key = name[3:] if name.startswith("ml.") else name
     if key not in PROFILES:
-        raise ValueError(f"no hardware profile for {name!r}; known: {', '.join(PROFILES)} "
-                         "(or 'emulated' for this machine's CPU devices)")
+        raise OptionsError(f"no hardware profile for {name!r}; known: {', '.join(PROFILES)} "
+                           "(or 'emulated' for this machine's CPU devices)")
     return PROFILES[key]
 
 
@@ -265,8 +267,8 @@ def emulated(devices: int | None = None) -> HardwareProfile:
 
     n = devices or jax.device_count()
     if jax.devices()[0].platform != "cpu":
-        raise ValueError(f"emulated(): the devices are {jax.devices()[0].platform}, not CPU; use "
-                         "profile('<instance type>') for real accelerators")
+        raise OptionsError(f"emulated(): the devices are {jax.devices()[0].platform}, not CPU; use "
+                           "profile('<instance type>') for real accelerators")
     local = min(n, len(jax.local_devices()))
     matmul, elementwise = _host_rates()
     matmul, elementwise = matmul * n / local, elementwise * n / local  # divided by n below
@@ -301,8 +303,8 @@ def check_target(spec: str) -> None:
     if name != "emulated":
         topology.parse_cluster(spec)
     elif colon and not (count.isdigit() and int(count) > 0):
-        raise ValueError(f"target {spec!r}: after 'emulated:' comes a number of devices, a positive integer "
-                         "(e.g. emulated:8); or write 'emulated' for this machine's devices")
+        raise OptionsError(f"target {spec!r}: after 'emulated:' comes a number of devices, a positive integer "
+                           "(e.g. emulated:8); or write 'emulated' for this machine's devices")
 
 
 def target(spec: str) -> tuple[HardwareProfile, int]:
@@ -325,8 +327,8 @@ def profile_for_device(platform: str, device_kind: str) -> HardwareProfile:
     kind = device_kind.lower()
     name = next((inst for needle, inst in table if needle.lower() in kind), None)
     if name is None:
-        raise ValueError(f"plan='auto' has no hardware profile for device kind {device_kind!r}; known "
-                         f"profiles: {', '.join(PROFILES)}. Pass an explicit plan instead")
+        raise UnsupportedError(f"plan='auto' has no hardware profile for device kind {device_kind!r}; known "
+                               f"profiles: {', '.join(PROFILES)}. Pass an explicit plan instead")
     return profile(name)
 
 

@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir import flops as ir_flops
 from xtrain.ir.flops import Flops
 from xtrain.cost.hardware import HardwareProfile
@@ -64,9 +65,9 @@ class Pipeline:
 
     def __post_init__(self):
         if self.stages < 1 or self.microbatches < 1:
-            raise ValueError(f"Pipeline(stages={self.stages}, microbatches={self.microbatches}): both must be >= 1")
+            raise PlanError(f"Pipeline(stages={self.stages}, microbatches={self.microbatches}): both must be >= 1")
         if self.idle is not None and not 0 <= self.idle < 1:
-            raise ValueError(f"Pipeline(idle={self.idle}): the idle share must be in [0, 1)")
+            raise PlanError(f"Pipeline(idle={self.idle}): the idle share must be in [0, 1)")
 
     @property
     def bubble_fraction(self) -> float:
@@ -166,7 +167,8 @@ def offload_seconds(memory: Memory, profile: HardwareProfile) -> float:
     if not memory.host:
         return 0.0
     if profile.host_bytes_per_s is None:
-        raise ValueError(f"{profile.name} has no host-link bandwidth in its profile: offload cannot be costed there")
+        raise UnsupportedError(
+            f"{profile.name} has no host-link bandwidth in its profile: offload cannot be costed there")
     return 2 * memory.host / profile.host_bytes_per_s
 
 

@@ -49,6 +49,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
+from xtrain.errors import UnsupportedError
 from xtrain.ir import flops as flops_mod
 from xtrain.cost import model as cost_model
 from xtrain.cost import placement
@@ -306,8 +307,8 @@ def compiled_step_cost(step, *batch) -> cost_model.StepCost:
     """The StepCost of a compiled TrainStep (explicit lowering) for `batch`: its program's FLOPs
     and collectives, and memory from XLA's memory analysis of the compiled step."""
     if step.options.lowering != "explicit":
-        raise ValueError("compiled_step_cost reads xtrain's emitted program; this step uses "
-                         f"lowering={step.options.lowering!r}")
+        raise UnsupportedError("compiled_step_cost reads xtrain's emitted program; this step uses "
+                               f"lowering={step.options.lowering!r}")
     rep = step.report(*batch)
     program = step.program(*batch)
     sizes = dict(step.mesh.shape)

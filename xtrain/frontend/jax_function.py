@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 
+from xtrain.errors import OptionsError
 from xtrain.ir.model import Model, TraceError, Trainable
 
 
@@ -54,8 +55,8 @@ def param_shapes(params: Any) -> dict[str, tuple[int, ...]]:
 def wrap(fn: Callable[..., Any], params: Any, optimizer: Any) -> Trainable:
     """What `xtrain.compile(fn, mesh, params=..., optimizer=optax...)` trains."""
     if params is None:
-        raise ValueError("xtrain.compile of a JAX function needs params=<pytree of initial parameters>")
+        raise OptionsError("xtrain.compile of a JAX function needs params=<pytree of initial parameters>")
     if not isinstance(optimizer, optax.GradientTransformation):
-        raise ValueError("xtrain.compile of a JAX function needs optimizer=<optax.GradientTransformation>")
+        raise OptionsError("xtrain.compile of a JAX function needs optimizer=<optax.GradientTransformation>")
     model = JaxModel(fn, params)
     return Trainable(model=model, tx=optimizer, optimized=frozenset(model.param_names))

@@ -28,6 +28,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from xtrain.errors import OptionsError
+
 
 def _trust_ratio(w: torch.Tensor, d: torch.Tensor, coefficient: float, eps: float) -> torch.Tensor:
     w_norm, d_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(d)
@@ -37,7 +39,7 @@ def _trust_ratio(w: torch.Tensor, d: torch.Tensor, coefficient: float, eps: floa
 
 def _check(name: str, value, ok: bool, valid: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {valid}")
+        raise OptionsError(f"{name}={value!r} is invalid: {valid}")
 
 
 def _closure_loss(closure):

@@ -24,6 +24,7 @@ import torchax
 from torchax import interop as torchax_interop
 from torchax.ops import mappings, ops_registry
 
+from xtrain.errors import TopKTooLarge, UnsupportedOpError  # TopKTooLarge: re-exported
 from xtrain.frontend import torch_ops
 from xtrain.ir import moe
 
@@ -58,7 +59,7 @@ def _grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
         if bias is not None:
             out = out + bias[:, None, :]
     else:
-        raise NotImplementedError(
+        raise UnsupportedOpError(
             f"aten._grouped_mm of a {input.ndim}-D by {mat2.ndim}-D operand "
             f"{'with' if offs is not None else 'without'} offs: xtrain lowers (S, K) x (E, K, N) with offs "
             "(tokens grouped by expert) and (E, M, K) x (E, K, N) without")
@@ -77,15 +78,6 @@ def _histc(input, bins=100, min=0, max=0):
     inside = (x >= lo) & (x <= hi)
     hits = (index[:, None] == jnp.arange(bins, dtype=jnp.int32)) & inside[:, None]  # (n, bins)
     return jnp.sum(hits, axis=0, dtype=input.dtype)
-
-
-class TopKTooLarge(ValueError):
-    """torch.topk asked for more elements than its dimension holds (an MoE router's top_k above
-    its number of experts); the tracer names the module (`top_k_error`)."""
-
-    def __init__(self, k: int, size: int):
-        super().__init__(f"topk of k={k} along a dimension of {size}")
-        self.k, self.size = k, size
 
 
 def _topk(input, k, dim=None, largest=True, sorted=True, *, out=None):

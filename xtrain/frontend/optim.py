@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import torch
 
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.frontend.large_batch import LAMB, LARS
 from xtrain.ir.stacked import member
 from xtrain.ir.trust_ratio import scale_by_trust_ratio
@@ -106,16 +107,16 @@ def _shown(cls: type) -> str:
 def _check_group(kind: str, index: int, group: Mapping) -> None:
     for option, default in _UNSUPPORTED[kind].items():
         if option in group and group[option] != default:
-            raise ValueError(
+            raise UnsupportedError(
                 f"{_name(kind)} option {option}={group[option]!r} (param group {index}) is not "
                 f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
     unknown = set(group) - _KNOWN[kind] - set(_UNSUPPORTED[kind]) - _IGNORED - {"params"}
     if unknown:
-        raise ValueError(
+        raise UnsupportedError(
             f"{_name(kind)} option(s) {sorted(unknown)} (param group {index}) are not "
             f"supported by xtrain; supported {kind} options: {', '.join(sorted(_KNOWN[kind]))}")
     if float(group["lr"]) != group["lr"] or isinstance(group["lr"], torch.Tensor):
-        raise ValueError(f"{_name(kind)} lr must be a Python float (param group {index})")
+        raise OptionsError(f"{_name(kind)} lr must be a Python float (param group {index})")
 
 
 def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor], str | None],
@@ -133,7 +134,7 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
     """
     kind = type(optimizer).__name__
     if kind not in _BUILDERS or not isinstance(optimizer, _CLASSES[kind]):
-        raise ValueError(
+        raise UnsupportedError(
             f"optimizer {_shown(type(optimizer))} is not supported by xtrain; "
             f"supported: {', '.join(_name(k) for k in _BUILDERS)}")
     groups: dict[str, int] = {}
@@ -144,7 +145,7 @@ def from_torch(optimizer: torch.optim.Optimizer, name_of: Callable[[torch.Tensor
         for p in group["params"]:
             name = name_of(p)
             if name is None:
-                raise ValueError(
+                raise OptionsError(
                     f"param group {index} of the optimizer holds a tensor of shape {tuple(p.shape)} "
                     "that is not a parameter of the compiled model; build the optimizer over "
                     "model.parameters()")

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from xtrain.errors import OptionsError
+
 # JAX runs without x64: 64-bit inputs become 32-bit, as torchax does for the model itself.
 _NARROW = {np.dtype("int64"): np.int32, np.dtype("float64"): np.float32, np.dtype("uint64"): np.uint32}
 
@@ -44,7 +46,7 @@ def save(state: Mapping[str, torch.Tensor], path: Path) -> None:
     elif path.suffix in (".pt", ".pth", ".bin"):
         torch.save(tensors, path)
     else:
-        raise ValueError(f"export path {path} must end in .safetensors (safetensors) or .pt/.pth/.bin (torch.save)")
+        raise OptionsError(f"export path {path} must end in .safetensors (safetensors) or .pt/.pth/.bin (torch.save)")
 
 
 @contextlib.contextmanager

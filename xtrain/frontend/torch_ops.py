@@ -32,6 +32,7 @@ import torchax
 from torchax.decompositions import DECOMPOSITIONS
 from torchax.ops import jaten, mappings, ops_registry
 
+from xtrain.errors import UnsupportedOpError
 from xtrain.frontend import eager_attention, sdpa
 from xtrain.ir import index_ops, markers
 
@@ -143,7 +144,7 @@ def _gelu_jvp(tanh, primals, tangents):
 def _gelu(x, *, approximate="none"):
     """aten.gelu whose backward keeps one residual (the slope) and is one multiply."""
     if approximate not in ("none", "tanh"):
-        raise ValueError(f"aten.gelu: approximate={approximate!r} is not 'none' or 'tanh'")
+        raise UnsupportedOpError(f"aten.gelu: approximate={approximate!r} is not 'none' or 'tanh'")
     return _gelu_core(x, approximate == "tanh")
 
 

@@ -1,6 +1,6 @@
 """The program xtrain compiles, free of torch: what every other layer builds on.
 
-    model.py     the Model contract every front end implements; TraceError
+    model.py     the Model contract every front end implements; TraceError (from xtrain.errors)
     trace_options.py  how a front end traces the model for a plan (head split, sequence-parallel
                  blocks, kernels ruled out): plain data the plan and step carry, `Model.specialised`
     markers.py   typed markers (frozen dataclasses) encoded in traced names, and decoded back

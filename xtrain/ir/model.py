@@ -8,12 +8,9 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 import optax
 
+from xtrain.errors import TraceError  # re-exported: defined with the other errors
 from xtrain.ir.structure import Structure
 from xtrain.ir.trace_options import TraceOptions
-
-
-class TraceError(ValueError):
-    """The model could not be turned into a JAX function (names the module path and op)."""
 
 
 class Model(abc.ABC):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import UnsupportedError
 from xtrain.ir import markers
 
 ACTIVATIONS = {
@@ -55,7 +56,7 @@ class ExpertsSpec:
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
+            raise UnsupportedError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
 
 
 def ffn_dims(spec: ExpertsSpec) -> tuple[int, int]:

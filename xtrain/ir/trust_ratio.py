@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xtrain.errors import OptionsError
 from xtrain.ir.stacked import is_stacked
 
 SUM_SQUARES = "sum_squares"  # the keyword under which the step passes its reduction to update()
@@ -75,7 +76,8 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> op
 
     def update(updates, state, params=None, **extra):
         if params is None:
-            raise ValueError("the trust ratio of LARS / LAMB needs the parameters: call update(updates, state, params)")
+            raise OptionsError(
+                "the trust ratio of LARS / LAMB needs the parameters: call update(updates, state, params)")
         reduce: SumSquares = extra.get(SUM_SQUARES) or whole_on_this_device
         names = [n for n, u in updates.items() if hasattr(u, "shape")]  # others: another param group's (masked)
         partial = {n: jnp.stack([local_sum_squares(n, params[n]), local_sum_squares(n, updates[n])]) for n in names}

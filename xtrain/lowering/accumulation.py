@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import InputError
+
 
 def _is_array(x) -> bool:
     return hasattr(x, "ndim") and x.ndim > 0
@@ -100,7 +102,7 @@ def check_divisible(batch: tuple, steps: int, data_size: int) -> None:
     """Every batch array's leading dimension splits into `steps` micro-batches per device."""
     for index, x in enumerate(batch):
         if steps > 1 and _is_array(x) and x.shape[0] % (steps * data_size):
-            raise ValueError(
+            raise InputError(
                 f"batch argument {index} has shape {tuple(x.shape)}: global batch {x.shape[0]} does not split into "
                 f"accumulate={steps} micro-batches on each of {data_size} data-parallel devices; use a global "
                 f"batch that is a multiple of {steps * data_size}")

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.lowering import collectives, int8_sync
 
 INT8 = "int8"
@@ -71,17 +72,17 @@ class GradSync:
 
     def __post_init__(self):
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
-            raise ValueError(f"GradSync.bucket_bytes={self.bucket_bytes} must be positive or None")
+            raise OptionsError(f"GradSync.bucket_bytes={self.bucket_bytes} must be positive or None")
         if self.comm_dtype not in (None, "bfloat16", "float16", "float32", INT8):
-            raise ValueError(f"GradSync.comm_dtype={self.comm_dtype!r} must be None, 'bfloat16', 'float16', "
-                             "'float32' or 'int8'")
+            raise OptionsError(f"GradSync.comm_dtype={self.comm_dtype!r} must be None, 'bfloat16', 'float16', "
+                               "'float32' or 'int8'")
         if not isinstance(self.int8_chunk, int) or self.int8_chunk < 1:
-            raise ValueError(f"GradSync.int8_chunk={self.int8_chunk!r} must be a positive number of elements")
+            raise OptionsError(f"GradSync.int8_chunk={self.int8_chunk!r} must be a positive number of elements")
         if isinstance(self.inner_axes, str):
             object.__setattr__(self, "inner_axes", (self.inner_axes,))
         if self.inner_axes is not None and not self.inner_axes:
-            raise ValueError("GradSync.inner_axes=() names no axis; pass e.g. ('local',) or None for the last "
-                             "gradient axis")
+            raise OptionsError("GradSync.inner_axes=() names no axis; pass e.g. ('local',) or None for the last "
+                               "gradient axis")
 
     @property
     def int8(self) -> bool:
@@ -100,8 +101,8 @@ def check_axes(config: GradSync, mesh_axes: Mapping[str, int]) -> None:
     """Fails when `inner_axes` names an axis the mesh does not have."""
     for axis in config.inner_axes or ():
         if axis not in mesh_axes:
-            raise ValueError(f"GradSync.inner_axes={config.inner_axes!r}: the mesh "
-                             f"({', '.join(f'{k}={v}' for k, v in mesh_axes.items())}) has no axis {axis!r}")
+            raise OptionsError(f"GradSync.inner_axes={config.inner_axes!r}: the mesh "
+                               f"({', '.join(f'{k}={v}' for k, v in mesh_axes.items())}) has no axis {axis!r}")
 
 
 def buckets(sizes: Mapping[str, int], bucket_bytes: int | None) -> list[list[str]]:
@@ -228,4 +229,4 @@ def check_int8(config: GradSync, *, zero: int, pipeline: bool, loss_scale: bool,
     ]
     for bad, what, fix in refusals:
         if bad:
-            raise ValueError(f"GradSync(comm_dtype='int8') is not supported with {what}: {fix}")
+            raise UnsupportedError(f"GradSync(comm_dtype='int8') is not supported with {what}: {fix}")

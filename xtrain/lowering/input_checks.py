@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.errors import BatchTypeError
 from xtrain.ir import index_ops, stacked, walk
 from xtrain.lowering import precision
 
@@ -283,10 +284,12 @@ class _Finder:
         if op.float_index:
             float_args = [v.arg for v in _parts(index) if isinstance(v, Source) and v.float_arg]
             if float_args:
-                raise TypeError(f"batch argument {float_args[0]} is floating-point but module {where!r} uses it as "
-                                f"the indices of {op.name}: pass integer labels/indices (torch.long or int32)")
-            raise TypeError(f"module {where!r}: the indices of {op.name} are floating-point; torch needs an integer "
-                            "tensor there (torch.long)")
+                raise BatchTypeError(
+                    f"batch argument {float_args[0]} is floating-point but module {where!r} uses it as "
+                    f"the indices of {op.name}: pass integer labels/indices (torch.long or int32)")
+            raise BatchTypeError(
+                f"module {where!r}: the indices of {op.name} are floating-point; torch needs an integer "
+                "tensor there (torch.long)")
         sizes = _gathered_sizes(eqn)
         parts = list(index.parts) if isinstance(index, _Columns) else [index] * len(sizes)
         if not isinstance(index, _Columns) and len(sizes) != 1:
@@ -303,8 +306,9 @@ class _Finder:
                                         f"{part.arg} through {part.how}: not checked")
             return
         if part.float_arg:
-            raise TypeError(f"batch argument {part.arg} is floating-point but module {module or '<top level>'!r} uses "
-                            f"it as the indices of {op.name}: pass integer indices (torch.long or int32)")
+            raise BatchTypeError(
+                f"batch argument {part.arg} is floating-point but module {module or '<top level>'!r} uses "
+                f"it as the indices of {op.name}: pass integer indices (torch.long or int32)")
         negatives = op.negatives if marked else part.wrapped
         check = IndexCheck(part.arg, part.region, size, negatives, part.ignore, op.name, module)
         if check not in self.found.checks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir.model import Model
 from xtrain.lowering import gradient_sync, offload, train_step
 from xtrain.lowering.explicit.forward import ExplicitStrategy
@@ -22,7 +23,7 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
     """The jit-compiled step: the explicit lowering (its pipeline strategy when the plan has a
     pipeline) or XLA's partitioner on the same layout."""
     if lowering not in LOWERINGS:
-        raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+        raise OptionsError(f"lowering={lowering!r} is not one of {LOWERINGS}")
     gradient_sync.check_int8(config.sync, zero=layout.zero, pipeline=pipeline is not None,
                              loss_scale=config.grad_tx.loss_scale is not None, lowering=lowering)
     if isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices to ask
@@ -33,7 +34,7 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
     specs = jax.tree.map(lambda s: s.spec, shardings)
     if pipeline is not None:
         if lowering != "explicit":
-            raise ValueError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
+            raise UnsupportedError(f"pipeline parallelism needs lowering='explicit' (got {lowering!r})")
         strategy = PipelineStrategy(model, mesh, layout, specs, config, pipeline)
     elif lowering == "explicit":
         strategy = ExplicitStrategy(model, mesh, layout, specs, config)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.errors import UnsupportedError
 from xtrain.lowering import remat
 
 
@@ -36,9 +37,10 @@ def check_host_memory(device, what: str = "optimizer") -> None:
     if "pinned_host" not in kinds:
         instead = ("ZeRO, zero=1..3, splits the state over the data-parallel devices instead" if what == "optimizer"
                    else "remat='full' recomputes the activations instead")
-        raise ValueError(f"Plan(offload={what!r}) keeps the {what} {'state ' if what == 'optimizer' else ''}in host "
-                         f"memory the device addresses ('pinned_host'), but {device.device_kind} offers only {kinds}; "
-                         f"use offload='none' ({instead})")
+        raise UnsupportedError(
+            f"Plan(offload={what!r}) keeps the {what} {'state ' if what == 'optimizer' else ''}in host "
+            f"memory the device addresses ('pinned_host'), but {device.device_kind} offers only {kinds}; "
+            f"use offload='none' ({instead})")
 
 
 def offloaded_activation_bytes(closed) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from xtrain.errors import OptionsError
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepOptions:
@@ -41,13 +43,13 @@ class StepOptions:
 
     def __post_init__(self):
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive number or None")
+            raise OptionsError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive number or None")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise ValueError(f"accumulate={self.accumulate!r} must be an integer >= 1 (micro-batches per step)")
+            raise OptionsError(f"accumulate={self.accumulate!r} must be an integer >= 1 (micro-batches per step)")
         if not isinstance(self.allow_recompile, bool) and not (isinstance(self.allow_recompile, int)
                                                                  and self.allow_recompile >= 1):
-            raise ValueError(f"allow_recompile={self.allow_recompile!r} must be True, False or a number of batch "
-                             "shapes >= 1")
+            raise OptionsError(f"allow_recompile={self.allow_recompile!r} must be True, False or a number of batch "
+                               "shapes >= 1")
 
     def raises_on_nan(self, loss_scaled: bool) -> bool:
         """Whether a non-finite step is an error (detect_nan resolved for the precision)."""

@@ -11,6 +11,8 @@ for "neuron" from the plugin and are emitted only when the trace runs on Neuron 
 """
 from __future__ import annotations
 
+from xtrain.errors import OptionsError
+
 # user-facing names -> JAX's lowering platform names
 PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "neuron": "neuron"}
 
@@ -22,6 +24,6 @@ def lowering_platforms(platform: str | None) -> tuple[str, ...] | None:
         return None
     name = PLATFORMS.get(str(platform).lower())
     if name is None:
-        raise ValueError(f"platform={platform!r} is not one xtrain lowers for; use one of "
-                         f"{', '.join(sorted(set(PLATFORMS) - {'gpu'}))}")
+        raise OptionsError(f"platform={platform!r} is not one xtrain lowers for; use one of "
+                           f"{', '.join(sorted(set(PLATFORMS) - {'gpu'}))}")
     return (name,)

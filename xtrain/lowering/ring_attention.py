@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import InputError, UnsupportedError
 from xtrain.ir import attention_dropout as dm
 from xtrain.ir import blockwise as bw
 from xtrain.lowering import collectives
@@ -85,10 +86,10 @@ def check(ring: Ring, where: str) -> None:
     b, c = ring.call, ring.size
     fix = f"use a sequence that is a multiple of {2 * c * ring.block} (2 x context x block)"
     if b.length != b.source:
-        raise ValueError(f"attention in {where!r}: {b.length} queries over {b.source} keys; context parallelism "
-                         f"(mesh axis {ring.axis!r}={c}) splits self-attention over one sequence only")
+        raise UnsupportedError(f"attention in {where!r}: {b.length} queries over {b.source} keys; context parallelism "
+                               f"(mesh axis {ring.axis!r}={c}) splits self-attention over one sequence only")
     if b.length % (2 * c) or ring.chunk % ring.block:
-        raise ValueError(f"attention in {where!r}: sequence {b.length} does not split into {2 * c} chunks of whole "
+        raise InputError(f"attention in {where!r}: sequence {b.length} does not split into {2 * c} chunks of whole "
                          f"attention blocks (block {ring.block}) over mesh axis {ring.axis!r}={c}; {fix}")
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 
 import jax
 
+from xtrain.errors import UnsupportedError
 from xtrain.ir.model import Model
 from xtrain.lowering import accumulation
 from xtrain.lowering.findings import Findings
@@ -27,11 +28,12 @@ class XlaStrategy:
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         if config.remat is not None:
-            raise ValueError(f"Plan({config.remat.setting}) checkpoints each layer of the explicit "
-                             "lowering's repeated blocks; use lowering='explicit' (or remat='off', offload='none')")
+            raise UnsupportedError(
+                f"Plan({config.remat.setting}) checkpoints each layer of the explicit "
+                "lowering's repeated blocks; use lowering='explicit' (or remat='off', offload='none')")
         if config.capacity_factor is not None:
-            raise ValueError(f"Plan(capacity_factor={config.capacity_factor}) drops MoE pairs in the explicit "
-                             "lowering's routed-experts rule; use lowering='explicit' (or capacity_factor=None)")
+            raise UnsupportedError(f"Plan(capacity_factor={config.capacity_factor}) drops MoE pairs in the explicit "
+                                   "lowering's routed-experts rule; use lowering='explicit' (or capacity_factor=None)")
         self.model, self.mesh, self.config = model, mesh, config
         # fused weights split per segment are stored interleaved: the global program reads them in torch's order
         self.fused = {n: s for n, s in layout.param_specs.items() if segments.segmented_dims(s)}

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from neuron_support import topology
 from neuron_support.env import neuron_env
+from xtrain.errors import LaunchError
 from xtrain.runtime.cache import cache_root
 from xtrain.runtime.launch import ProcessEnv
 
@@ -44,7 +45,7 @@ def _has_module(name: str) -> bool:
 def _choose(value: str, source: str) -> str:
     name = _PLATFORM_NAMES.get(value.strip().lower())
     if name is None:
-        raise ValueError(f"{source}={value!r} names no backend xtrain runs on; use one of {', '.join(BACKEND_ORDER)}")
+        raise LaunchError(f"{source}={value!r} names no backend xtrain runs on; use one of {', '.join(BACKEND_ORDER)}")
     return name
 
 
@@ -122,13 +123,13 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
     """One process per GPU; on Trainium one per node or one per NeuronCore; else one."""
     if backend == "cuda":
         if not local_devices:
-            raise ValueError("no GPUs counted on this node (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
-                             "pass --nproc-per-node")
+            raise LaunchError("no GPUs counted on this node (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+                              "pass --nproc-per-node")
         return local_devices
     if backend == "neuron" and layout == "process-per-core":
         if not local_devices:
-            raise ValueError("cannot count the NeuronCores of this node; set XTRAIN_INSTANCE_TYPE "
-                             "(e.g. trn1.32xlarge) or pass --nproc-per-node")
+            raise LaunchError("cannot count the NeuronCores of this node; set XTRAIN_INSTANCE_TYPE "
+                              "(e.g. trn1.32xlarge) or pass --nproc-per-node")
         return local_devices
     return 1
 
@@ -296,8 +297,8 @@ def backend_env(backend: str, process: ProcessEnv, *, instance: str | None, comp
     if backend != "neuron":
         return {}
     if instance is None:
-        raise ValueError("on Trainium xtrain needs the instance type to map processes onto NeuronCores; "
-                         "set XTRAIN_INSTANCE_TYPE=trn1.32xlarge (or trn1.2xlarge, trn1n.32xlarge, trn2.48xlarge)")
+        raise LaunchError("on Trainium xtrain needs the instance type to map processes onto NeuronCores; "
+                          "set XTRAIN_INSTANCE_TYPE=trn1.32xlarge (or trn1.2xlarge, trn1n.32xlarge, trn2.48xlarge)")
     return neuron_env(process, instance, neuron_layout(process), precision=precision, compile_cache=compile_cache)
 
 
@@ -311,7 +312,7 @@ def check_precision(plan_precision: str, started: str, applied: Mapping[str, str
     set for (`started`), if xtrain set any of them (`applied`); the user's own values are theirs."""
     mine = [k for k in PRECISION_VARIABLES if k in applied]
     if plan_precision != started and mine:
-        raise ValueError(
+        raise LaunchError(
             f"the plan's precision is {plan_precision!r} but xtrain.init() started the Neuron runtime for "
             f"{started!r} ({', '.join(f'{k}={applied[k]}' for k in mine)}), and these are read once, when the "
             f"plugin starts. Call xtrain.init(precision={plan_precision!r}) first thing in the script (or "

@@ -28,6 +28,7 @@ import logging
 import os
 
 from neuron_support import emulate as emulation
+from xtrain.errors import LaunchError, OptionsError
 from xtrain.runtime import backends, cache
 from xtrain.runtime.launch import ProcessEnv, process_env
 
@@ -131,8 +132,8 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
         The ProcessEnv this process runs in.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"xtrain.init(precision={precision!r}): use one of {', '.join(PRECISIONS)} "
-                         "(the compute precision of the plans this job runs)")
+        raise OptionsError(f"xtrain.init(precision={precision!r}): use one of {', '.join(PRECISIONS)} "
+                           "(the compute precision of the plans this job runs)")
     if _state["initialized"]:
         return _state["process_env"]
     env = process_env() if env is None else env
@@ -143,7 +144,7 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
         cpu_devices = cluster.num_devices
     if cpu_devices is not None:
         if cpu_devices % env.num_processes:
-            raise ValueError(
+            raise LaunchError(
                 f"cpu_devices={cpu_devices} cannot be split over {env.num_processes} processes; "
                 f"use a multiple of {env.num_processes}")
         _request_cpu_devices(cpu_devices // env.num_processes)

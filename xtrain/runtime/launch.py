@@ -23,6 +23,8 @@ import os
 import re
 from typing import Mapping
 
+from xtrain.errors import LaunchError
+
 # jax.distributed's coordinator must not share torchrun's store port (MASTER_PORT).
 COORDINATOR_PORT_OFFSET = 17
 # torchrun's default --master_port; the base port when no launcher names one.
@@ -96,13 +98,13 @@ class ProcessEnv:
                                    ("local_rank", self.local_rank, self.local_world_size),
                                    ("node_rank", self.node_rank, self.num_nodes)):
             if not 0 <= index < count:
-                raise ValueError(f"ProcessEnv.{name}={index} is outside 0..{count - 1} "
-                                 f"(launcher {self.launcher.value})")
+                raise LaunchError(f"ProcessEnv.{name}={index} is outside 0..{count - 1} "
+                                  f"(launcher {self.launcher.value})")
         if self.is_multi_process and not self.coordinator:
-            raise ValueError(f"ProcessEnv with num_processes={self.num_processes} needs a coordinator "
-                             "'host:port'; set XTRAIN_COORDINATOR or MASTER_ADDR")
+            raise LaunchError(f"ProcessEnv with num_processes={self.num_processes} needs a coordinator "
+                              "'host:port'; set XTRAIN_COORDINATOR or MASTER_ADDR")
         if self.devices_per_process is not None and self.devices_per_process < 1:
-            raise ValueError(f"ProcessEnv.devices_per_process={self.devices_per_process} must be >= 1 or None")
+            raise LaunchError(f"ProcessEnv.devices_per_process={self.devices_per_process} must be >= 1 or None")
 
     @property
     def is_multi_process(self) -> bool:
@@ -120,7 +122,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        raise LaunchError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def _int_or(env: Mapping[str, str], name: str, default: int) -> int:
@@ -131,8 +133,8 @@ def _require(env: Mapping[str, str], names: tuple[str, ...], launcher: str, fix:
     missing = [n for n in names if n not in env]
     if missing:
         have = [n for n in names if n in env]
-        raise ValueError(f"incomplete {launcher} environment: {', '.join(missing)} not set "
-                         f"(have {', '.join(have) or 'none of them'}); {fix}")
+        raise LaunchError(f"incomplete {launcher} environment: {', '.join(missing)} not set "
+                          f"(have {', '.join(have) or 'none of them'}); {fix}")
 
 
 def _port(env: Mapping[str, str], default: int) -> int:
@@ -148,15 +150,15 @@ def _coordinator(env: Mapping[str, str], host: str | None, default_port: int) ->
     if "XTRAIN_COORDINATOR" in env:
         value = env["XTRAIN_COORDINATOR"]
         if not re.fullmatch(r".+:\d+", value):
-            raise ValueError(f"XTRAIN_COORDINATOR={value!r} must be 'host:port', e.g. '10.0.0.1:29517'")
+            raise LaunchError(f"XTRAIN_COORDINATOR={value!r} must be 'host:port', e.g. '10.0.0.1:29517'")
         return value
     return f"{host}:{_port(env, default_port)}" if host else None
 
 
 def _split_evenly(total: int, parts: int, what: str) -> int:
     if total % parts:
-        raise ValueError(f"{what} cannot be split evenly over {parts} processes per node; "
-                         f"use a process count per node that divides {total}")
+        raise LaunchError(f"{what} cannot be split evenly over {parts} processes per node; "
+                          f"use a process count per node that divides {total}")
     return total // parts
 
 
@@ -167,22 +169,22 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 def _torchrun_local(env: Mapping[str, str]) -> tuple[int, int]:
     if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" not in env:
-        raise ValueError("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not; launch with torchrun, or set "
-                         "LOCAL_WORLD_SIZE to the number of processes on this node")
+        raise LaunchError("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not; launch with torchrun, or set "
+                          "LOCAL_WORLD_SIZE to the number of processes on this node")
     local_rank, local_world = _int_or(env, "LOCAL_RANK", 0), _int_or(env, "LOCAL_WORLD_SIZE", 1)
     if not 0 <= local_rank < local_world:
-        raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
+        raise LaunchError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}")
     return local_rank, local_world
 
 
 def _torchrun_nodes(env: Mapping[str, str], world: int, local_world: int) -> int:
     if world % local_world:
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
-                         "every node must run the same number of processes")
+        raise LaunchError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
+                          "every node must run the same number of processes")
     nodes = world // local_world
     if "GROUP_WORLD_SIZE" in env and _int(env, "GROUP_WORLD_SIZE") != nodes:
-        raise ValueError(f"GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']} disagrees with WORLD_SIZE={world} / "
-                         f"LOCAL_WORLD_SIZE={local_world} = {nodes} nodes")
+        raise LaunchError(f"GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']} disagrees with WORLD_SIZE={world} / "
+                          f"LOCAL_WORLD_SIZE={local_world} = {nodes} nodes")
     return nodes
 
 
@@ -191,7 +193,7 @@ def _torchrun(env: Mapping[str, str]) -> ProcessEnv:
              "launch with torchrun, or set all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT")
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        raise LaunchError(f"RANK={rank} is outside WORLD_SIZE={world}")
     local_rank, local_world = _torchrun_local(env)
     nodes = _torchrun_nodes(env, world, local_world)
     node_rank = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else rank // local_world
@@ -231,7 +233,7 @@ def _expand_range(spec: str) -> list[str]:
             out.append(lo)
             continue
         if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-            raise ValueError(f"Slurm host range '{item}' is not 'low-high' with low <= high")
+            raise LaunchError(f"Slurm host range '{item}' is not 'low-high' with low <= high")
         out += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
     return out
 
@@ -241,7 +243,7 @@ def _expand_host(pattern: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", pattern)
     if not match:
         if "[" in pattern or "]" in pattern:
-            raise ValueError(f"Slurm host list entry '{pattern}' has an unbalanced bracket")
+            raise LaunchError(f"Slurm host list entry '{pattern}' has an unbalanced bracket")
         return [pattern]
     head, tail = pattern[:match.start()], pattern[match.end():]
     return [head + mid + rest for mid in _expand_range(match.group(1)) for rest in _expand_host(tail)]
@@ -258,7 +260,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
     for item in text.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not match:
-            raise ValueError(f"SLURM_TASKS_PER_NODE entry {item!r} is not 'N' or 'N(xK)'")
+            raise LaunchError(f"SLURM_TASKS_PER_NODE entry {item!r} is not 'N' or 'N(xK)'")
         out += [int(match.group(1))] * int(match.group(2) or 1)
     return out
 
@@ -269,8 +271,8 @@ def _slurm_step_launched(env: Mapping[str, str]) -> bool:
     process: treating those as a launch makes one process wait for N-1 that never start."""
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
     if step is None and env.get("SLURM_PROCID", "0") != "0":
-        raise ValueError(f"SLURM_PROCID={env['SLURM_PROCID']} but SLURM_STEP_ID is unset: only srun starts "
-                         "ranks other than 0; launch with srun, or unset the copied SLURM_* variables")
+        raise LaunchError(f"SLURM_PROCID={env['SLURM_PROCID']} but SLURM_STEP_ID is unset: only srun starts "
+                          "ranks other than 0; launch with srun, or unset the copied SLURM_* variables")
     if step is None or ("SLURM_PROCID" not in env and "SLURM_NTASKS" not in env):
         return False
     return step not in _SLURM_NON_LAUNCH_STEPS and not (step.isdigit() and int(step) >= 0xFFFFFFF0)
@@ -285,8 +287,8 @@ def _slurm_world(env: Mapping[str, str]) -> int:
     for name in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"):
         if name in env:
             return _int(env, name)
-    raise ValueError("incomplete Slurm environment: SLURM_PROCID is set but SLURM_NTASKS is not; "
-                     "launch the script with srun (srun --ntasks=N python train.py)")
+    raise LaunchError("incomplete Slurm environment: SLURM_PROCID is set but SLURM_NTASKS is not; "
+                      "launch the script with srun (srun --ntasks=N python train.py)")
 
 
 def _slurm_local_world(env: Mapping[str, str], node_rank: int) -> int:
@@ -296,7 +298,7 @@ def _slurm_local_world(env: Mapping[str, str], node_rank: int) -> int:
         if name in env:
             counts = expand_tasks_per_node(env[name])
             if node_rank >= len(counts):
-                raise ValueError(f"{name}={env[name]!r} lists {len(counts)} nodes but SLURM_NODEID={node_rank}")
+                raise LaunchError(f"{name}={env[name]!r} lists {len(counts)} nodes but SLURM_NODEID={node_rank}")
             return counts[node_rank]
     return 1
 
@@ -318,9 +320,9 @@ def _slurm(env: Mapping[str, str]) -> ProcessEnv:
         _int_or(env, "SLURM_NNODES", len(hosts) or 1))
     master = env.get("MASTER_ADDR") or (hosts[0] if hosts else None)
     if world > 1 and master is None and "XTRAIN_COORDINATOR" not in env:
-        raise ValueError("Slurm environment names no host for rank 0: SLURM_STEP_NODELIST, "
-                         "SLURM_JOB_NODELIST and SLURM_NODELIST are all unset; set MASTER_ADDR or "
-                         "XTRAIN_COORDINATOR='host:port'")
+        raise LaunchError("Slurm environment names no host for rank 0: SLURM_STEP_NODELIST, "
+                          "SLURM_JOB_NODELIST and SLURM_NODELIST are all unset; set MASTER_ADDR or "
+                          "XTRAIN_COORDINATOR='host:port'")
     return ProcessEnv(
         process_id=_int(env, "SLURM_PROCID"), num_processes=world,
         local_rank=_int(env, "SLURM_LOCALID"), local_world_size=_slurm_local_world(env, node_rank),
@@ -366,9 +368,9 @@ def _mpi(env: Mapping[str, str], flavour: str, names: tuple[str, ...]) -> Proces
     local_rank, local_world = _int_or(env, local_var, 0), _int_or(env, local_size_var, 1)
     master = _mpi_master(env, _sagemaker_hosts(env))
     if world > 1 and master is None and "XTRAIN_COORDINATOR" not in env:
-        raise ValueError(f"MPI job ({rank_var}={rank}, {size_var}={world}) names no coordinator: set "
-                         "XTRAIN_COORDINATOR='host:port' (rank 0's host) or MASTER_ADDR, e.g. "
-                         "mpirun -x MASTER_ADDR=$(hostname) ...")
+        raise LaunchError(f"MPI job ({rank_var}={rank}, {size_var}={world}) names no coordinator: set "
+                          "XTRAIN_COORDINATOR='host:port' (rank 0's host) or MASTER_ADDR, e.g. "
+                          "mpirun -x MASTER_ADDR=$(hostname) ...")
     # Open MPI may place unequal counts per node; jax does not mind, so nodes are only counted.
     node_rank = _int_or(env, "OMPI_COMM_WORLD_NODE_RANK", rank // local_world)
     num_nodes = max(-(-world // local_world), node_rank + 1)
@@ -389,15 +391,15 @@ def _sagemaker_hosts(env: Mapping[str, str]) -> tuple[str, ...]:
     except json.JSONDecodeError:
         hosts = None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
-        raise ValueError(f"SM_HOSTS={env['SM_HOSTS']!r} is not a JSON list of host names, "
-                         "e.g. '[\"algo-1\", \"algo-2\"]'")
+        raise LaunchError(f"SM_HOSTS={env['SM_HOSTS']!r} is not a JSON list of host names, "
+                          "e.g. '[\"algo-1\", \"algo-2\"]'")
     return tuple(hosts)
 
 
 def _sagemaker_node(env: Mapping[str, str], hosts: tuple[str, ...]) -> int:
     _require(env, ("SM_CURRENT_HOST",), "SageMaker", "SageMaker sets SM_CURRENT_HOST next to SM_HOSTS")
     if env["SM_CURRENT_HOST"] not in hosts:
-        raise ValueError(f"SM_CURRENT_HOST={env['SM_CURRENT_HOST']!r} is not in SM_HOSTS={list(hosts)}")
+        raise LaunchError(f"SM_CURRENT_HOST={env['SM_CURRENT_HOST']!r} is not in SM_HOSTS={list(hosts)}")
     return hosts.index(env["SM_CURRENT_HOST"])
 
 
@@ -433,7 +435,7 @@ def _with_sagemaker(inner: ProcessEnv, env: Mapping[str, str], hosts: tuple[str,
     node = _sagemaker_node(env, hosts)
     _check_sagemaker_node(inner, env, node)
     if len(hosts) != inner.num_nodes:
-        raise ValueError(
+        raise LaunchError(
             f"SageMaker and {inner.launcher.value} disagree on the number of nodes: SM_HOSTS lists "
             f"{len(hosts)} hosts but the job has {inner.num_processes} processes x "
             f"{inner.local_world_size} per node = {inner.num_nodes} nodes; launch one process group "
@@ -449,7 +451,7 @@ def _with_sagemaker(inner: ProcessEnv, env: Mapping[str, str], hosts: tuple[str,
 def _check_sagemaker_node(job: ProcessEnv, env: Mapping[str, str], host_index: int) -> None:
     """SageMaker passes --node_rank <index of SM_CURRENT_HOST in SM_HOSTS> to torchrun."""
     if job.launcher is Launcher.TORCHRUN and "GROUP_RANK" in env and job.node_rank != host_index:
-        raise ValueError(
+        raise LaunchError(
             f"SM_CURRENT_HOST={env['SM_CURRENT_HOST']!r} is host {host_index} of SM_HOSTS but torchrun's "
             f"GROUP_RANK={job.node_rank}; start torchrun with --node_rank {host_index} on this host")
 
@@ -459,7 +461,7 @@ def _check_torchrun_vs_slurm(job: ProcessEnv, env: Mapping[str, str]) -> None:
     (SLURM_NTASKS = WORLD_SIZE); any other count means the two describe different jobs."""
     tasks = _slurm_world(env)
     if tasks not in (job.num_processes, job.num_nodes):
-        raise ValueError(
+        raise LaunchError(
             f"torchrun and Slurm disagree on the job size: WORLD_SIZE={job.num_processes} "
             f"({job.num_nodes} nodes x LOCAL_WORLD_SIZE={job.local_world_size}) but "
             f"SLURM_NTASKS={tasks}; start one torchrun per node (srun --ntasks-per-node=1 "
@@ -469,7 +471,7 @@ def _check_torchrun_vs_slurm(job: ProcessEnv, env: Mapping[str, str]) -> None:
 def _check_torchrun_vs_mpi(job: ProcessEnv, env: Mapping[str, str], names: tuple[str, ...]) -> None:
     rank, world = _int_or(env, names[0], -1), _int_or(env, names[1], -1)
     if (rank, world) != (job.process_id, job.num_processes):
-        raise ValueError(
+        raise LaunchError(
             f"torchrun (RANK={job.process_id}, WORLD_SIZE={job.num_processes}) and MPI "
             f"({names[0]}={env.get(names[0])}, {names[1]}={env.get(names[1])}) both describe this "
             "process and disagree; launch with one of them, or unset the other's variables")

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from xtrain.errors import LaunchError
 from xtrain.runtime.launch import Cluster, process_env
 
 ROOT = "/opt/ml"  # SageMaker's fixed prefix
@@ -51,8 +52,8 @@ def _checkpoint_dir(env: Mapping[str, str], root: str) -> Path | None:
     try:
         local = json.loads(config.read_text()).get("LocalPath")
     except (json.JSONDecodeError, AttributeError):
-        raise ValueError(f"{config} is not SageMaker's checkpoint configuration (a JSON object with "
-                         "LocalPath and S3Uri)") from None
+        raise LaunchError(f"{config} is not SageMaker's checkpoint configuration (a JSON object with "
+                          "LocalPath and S3Uri)") from None
     return Path(local or os.path.join(root, "checkpoints"))
 
 
@@ -76,8 +77,9 @@ def export_path() -> Path:
     """Where `step.export()` without a path writes: SM_MODEL_DIR/model.safetensors."""
     job = paths()
     if job is None or job.model_dir is None:
-        raise ValueError("step.export() without a path writes to SageMaker's model directory (SM_MODEL_DIR), but "
-                         "this process runs outside a SageMaker job; pass a path, e.g. step.export('model.safetensors')")
+        raise LaunchError(
+            "step.export() without a path writes to SageMaker's model directory (SM_MODEL_DIR), but "
+            "this process runs outside a SageMaker job; pass a path, e.g. step.export('model.safetensors')")
     return job.model_dir / "model.safetensors"
 
 
@@ -86,7 +88,7 @@ def checkpoint_directory() -> Path:
     job = paths()
     if job is None or job.checkpoint_dir is None:
         where = "outside a SageMaker job" if job is None else "in a SageMaker job that configured no checkpoints"
-        raise ValueError(f"CheckpointManager() without a directory uses SageMaker's checkpoint directory, but this "
-                         f"process runs {where} (the estimator's checkpoint_s3_uri sets one up); pass a directory, "
-                         "e.g. CheckpointManager('ckpt')")
+        raise LaunchError(f"CheckpointManager() without a directory uses SageMaker's checkpoint directory, but this "
+                          f"process runs {where} (the estimator's checkpoint_s3_uri sets one up); pass a directory, "
+                          "e.g. CheckpointManager('ckpt')")
     return job.checkpoint_dir

@@ -15,6 +15,7 @@ import contextvars
 import math
 from typing import Any, Iterator, Sequence
 
+from xtrain.errors import PlanError
 from xtrain.ir import interop
 from xtrain.sharding.plan import AxisEntry, axes_of
 
@@ -71,22 +72,22 @@ def _check(shape: tuple, spec: tuple, sizes: dict) -> None:
     where = _where()
     mesh = ", ".join(f"{k}={v}" for k, v in sizes.items())
     if len(spec) != len(shape):
-        raise ValueError(f"xtrain.shard{where}: spec {spec} has {len(spec)} entries for a tensor of "
-                         f"shape {shape} ({len(shape)} dims); give one entry (axis name or None) per dim")
+        raise PlanError(f"xtrain.shard{where}: spec {spec} has {len(spec)} entries for a tensor of "
+                        f"shape {shape} ({len(shape)} dims); give one entry (axis name or None) per dim")
     used = [a for entry in spec for a in axes_of(entry)]
     for axis in used:
         if axis not in sizes:
-            raise ValueError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} names axis "
-                             f"{axis!r}, which the mesh ({mesh}) does not have; use one of {list(sizes)}")
+            raise PlanError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} names axis "
+                            f"{axis!r}, which the mesh ({mesh}) does not have; use one of {list(sizes)}")
     if len(set(used)) != len(used):
-        raise ValueError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} uses a mesh axis twice")
+        raise PlanError(f"xtrain.shard{where}: spec {spec} for tensor of shape {shape} uses a mesh axis twice")
     for dim, (size, entry) in enumerate(zip(shape, spec)):
         axes = axes_of(entry)
         parts = math.prod(sizes[a] for a in axes)
         if size % parts:
-            raise ValueError(f"xtrain.shard{where}: dim {dim} of tensor of shape {shape} (size {size}) is not "
-                             f"divisible by {'x'.join(axes)}={parts} (spec {spec}, mesh {mesh}); pick axes "
-                             "whose product divides it or leave the dim whole (None)")
+            raise PlanError(f"xtrain.shard{where}: dim {dim} of tensor of shape {shape} (size {size}) is not "
+                            f"divisible by {'x'.join(axes)}={parts} (spec {spec}, mesh {mesh}); pick axes "
+                            "whose product divides it or leave the dim whole (None)")
 
 
 def _where() -> str:

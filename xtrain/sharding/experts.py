@@ -10,6 +10,7 @@ import dataclasses
 import fnmatch
 from typing import Iterable, Mapping
 
+from xtrain.errors import PlanError
 from xtrain.sharding.mesh import DATA, EXPERT
 from xtrain.sharding.plan import Plan
 
@@ -23,14 +24,14 @@ def expert_parallel(plan: Plan, experts: Iterable[str], sizes: Mapping[str, int]
         return plan
     experts = sorted(experts)
     if not experts:
-        raise ValueError(
+        raise PlanError(
             f"mesh axis {EXPERT!r} (size {sizes[EXPERT]}) splits the experts of MoE layers, but {model} has none "
             "that xtrain can split (HF experts modules with experts_implementation='grouped_mm'): use a mesh "
             f"without it (fold its devices into {DATA!r})")
     peers = sizes[EXPERT]
     for name in experts:
         if shapes[name][0] % peers:
-            raise ValueError(
+            raise PlanError(
                 f"expert weight {name!r} of shape {tuple(shapes[name])} holds {shapes[name][0]} experts, not "
                 f"divisible by the mesh axis {EXPERT!r} of size {peers}: use an {EXPERT!r} axis whose size "
                 f"divides {shapes[name][0]}")

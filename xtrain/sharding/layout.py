@@ -16,6 +16,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Hashable, Iterable, Mapping
 
+from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir.stacked import Stacking, family
 from xtrain.sharding import zero
 from xtrain.sharding.mesh import CONTEXT, DATA, EXPERT
@@ -195,25 +196,25 @@ def _check_mesh_used(layout: StateLayout, plan: Plan) -> None:
     if not unused or len(unused) < sum(n > 1 for n in layout.sizes.values()):
         return
     axes = lambda rename: ", ".join(f"{rename.get(a, a)}={n}" for a, n in layout.sizes.items())
-    raise ValueError(f"Mesh({axes({})}) has no {DATA!r} axis, and the default plan splits only the batch, over "
-                     f"{DATA!r}: every device would compute the whole batch with the whole model. Name the "
-                     f"data-parallel axis {DATA!r} (xtrain.Mesh({axes({unused[0]: DATA})})), say which axes split the "
-                     f"batch (xtrain.Plan(batch=({unused[0]!r},))), or give a plan that splits parameters over them "
-                     "(xtrain.plans.megatron, fsdp)")
+    raise PlanError(f"Mesh({axes({})}) has no {DATA!r} axis, and the default plan splits only the batch, over "
+                    f"{DATA!r}: every device would compute the whole batch with the whole model. Name the "
+                    f"data-parallel axis {DATA!r} (xtrain.Mesh({axes({unused[0]: DATA})})), say which axes split the "
+                    f"batch (xtrain.Plan(batch=({unused[0]!r},))), or give a plan that splits parameters over them "
+                    "(xtrain.plans.megatron, fsdp)")
 
 
 def _check_batch_args(plan: Plan, spec: Spec, sizes: Mapping[str, int]) -> None:
     """Per-argument specs split over the batch spec's axes only (they split the same batch)."""
     allowed = {a for e in spec for a in axes_of(e)}
     if plan.batch_args and plan.pipeline is not None:
-        raise ValueError("Plan(batch_args=...) with pipeline parallelism is not implemented; give every batch "
-                         "argument the batch spec (Plan(batch=...))")
+        raise UnsupportedError("Plan(batch_args=...) with pipeline parallelism is not implemented; give every batch "
+                               "argument the batch spec (Plan(batch=...))")
     for index, arg in plan.batch_args:
         extra = sorted({a for e in arg for a in axes_of(e)} - allowed)
         if extra:
-            raise ValueError(f"Plan(batch_args={{{index}: {arg}}}): mesh axes {extra} are not in the batch spec "
-                             f"{spec}; a batch argument splits over the batch spec's axes only (e.g. the sequence "
-                             f"of a mask over {CONTEXT!r} with the default batch spec {(DATA, CONTEXT)})")
+            raise PlanError(f"Plan(batch_args={{{index}: {arg}}}): mesh axes {extra} are not in the batch spec "
+                            f"{spec}; a batch argument splits over the batch spec's axes only (e.g. the sequence "
+                            f"of a mask over {CONTEXT!r} with the default batch spec {(DATA, CONTEXT)})")
 
 
 def _check_context_used(layout: StateLayout, plan: Plan) -> None:
@@ -224,11 +225,11 @@ def _check_context_used(layout: StateLayout, plan: Plan) -> None:
         return
     others = {a: s for a, s in layout.sizes.items() if a != CONTEXT}
     without = ", ".join(f"{a}={s}" for a, s in others.items()) or f"{DATA}=1"
-    raise ValueError(f"mesh axis {CONTEXT!r} (size {n}): the plan's batch spec {tuple(plan.batch)} does not split "
-                     f"the sequence over it and the plan uses {CONTEXT!r} for nothing else, so its {n} devices would "
-                     f"each compute the whole sequence. Split the sequence (dimension 1 of the batch arguments) over "
-                     f"it: xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})) (the default plan does), or drop the axis "
-                     f"(xtrain.Mesh({without}))")
+    raise PlanError(f"mesh axis {CONTEXT!r} (size {n}): the plan's batch spec {tuple(plan.batch)} does not split "
+                    f"the sequence over it and the plan uses {CONTEXT!r} for nothing else, so its {n} devices would "
+                    f"each compute the whole sequence. Split the sequence (dimension 1 of the batch arguments) over "
+                    f"it: xtrain.Plan(batch=({DATA!r}, {CONTEXT!r})) (the default plan does), or drop the axis "
+                    f"(xtrain.Mesh({without}))")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

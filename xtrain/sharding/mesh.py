@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from xtrain.errors import MeshError
+
 # Axis names xtrain's presets and the batch default refer to.
 DATA, TENSOR, PIPE = "data", "tensor", "pipe"
 # The axis context parallelism splits the sequence over (dimension 1 of the batch by default:
@@ -25,12 +27,13 @@ class Mesh:
 
     def __init__(self, **axes: int):
         if not axes:
-            raise ValueError("Mesh needs at least one named axis, e.g. xtrain.Mesh(data=-1)")
+            raise MeshError("Mesh needs at least one named axis, e.g. xtrain.Mesh(data=-1)")
         for name, size in axes.items():
             if not isinstance(size, int) or (size < 1 and size != -1):
-                raise ValueError(f"Mesh axis {name}={size!r} must be a positive int or -1")
+                raise MeshError(f"Mesh axis {name}={size!r} must be a positive int or -1")
         if sum(1 for s in axes.values() if s == -1) > 1:
-            raise ValueError(f"Mesh({self._fmt(axes)}) has more than one -1 axis; at most one axis can take the remaining devices")
+            raise MeshError(
+                f"Mesh({self._fmt(axes)}) has more than one -1 axis; at most one axis can take the remaining devices")
         self.axes: dict[str, int] = dict(axes)
 
     @staticmethod
@@ -45,12 +48,12 @@ class Mesh:
         known = math.prod(s for s in self.axes.values() if s != -1)
         if -1 in self.axes.values():
             if num_devices % known:
-                raise ValueError(
+                raise MeshError(
                     f"{self} cannot fill {num_devices} devices: the fixed axes take {known}, "
                     f"which does not divide {num_devices}")
             return {k: (num_devices // known if v == -1 else v) for k, v in self.axes.items()}
         if known != num_devices:
-            raise ValueError(
+            raise MeshError(
                 f"{self} needs {known} devices but {num_devices} are available; make the axis "
                 f"sizes multiply to {num_devices} or use -1 for one axis (e.g. "
                 f"Mesh({', '.join(f'{k}={-1 if i == 0 else v}' for i, (k, v) in enumerate(self.axes.items()))}))")

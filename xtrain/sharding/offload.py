@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import enum
 
+from xtrain.errors import PlanError
+
 HOST_MEMORY = "pinned_host"  # the JAX memory kind of host memory a device reads and writes directly
 
 
@@ -31,4 +33,4 @@ class Offload(enum.Enum):
         try:
             return cls("none" if value is None else value)
         except ValueError:
-            raise ValueError(f"Plan(offload={value!r}) must be one of {[o.value for o in cls]}") from None
+            raise PlanError(f"Plan(offload={value!r}) must be one of {[o.value for o in cls]}") from None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
+from xtrain.errors import PlanError
+
 Split = Union[str, tuple[str, ...]]
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the tables of xtrain.lowering.pipeline.schedule
 
@@ -38,32 +40,32 @@ class Pipeline:
 
     def __post_init__(self):
         if self.stages < 2:
-            raise ValueError(f"Pipeline(stages={self.stages}): a pipeline needs at least 2 stages")
+            raise PlanError(f"Pipeline(stages={self.stages}): a pipeline needs at least 2 stages")
         if self.microbatches < 1:
-            raise ValueError(f"Pipeline(microbatches={self.microbatches}): needs at least 1 microbatch")
+            raise PlanError(f"Pipeline(microbatches={self.microbatches}): needs at least 1 microbatch")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline(schedule={self.schedule!r}) is not one of {SCHEDULES}")
+            raise PlanError(f"Pipeline(schedule={self.schedule!r}) is not one of {SCHEDULES}")
         if not isinstance(self.split, str):
             object.__setattr__(self, "split", tuple(self.split))
         elif self.split != "auto":
-            raise ValueError(f"Pipeline(split={self.split!r}): pass 'auto' or a list of module paths")
+            raise PlanError(f"Pipeline(split={self.split!r}): pass 'auto' or a list of module paths")
         if self.schedule == "interleaved":
             self._check_interleaved()
         elif self.virtual_stages != 1:
-            raise ValueError(f"Pipeline(virtual_stages={self.virtual_stages}) needs schedule='interleaved' "
-                             f"(got {self.schedule!r})")
+            raise PlanError(f"Pipeline(virtual_stages={self.virtual_stages}) needs schedule='interleaved' "
+                            f"(got {self.schedule!r})")
         if isinstance(self.split, tuple) and len(self.split) != self.stages * self.virtual_stages - 1:
-            raise ValueError(f"Pipeline(split={list(self.split)}) names {len(self.split)} cut points; "
-                             f"{self.stages * self.virtual_stages} stages need "
-                             f"{self.stages * self.virtual_stages - 1} (where stages 1.. start)")
+            raise PlanError(f"Pipeline(split={list(self.split)}) names {len(self.split)} cut points; "
+                            f"{self.stages * self.virtual_stages} stages need "
+                            f"{self.stages * self.virtual_stages - 1} (where stages 1.. start)")
 
     def _check_interleaved(self) -> None:
         if self.virtual_stages < 2:
-            raise ValueError(f"Pipeline(schedule='interleaved', virtual_stages={self.virtual_stages}): "
-                             "interleaving needs virtual_stages >= 2 chunks per stage")
+            raise PlanError(f"Pipeline(schedule='interleaved', virtual_stages={self.virtual_stages}): "
+                            "interleaving needs virtual_stages >= 2 chunks per stage")
         if self.microbatches % self.stages:
-            raise ValueError(f"Pipeline(schedule='interleaved'): microbatches={self.microbatches} is not "
-                             f"divisible by stages={self.stages}; use a multiple of {self.stages}")
+            raise PlanError(f"Pipeline(schedule='interleaved'): microbatches={self.microbatches} is not "
+                            f"divisible by stages={self.stages}; use a multiple of {self.stages}")
 
     @property
     def chunks(self) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from xtrain.errors import PlanError
 from xtrain.ir.trace_options import TraceOptions
 from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.offload import Offload
@@ -116,7 +117,7 @@ class Plan:
         object.__setattr__(self, "offload", Offload.of(self.offload))
         self._check_remat()
         if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
+            raise PlanError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
         if self.batch is not None:
             object.__setattr__(self, "batch", _normalize(self.batch))
@@ -124,8 +125,8 @@ class Plan:
         object.__setattr__(self, "batch_args", tuple(sorted((int(i), _normalize(s)) for i, s in args)))
         object.__setattr__(self, "notes", tuple(self.notes))
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"Plan(capacity_factor={self.capacity_factor!r}): give a positive factor (e.g. 1.25), "
-                             "or None for drop-free MoE layers")
+            raise PlanError(f"Plan(capacity_factor={self.capacity_factor!r}): give a positive factor (e.g. 1.25), "
+                            "or None for drop-free MoE layers")
 
     def _check_remat(self) -> None:
         if callable(self.remat) and not isinstance(self.remat, Remat):
@@ -135,20 +136,20 @@ class Plan:
         try:
             object.__setattr__(self, "remat", Remat(remat))
         except ValueError:
-            raise ValueError(f"Plan(remat={self.remat!r}) must be one of {[r.value for r in Remat]}") from None
+            raise PlanError(f"Plan(remat={self.remat!r}) must be one of {[r.value for r in Remat]}") from None
         keep = (self.remat_keep,) if isinstance(self.remat_keep, str) else tuple(self.remat_keep)
         object.__setattr__(self, "remat_keep", keep)
         if (self.remat is Remat.POLICY) != callable(self.remat_policy):
-            raise ValueError(f"Plan(remat={self.remat.value!r}): pass the JAX checkpoint policy itself, "
-                             "Plan(remat=jax.checkpoint_policies.dots_saveable), not the word 'policy'"
-                             if self.remat is Remat.POLICY else f"Plan(remat_policy=...) needs remat=<that policy>, "
-                             f"not remat={self.remat.value!r}")
+            raise PlanError(f"Plan(remat={self.remat.value!r}): pass the JAX checkpoint policy itself, "
+                            "Plan(remat=jax.checkpoint_policies.dots_saveable), not the word 'policy'"
+                            if self.remat is Remat.POLICY else f"Plan(remat_policy=...) needs remat=<that policy>, "
+                            f"not remat={self.remat.value!r}")
         if self.remat is Remat.POLICY and self.offload is Offload.ACTIVATIONS:
-            raise ValueError("Plan(remat=<policy>, offload='activations'): a policy callable decides what stays on "
-                             "the device; offloading needs names (remat='full', 'dots' or 'selective')")
+            raise PlanError("Plan(remat=<policy>, offload='activations'): a policy callable decides what stays on "
+                            "the device; offloading needs names (remat='full', 'dots' or 'selective')")
         if (self.remat is Remat.SELECTIVE) != bool(keep):
-            raise ValueError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
-                             "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
+            raise PlanError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
+                            "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
 
     def layer_remat(self) -> LayerRemat | None:
         """What the layer scan checkpoints, or None. Offloaded activations checkpoint each
@@ -200,7 +201,7 @@ class Plan:
         unused = [p for p in self.params if p not in used]
         if unused:
             sample = ", ".join(list(shapes)[:6])
-            raise ValueError(
+            raise PlanError(
                 f"Plan rule(s) {unused} match no parameter; parameter names look like: {sample}, ... "
                 "(patterns are fnmatch globs over torch parameter names)")
         return specs
@@ -229,9 +230,9 @@ class PendingPlan(Plan):
                        "notes": tuple(notes) + derived.notes + self.notes, "trace": derived.trace})
 
     def param_specs(self, shapes, mesh_axes) -> dict[str, Spec]:
-        raise ValueError("this plan's tensor-parallel rules are derived from the program traced on the first batch "
-                         "(xtrain.plans.megatron without example=): they exist after the step's first call; pass "
-                         "example=<a batch> to plans.megatron to derive them now")
+        raise PlanError("this plan's tensor-parallel rules are derived from the program traced on the first batch "
+                        "(xtrain.plans.megatron without example=): they exist after the step's first call; pass "
+                        "example=<a batch> to plans.megatron to derive them now")
 
     def __str__(self) -> str:
         first, *rest = Plan.__str__(self).replace("  (every parameter replicated)\n", "").split("\n")
@@ -256,18 +257,18 @@ def _check_axes(what: str, spec: Spec, mesh_axes: Mapping[str, int], rule: str) 
     for entry in spec:
         for axis in axes_of(entry):
             if axis not in mesh_axes:
-                raise ValueError(
+                raise PlanError(
                     f"{rule} splits {what} over mesh axis {axis!r}, which the mesh "
                     f"({', '.join(f'{k}={v}' for k, v in mesh_axes.items())}) does not have")
             if axis in seen:
-                raise ValueError(f"{rule} uses mesh axis {axis!r} twice for {what}")
+                raise PlanError(f"{rule} uses mesh axis {axis!r} twice for {what}")
             seen.append(axis)
 
 
 def _check_param(name: str, shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], pattern: str) -> None:
     rule = f"Plan rule {pattern!r}: {tuple(spec)}"
     if len(spec) > len(shape):
-        raise ValueError(
+        raise PlanError(
             f"{rule} has {len(spec)} entries but parameter {name} has shape {tuple(shape)} "
             f"({len(shape)} dims); give at most one entry per dimension")
     _check_axes(f"parameter {name}", spec, mesh_axes, rule)
@@ -278,6 +279,6 @@ def _check_param(name: str, shape: tuple[int, ...], spec: Spec, mesh_axes: Mappi
         if isinstance(entry, Segments):
             entry.check(shape[dim], size, f"{rule}: dimension {dim} of parameter {name} (shape {tuple(shape)})")
         if shape[dim] % size:
-            raise ValueError(
+            raise PlanError(
                 f"{rule}: dimension {dim} of parameter {name} (shape {tuple(shape)}) has size "
                 f"{shape[dim]}, not divisible by {entry}={size}; split another dimension or leave it whole")

@@ -26,6 +26,8 @@ import fnmatch
 import ml_dtypes  # bfloat16 for numpy (a JAX dependency; importing jax here would load it for `import xtrain`)
 import numpy as np
 
+from xtrain.errors import PlanError
+
 
 class Compute(enum.Enum):
     FP32 = "fp32"
@@ -54,11 +56,11 @@ class LossScale:
 
     def __post_init__(self):
         if not self.initial > 0:
-            raise ValueError(f"LossScale.initial={self.initial!r} must be positive")
+            raise PlanError(f"LossScale.initial={self.initial!r} must be positive")
         if self.growth_interval < 1:
-            raise ValueError(f"LossScale.growth_interval={self.growth_interval!r} must be >= 1")
+            raise PlanError(f"LossScale.growth_interval={self.growth_interval!r} must be >= 1")
         if not self.factor > 1:
-            raise ValueError(f"LossScale.factor={self.factor!r} must be > 1 (2.0 halves on overflow)")
+            raise PlanError(f"LossScale.factor={self.factor!r} must be > 1 (2.0 halves on overflow)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,16 +81,16 @@ class Precision:
         try:
             object.__setattr__(self, "compute", Compute(self.compute))
         except ValueError:
-            raise ValueError(f"Precision.compute={self.compute!r} must be one of "
-                             f"{[c.value for c in Compute]}") from None
+            raise PlanError(f"Precision.compute={self.compute!r} must be one of "
+                            f"{[c.value for c in Compute]}") from None
         if isinstance(self.fp32_modules, str):
             object.__setattr__(self, "fp32_modules", (self.fp32_modules,))
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
         if self.compute is Compute.FP16 and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.compute is not Compute.FP16 and self.loss_scale is not None:
-            raise ValueError(f"Precision.loss_scale={self.loss_scale!r} is only used with compute='fp16', "
-                             f"not {self.compute.value!r}")
+            raise PlanError(f"Precision.loss_scale={self.loss_scale!r} is only used with compute='fp16', "
+                            f"not {self.compute.value!r}")
 
     @classmethod
     def of(cls, value: "Precision | str") -> "Precision":

@@ -12,6 +12,7 @@ import fnmatch
 import math
 from typing import Mapping
 
+from xtrain.errors import PlanError
 from xtrain.ir import dimflow
 from xtrain.ir.model import Model
 from xtrain.sharding import tensor_parallel
@@ -31,8 +32,8 @@ def require_axes(axes: tuple[str, ...], sizes: Mapping[str, int], preset: str) -
     for axis in axes:
         if axis not in sizes:
             mesh = ", ".join(f"{k}={v}" for k, v in sizes.items())
-            raise ValueError(f"xtrain.plans.{preset}: the mesh ({mesh}) has no axis {axis!r}; "
-                             f"pass one of {list(sizes)} or add {axis!r} to the mesh")
+            raise PlanError(f"xtrain.plans.{preset}: the mesh ({mesh}) has no axis {axis!r}; "
+                            f"pass one of {list(sizes)} or add {axis!r} to the mesh")
 
 
 # -- outputs: compact rules and readable notes ---------------------------------------------
@@ -110,7 +111,7 @@ def zero(stage: int, shapes: Shapes | None = None, sizes: Mapping[str, int] | No
         return Plan(zero=stage)
     if stage == 3:
         return fsdp(shapes, sizes, **fsdp_kwargs)
-    raise ValueError(f"xtrain.plans.zero({stage!r}): the ZeRO stage must be 0, 1, 2 or 3")
+    raise PlanError(f"xtrain.plans.zero({stage!r}): the ZeRO stage must be 0, 1, 2 or 3")
 
 
 def hybrid(shapes: Shapes, sizes: Mapping[str, int], *, shard_axis: str = DATA,

@@ -19,6 +19,8 @@ from typing import Mapping
 
 import numpy as np
 
+from xtrain.errors import PlanError
+
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
@@ -37,8 +39,8 @@ class Segments:
         object.__setattr__(self, "axes", (axes,) if isinstance(axes, str) else tuple(axes))
         object.__setattr__(self, "sizes", tuple(int(s) for s in sizes))
         if not self.axes or not self.sizes or any(s <= 0 for s in self.sizes):
-            raise ValueError(f"Segments(axes={axes!r}, sizes={sizes!r}): give at least one mesh axis and positive "
-                             "segment sizes, e.g. Segments('tensor', (q, k, v))")
+            raise PlanError(f"Segments(axes={axes!r}, sizes={sizes!r}): give at least one mesh axis and positive "
+                            "segment sizes, e.g. Segments('tensor', (q, k, v))")
 
     def __repr__(self) -> str:
         axes = self.axes[0] if len(self.axes) == 1 else self.axes
@@ -52,12 +54,12 @@ class Segments:
     def check(self, size: int, parts: int, where: str) -> None:
         """Fails unless the segments tile a dimension of `size` and `parts` divides each."""
         if sum(self.sizes) != size:
-            raise ValueError(f"{where}: {self!r} adds up to {sum(self.sizes)}, but the dimension has size {size}; "
-                             "give the sizes of all the segments it concatenates")
+            raise PlanError(f"{where}: {self!r} adds up to {sum(self.sizes)}, but the dimension has size {size}; "
+                            "give the sizes of all the segments it concatenates")
         bad = [s for s in self.sizes if s % parts]
         if bad:
-            raise ValueError(f"{where}: segments {bad} of {self!r} are not divisible by the {parts} devices of "
-                             f"{self.axes}; split it contiguously (the axis alone) or leave it whole")
+            raise PlanError(f"{where}: segments {bad} of {self!r} are not divisible by the {parts} devices of "
+                            f"{self.axes}; split it contiguously (the axis alone) or leave it whole")
 
     def stored_order(self, parts: int) -> np.ndarray:
         """Indices into torch's order, in stored order: device 0's slice of every segment, then

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+from xtrain.errors import PlanError
 from xtrain.ir.dimflow import Flow, Group, Use
 from xtrain.sharding.plan import Spec
 from xtrain.sharding.segments import Segments
@@ -177,9 +178,9 @@ def derive(flow: Flow, shapes: Mapping[str, tuple[int, ...]], axis: str, tp: int
             d.broken(g)
     _vocab(d, flow, logits, vocab_parallel)
     if not any(g.rows for g in flow.groups):  # (pairs that exist but cannot split are noted, not an error)
-        raise ValueError("xtrain.plans.megatron found no column -> row matmul pairs in the traced program (a "
-                         "matmul whose output dimension reaches a matmul that contracts it); write the rules "
-                         "yourself with xtrain.Plan(params={...})")
+        raise PlanError("xtrain.plans.megatron found no column -> row matmul pairs in the traced program (a "
+                        "matmul whose output dimension reaches a matmul that contracts it); write the rules "
+                        "yourself with xtrain.Plan(params={...})")
     specs = d.specs()
     return specs, list(dict.fromkeys(d.notes))
 

@@ -14,6 +14,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
+from xtrain.errors import UnsupportedError
 from xtrain.lowering.explicit.blocks import Examined, RepeatedBlocks, examine
 
 # ops that pass the loss through unchanged in value (a cast, a reshape of a scalar)
@@ -56,18 +57,19 @@ def _loss_parts(eqns, loss) -> tuple[list, bool]:
 
 def _pick_blocks(examined: Examined, where: str) -> RepeatedBlocks:
     if examined.notes and not examined.found:
-        raise ValueError(f"pipeline parallelism of {where} needs a family of repeated blocks to split into stages: "
-                         + "; ".join(examined.notes) + ". Blocks may differ in their parameters, in constants and "
-                         "in which value computed before them they read, not in their operations or shapes")
+        raise UnsupportedError(
+            f"pipeline parallelism of {where} needs a family of repeated blocks to split into stages: "
+            + "; ".join(examined.notes) + ". Blocks may differ in their parameters, in constants and "
+            "in which value computed before them they read, not in their operations or shapes")
     if not examined.found:
-        raise ValueError(
+        raise UnsupportedError(
             f"pipeline parallelism needs repeated blocks (e.g. blocks.0, blocks.1, ... with identical "
             f"structure) in the top level of {where}; none were found, so there is nothing to split into "
             "stages. Give the model an nn.ModuleList of identical layers")
     blocks = max(examined.found, key=lambda b: b.length)
     if blocks.collected:
         out = blocks.collected[0]
-        raise ValueError(
+        raise UnsupportedError(
             f"pipeline parallelism of {where}: {out.what} is read after the blocks {blocks.prefix}.0 .. "
             f"{blocks.prefix}.{blocks.length - 1}, once per layer (e.g. router logits for a load-balancing loss, "
             "every layer's hidden states); pipeline stages pass on only the residual stream between layers, so "
@@ -84,9 +86,9 @@ def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffer
     loss, *new_buffers = jaxpr.outvars
     buffer_ins = jaxpr.invars[len(param_names):len(param_names) + num_buffers]
     if any(o is not i for o, i in zip(new_buffers, buffer_ins)):
-        raise ValueError(f"pipeline parallelism of {where}: the forward updates buffers (e.g. BatchNorm running "
-                         "statistics), which the pipeline does not carry between microbatches; use a model "
-                         "without buffer updates or no pipeline")
+        raise UnsupportedError(f"pipeline parallelism of {where}: the forward updates buffers (e.g. BatchNorm running "
+                               "statistics), which the pipeline does not carry between microbatches; use a model "
+                               "without buffer updates or no pipeline")
     pro_eqns, epi_eqns = jaxpr.eqns[:blocks.start], jaxpr.eqns[blocks.stop:]
     parts, weighted = _loss_parts(epi_eqns, loss)
     defined = {v for e in pro_eqns for v in e.outvars}

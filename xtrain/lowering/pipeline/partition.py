@@ -17,6 +17,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
+from xtrain.errors import PlanError
 from xtrain.ir import flops as cost_flops
 from xtrain.lowering.explicit.blocks import segments
 
@@ -101,17 +102,17 @@ def explicit_starts(split: tuple[str, ...], layer_paths: list[str]) -> list[int]
     starts = [0]
     for path in split:
         if path not in index:
-            raise ValueError(f"Pipeline(split=...): {path!r} is not one of the model's repeated blocks "
-                             f"({layer_paths[0]} .. {layer_paths[-1]}); cut points must be block module paths")
+            raise PlanError(f"Pipeline(split=...): {path!r} is not one of the model's repeated blocks "
+                            f"({layer_paths[0]} .. {layer_paths[-1]}); cut points must be block module paths")
         if index[path] <= starts[-1]:
-            raise ValueError(f"Pipeline(split=...): cut point {path!r} does not come after the previous stage's "
-                             f"start {layer_paths[starts[-1]]!r}; give cut points in layer order, each stage non-empty")
+            raise PlanError(f"Pipeline(split=...): cut point {path!r} does not come after the previous stage's "
+                            f"start {layer_paths[starts[-1]]!r}; give cut points in layer order, each stage non-empty")
         starts.append(index[path])
     return starts
 
 
 def check_enough_layers(num_layers: int, stages: int, prefix: str) -> None:
     if stages > num_layers:
-        raise ValueError(f"Pipeline: {stages} stages but the model has only {num_layers} repeated blocks "
-                         f"({prefix}.0 .. {prefix}.{num_layers - 1}); use at most {num_layers} stages "
-                         "(stages x virtual_stages)")
+        raise PlanError(f"Pipeline: {stages} stages but the model has only {num_layers} repeated blocks "
+                        f"({prefix}.0 .. {prefix}.{num_layers - 1}); use at most {num_layers} stages "
+                        "(stages x virtual_stages)")

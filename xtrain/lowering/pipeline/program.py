@@ -10,6 +10,7 @@ import math
 import jax
 from jax.extend import core as jcore
 
+from xtrain.errors import InputError, PlanError
 from xtrain.ir.model import Model
 from xtrain.lowering.explicit.gaps import gather_blocks
 from xtrain.lowering.pipeline import executors, graph, partition, schedule
@@ -23,12 +24,12 @@ from xtrain.sharding.plan import axes_of
 def check_mesh(pipeline: Pipeline, mesh_axes: dict) -> None:
     axes = ", ".join(f"{k}={v}" for k, v in mesh_axes.items())
     if pipeline.axis not in mesh_axes:
-        raise ValueError(f"Plan.with_pipeline(stages={pipeline.stages}) runs over mesh axis {pipeline.axis!r}, which "
-                         f"the mesh ({axes}) does not have; use e.g. xtrain.Mesh({pipeline.axis}={pipeline.stages}, "
-                         "data=-1)")
+        raise PlanError(f"Plan.with_pipeline(stages={pipeline.stages}) runs over mesh axis {pipeline.axis!r}, which "
+                        f"the mesh ({axes}) does not have; use e.g. xtrain.Mesh({pipeline.axis}={pipeline.stages}, "
+                        "data=-1)")
     if mesh_axes[pipeline.axis] != pipeline.stages:
-        raise ValueError(f"Plan.with_pipeline(stages={pipeline.stages}) but mesh axis {pipeline.axis!r} has size "
-                         f"{mesh_axes[pipeline.axis]} ({axes}); the axis size must equal the number of stages")
+        raise PlanError(f"Plan.with_pipeline(stages={pipeline.stages}) but mesh axis {pipeline.axis!r} has size "
+                        f"{mesh_axes[pipeline.axis]} ({axes}); the axis size must equal the number of stages")
 
 
 def check_batch(batch: tuple, layout: StateLayout, sizes: dict, pipeline: Pipeline) -> None:
@@ -38,7 +39,7 @@ def check_batch(batch: tuple, layout: StateLayout, sizes: dict, pipeline: Pipeli
         spec = layout.arg_spec(index)
         data = math.prod(sizes[a] for a in axes_of(spec[0])) if spec else 1
         if hasattr(x, "ndim") and x.ndim and x.shape[0] % (data * pipeline.microbatches):
-            raise ValueError(
+            raise InputError(
                 f"batch argument {index} has {x.shape[0]} rows (shape {tuple(x.shape)}), not divisible by data "
                 f"degree {data} x microbatches {pipeline.microbatches} = {data * pipeline.microbatches}; use a "
                 f"global batch that is a multiple of {data * pipeline.microbatches}")

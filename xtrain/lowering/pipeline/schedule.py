@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from xtrain.errors import PlanError
 from xtrain.sharding.pipeline import SCHEDULES
 
 
@@ -124,7 +125,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     """The schedule table `name` ("gpipe", "1f1b", "interleaved") for p stages, m microbatches
     and v chunks per stage (interleaved only)."""
     if name not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {name!r} is not one of {SCHEDULES}")
+        raise PlanError(f"pipeline schedule {name!r} is not one of {SCHEDULES}")
     chunks = chunks if name == "interleaved" else 1
     orders = _orders(name, stages, microbatches, chunks)
     shape = Table(name, stages, microbatches, chunks, ())

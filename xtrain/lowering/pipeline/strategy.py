@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir.model import Model
 from xtrain.ir.stacked import Stacking
 from xtrain.lowering import collectives, zero
@@ -85,9 +86,9 @@ class _Runner:
         for layer in self.cut.layer_params[1:]:
             for a, b in zip(first, layer):
                 if specs[a] != specs[b]:
-                    raise ValueError(f"pipeline: parameters {a} and {b} hold the same place in their blocks but the "
-                                     f"plan splits them differently ({specs[a]} vs {specs[b]}); give every block the "
-                                     "same rule")
+                    raise PlanError(f"pipeline: parameters {a} and {b} hold the same place in their blocks but the "
+                                    f"plan splits them differently ({specs[a]} vs {specs[b]}); give every block the "
+                                    "same rule")
         index = {n: i for i, n in enumerate(self.param_names)}
         return [Sharded(None, self.layouts[index[n]], tuple(self.avals[index[n]].shape), self.avals[index[n]].dtype,
                         zero=self.zero[n]) for n in first]
@@ -96,14 +97,14 @@ class _Runner:
 def _check_options(options: StepOptions, grad_tx: GradTransforms, remat: LayerRemat | None) -> None:
     """What the pipeline lowering does not do yet: each refused with the alternative."""
     if options.accumulate != 1:
-        raise ValueError(f"accumulate={options.accumulate} with a pipeline: microbatches already accumulate "
-                         "gradients; raise with_pipeline(microbatches=...) instead")
+        raise PlanError(f"accumulate={options.accumulate} with a pipeline: microbatches already accumulate "
+                        "gradients; raise with_pipeline(microbatches=...) instead")
     if grad_tx.loss_scale is not None:
-        raise ValueError("precision='fp16' (dynamic loss scaling) is not supported with a pipeline yet; "
-                         "use precision='bf16' or 'fp32'")
+        raise UnsupportedError("precision='fp16' (dynamic loss scaling) is not supported with a pipeline yet; "
+                               "use precision='bf16' or 'fp32'")
     if remat is not None:
-        raise ValueError(f"Plan({remat.setting}) with a pipeline: use "
-                         "with_pipeline(..., checkpoint=True), which recomputes each stage from its input")
+        raise PlanError(f"Plan({remat.setting}) with a pipeline: use "
+                        "with_pipeline(..., checkpoint=True), which recomputes each stage from its input")
 
 
 def _chunk_rows(cut, layers: Layers, storage: Stacking, block: dict, stage, chunks: int) -> list:
@@ -140,11 +141,13 @@ class PipelineStrategy:
                  pipeline: Pipeline):
         _check_options(config.options, config.grad_tx, config.remat)
         if layout.zero > 1:
-            raise ValueError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): its "
-                             "gradients are accumulated over microbatches before the data-parallel reduction")
+            raise UnsupportedError(
+                f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): its "
+                "gradients are accumulated over microbatches before the data-parallel reduction")
         if config.capacity_factor is not None:
-            raise ValueError(f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline step; "
-                             "use capacity_factor=None (drop-free MoE layers) with a pipeline")
+            raise UnsupportedError(
+                f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline step; "
+                "use capacity_factor=None (drop-free MoE layers) with a pipeline")
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from xtrain.errors import UnsupportedError
 from xtrain.ir import attention_dropout as dropout_mask
 from xtrain.ir import blockwise, markers
 from xtrain.ir import neuron_attention as nki
@@ -73,10 +74,11 @@ def nki_attention(ctx: Context, eqn, args):
     # the query's batch / head splits (an operand split otherwise is moved to them; a whole one sliced)
     batch, heads = (tuple(args[0].layout.dims[d]) for d in (0, 1))
     if ctx.sizes.get(CONTEXT, 1) > 1 and CONTEXT not in batch + heads:
-        raise ValueError(f"attention in {ctx.path or '<top level>'!r}: Neuron's NKI flash-attention kernel on a mesh "
-                         f"with {CONTEXT!r}={ctx.sizes[CONTEXT]}; it computes whole sequences, so context parallelism "
-                         f"would not split them. Compile through xtrain.compile (with {CONTEXT!r} in the mesh, "
-                         f"attention runs the blockwise kernel as ring attention), or leave {CONTEXT!r} out of the mesh")
+        raise UnsupportedError(
+            f"attention in {ctx.path or '<top level>'!r}: Neuron's NKI flash-attention kernel on a mesh "
+            f"with {CONTEXT!r}={ctx.sizes[CONTEXT]}; it computes whole sequences, so context parallelism "
+            f"would not split them. Compile through xtrain.compile (with {CONTEXT!r} in the mesh, "
+            f"attention runs the blockwise kernel as ring attention), or leave {CONTEXT!r} out of the mesh")
     target = Layout((batch, heads, (), ()))
     args = [C.relayout(ctx, a, target) for a in args]
     return wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [target] * len(eqn.outvars))
@@ -112,12 +114,13 @@ def _check_not_gathered(ctx: Context, ring, args) -> None:
     if any(CONTEXT in a.layout.split_axes() for a in args[:3]):
         return  # `context` splits the batch here (a plan using it as a data axis)
     ra.check(ring, ctx.path or "<top level>")  # names a sequence that does not split, if that is why
-    raise ValueError(f"attention in {ctx.path or '<top level>'!r}: its sequence ({ring.call.length}) reaches the "
-                     f"attention whole on every device of mesh axis {CONTEXT!r} (an op before it gathered the "
-                     f"sequence), so context parallelism would not split it. A sequence that is not a multiple of "
-                     f"the attention block is padded to one: use a multiple of "
-                     f"{math.lcm(2 * ring.size, ring.call.block_q)}; else the report's all-gathers over {CONTEXT!r} "
-                     f"name the op")
+    raise UnsupportedError(
+        f"attention in {ctx.path or '<top level>'!r}: its sequence ({ring.call.length}) reaches the "
+        f"attention whole on every device of mesh axis {CONTEXT!r} (an op before it gathered the "
+        f"sequence), so context parallelism would not split it. A sequence that is not a multiple of "
+        f"the attention block is padded to one: use a multiple of "
+        f"{math.lcm(2 * ring.size, ring.call.block_q)}; else the report's all-gathers over {CONTEXT!r} "
+        f"name the op")
 
 
 def _lead_index(ctx: Context, q: Sharded):

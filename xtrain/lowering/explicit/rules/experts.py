@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from xtrain.errors import PlanError
 from xtrain.ir import moe
 from xtrain.lowering import collectives
 from xtrain.sharding.mesh import EXPERT
@@ -84,9 +85,9 @@ def paired_gate_up(whole, dim: int, index, parts: int):
 def check(experts: int, top_k: int, peers: int, where: str) -> None:
     """The errors of an expert-parallel layer, naming the module."""
     if top_k > experts:
-        raise ValueError(f"MoE layer {where!r} routes each token to top_k={top_k} of {experts} experts: "
-                         f"top_k must be at most the number of experts")
+        raise PlanError(f"MoE layer {where!r} routes each token to top_k={top_k} of {experts} experts: "
+                        f"top_k must be at most the number of experts")
     if experts % peers:
-        raise ValueError(f"MoE layer {where!r} has {experts} experts, not divisible by the mesh axis "
-                         f"{EXPERT!r} of size {peers}: use an {EXPERT!r} axis whose size divides {experts} "
-                         f"(e.g. {math.gcd(experts, peers)})")
+        raise PlanError(f"MoE layer {where!r} has {experts} experts, not divisible by the mesh axis "
+                        f"{EXPERT!r} of size {peers}: use an {EXPERT!r} axis whose size divides {experts} "
+                        f"(e.g. {math.gcd(experts, peers)})")
