@@ -397,7 +397,7 @@ class TrainStep:
         if key not in self._programs:
             built = self.built
             program = built.program if remat == "plan" else assembly.relowered(built, remat=remat)
-            self._programs[key] = jax.make_jaxpr(program.train)(self.state, shapes, self._lrs())
+            self._programs[key] = program.train.trace(self.state, shapes, self._lrs()).jaxpr
         return self._programs[key]
 
     def compiled(self, *batch: Any, remat="plan"):

@@ -112,7 +112,7 @@ def abstract_step(trainable: Trainable, sizes: Mapping[str, int], plan: Plan, ba
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     built = assembly.assemble(trainable, plan, mesh, options, batch=batch,
                               target=assembly.Target(platform=platform or "cpu", local_devices=math.prod(sizes.values())))
-    traced = built.program.train.trace(built.state, assembly.shaped(batch), assembly.lrs_shape(trainable))
+    traced = built.program.train.trace(built.placed_state, assembly.shaped(batch), assembly.lrs_shape(trainable))
     hlo = None
     if platform is not None:
         with warnings.catch_warnings():  # shape-only inputs carry no sharding to alias outputs to

@@ -115,6 +115,13 @@ class BuiltStep:
     lowering: str = "explicit"
 
     @property
+    def placed_state(self) -> TrainState:
+        """The state's shapes with their shardings (memory kinds included): what the step is
+        traced with, on devices or on an AbstractMesh."""
+        return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                            self.state, self.shardings)
+
+    @property
     def table(self) -> schedule.Table | None:
         """A pipeline's schedule table (which stage runs which microbatch at each tick); None without."""
         pipe = self.plan.pipeline
