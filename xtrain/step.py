@@ -115,8 +115,11 @@ class TrainStep:
             if np.prod(list(mesh.resolve(devices).values())) != devices:
                 raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
             self._stage = Deferred(mesh, plan)
-        elif isinstance(plan, PendingPlan) or plan.pipeline is not None:
-            self._stage = Deferred(mesh, plan, mesh.build() if builds or isinstance(plan, PendingPlan) else None)
+        elif isinstance(plan, PendingPlan):
+            self._stage = Deferred(mesh, plan, mesh.build())
+        elif plan.pipeline is not None and builds:  # what needs no batch is checked now
+            self._stage = Deferred(mesh, plan, mesh.build())
+            assembly.check(trainable, plan, self._stage.devices, options.assembly())
         elif builds:
             self._build(mesh.build(), plan)
         else:

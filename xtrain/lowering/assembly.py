@@ -34,6 +34,7 @@ from xtrain.lowering import precision
 from xtrain.lowering import state as state_mod
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.gradient_sync import GradSync
+from xtrain.lowering.lower import check as lowering_check
 from xtrain.lowering.lower import lower
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline import schedule
@@ -46,8 +47,8 @@ from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Plan
 from xtrain.sharding.remat import LayerRemat
 
-__all__ = ["AssemblyOptions", "BuiltStep", "PLACEMENT_EVENT", "TRACE_EVENT", "Target", "assemble", "lrs_shape",
-           "relowered"]
+__all__ = ["AssemblyOptions", "BuiltStep", "PLACEMENT_EVENT", "TRACE_EVENT", "Target", "assemble", "check",
+           "lrs_shape", "relowered", "shaped"]
 
 _PLAN_REMAT = "plan"
 
@@ -151,6 +152,29 @@ def assemble(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = 
     Returns:
         The built step; nothing is placed or compiled yet.
     """
+    plan, model, layout = _resolved(trainable, plan, mesh, options, target)
+    if plan.pipeline is not None:
+        layout = _placed_stages(model, mesh, layout, plan, batch)
+    model = stacked.stored_model(model, layout.stacking)
+    config = _config(trainable, plan, options, layout)
+    state = _state_shapes(model, layout, trainable.tx, plan, config.sync)
+    shardings = state_mod.shardings(state, layout, mesh)
+    program = lower(model, mesh, layout, shardings, config, lowering=options.lowering, pipeline=plan.pipeline)
+    return BuiltStep(plan, mesh, layout, model, state, shardings, config, program, options.lowering)
+
+
+def check(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = AssemblyOptions(), *,
+          target: Target | None = None) -> None:
+    """Raises what `assemble` would raise before it needs the batch: a plan, a mesh or options
+    that cannot work (what a step deferred to its first call checks at compile)."""
+    plan, _, layout = _resolved(trainable, plan, mesh, options, target)
+    lowering_check(mesh, layout, _config(trainable, plan, options, layout), lowering=options.lowering,
+                   pipeline=plan.pipeline)
+
+
+def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
+              target: Target | None) -> tuple[Plan, Model, StateLayout]:
+    """Steps 1-3: the plan with its expert split, the model under the precision policy, the layout."""
     target = target or (Target.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else Target())
     sizes = dict(mesh.shape)
     model = precision.apply_policy(trainable.model, plan.precision)
@@ -160,14 +184,7 @@ def assemble(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = 
     scan = layout_mod.scan_layers_for(options.scan_layers, shapes, target.platform, target.local_devices)
     layout = layout_mod.resolve(plan, sizes, shapes, optimized=trainable.optimized,
                                 lr_groups=trainable.lr_groups, scan_layers=scan)
-    if plan.pipeline is not None:
-        layout = _placed_stages(model, mesh, layout, plan, batch)
-    model = stacked.stored_model(model, layout.stacking)
-    config = _config(trainable, plan, options, layout)
-    state = _state_shapes(model, layout, trainable.tx, plan, config.sync)
-    shardings = state_mod.shardings(state, layout, mesh)
-    program = lower(model, mesh, layout, shardings, config, lowering=options.lowering, pipeline=plan.pipeline)
-    return BuiltStep(plan, mesh, layout, model, state, shardings, config, program, options.lowering)
+    return plan, model, layout
 
 
 def relowered(built: BuiltStep, *, remat: LayerRemat | None) -> StepProgram:
