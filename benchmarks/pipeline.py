@@ -104,7 +104,7 @@ def main(argv=None):
                 seconds[label].append(time.perf_counter() - start)
     rows = []
     for label, pipeline, step, compile_s, memory in built:
-        table = None if pipeline is None else step._program.table
+        table = None if pipeline is None else step.built.table
         r = dict(step_ms=1e3 * statistics.median(seconds[label]), compile_s=compile_s, temp=memory.temp_size_in_bytes,
                  args=memory.argument_size_in_bytes, ticks=1 if table is None else len(table.ticks),
                  bubble=0.0 if table is None else table.bubble(), loss=losses[label])

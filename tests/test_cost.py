@@ -19,7 +19,7 @@ from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.cost import hardware, search
 from xtrain.ir import flops
-from xtrain.cost.program import abstract_step
+from xtrain.cost.program import abstract_step, trainable_of
 from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, MLP, mlp_batches
@@ -90,7 +90,7 @@ def test_flops_of_a_grouped_convolution_are_exact():
 def test_transformer_flops_match_six_n_plus_attention_within_5_percent():
     model, wrapped, tx = wrapped_gpt(d=64, layers=2, vocab=64, seq=32)
     batch, seq = 16, 32
-    step = abstract_step(wrapped, tx, {"data": 8}, xtrain.Plan(), host_batch(batch, seq))
+    step = abstract_step(trainable_of(wrapped, tx), {"data": 8}, xtrain.Plan(), host_batch(batch, seq))
     per_device = flops.count(step.program).matmul
     params = sum(p.numel() for p in model.parameters())
     embeddings = model.tok.weight.numel() + model.pos.weight.numel()
@@ -116,7 +116,7 @@ def test_flops_agree_with_xla_cost_analysis_within_15_percent():
     cost = search.compiled_step_cost(step, x, y)
     assert cost.memory.source == "xla" and cost.memory.parameters > 0
     _, wrapped, tx = wrapped_gpt()
-    graph = search.step_cost(abstract_step(wrapped, tx, {"data": 8}, xtrain.Plan(), host_batch()),
+    graph = search.step_cost(abstract_step(trainable_of(wrapped, tx), {"data": 8}, xtrain.Plan(), host_batch()),
                              {"data": 8}, 16 * 16)
     assert graph.memory.source == "graph"
     assert 0.25 < graph.memory.total / cost.memory.total < 4, (graph.memory, cost.memory)
@@ -266,7 +266,7 @@ def test_plan_auto_needs_a_first_step_and_rejects_other_strings():
 
 def test_remat_recomputes_the_blocks_and_matches_torch():
     model, wrapped, tx = wrapped_gpt()
-    plain, remat = (flops.count(abstract_step(wrapped, tx, {"data": 8}, xtrain.Plan(remat=r), host_batch()).program)
+    plain, remat = (flops.count(abstract_step(trainable_of(wrapped, tx), {"data": 8}, xtrain.Plan(remat=r), host_batch()).program)
                     for r in (False, True))
     assert plain.dot < remat.dot < 1.5 * plain.dot           # blocks' forward once more, not the head
     model, batches, reference = gpt_case()

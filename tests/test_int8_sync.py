@@ -151,12 +151,13 @@ def test_cost_model_counts_int8_bytes_and_the_residual():
     from test_cost import host_batch, wrapped_gpt
     from xtrain.cost import hardware, search
     from xtrain.cost import model as cost_model
-    from xtrain.cost.program import abstract_step
+    from xtrain.cost.program import abstract_step, trainable_of
+    from xtrain.lowering.assembly import AssemblyOptions
 
     _, wrapped, tx = wrapped_gpt(d=256, vocab=256)  # 1.7M parameters: bandwidth, not latency, matters
     costs = {}
     for name, sync in (("fp32", None), ("int8", INT8)):
-        traced = abstract_step(wrapped, tx, {"data": 64}, xtrain.Plan(), host_batch(batch=64), grad_sync=sync)
+        traced = abstract_step(trainable_of(wrapped, tx), {"data": 64}, xtrain.Plan(), host_batch(batch=64), options=AssemblyOptions(scan_layers=True, grad_sync=sync))
         costs[name] = search.step_cost(traced, {"data": 64}, 64 * 16)
     wire = {k: sum(c.wire_bytes for c in v.collectives if "grad_sync" in c.source) for k, v in costs.items()}
     assert wire["int8"] <= 0.3 * wire["fp32"]

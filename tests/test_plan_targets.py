@@ -13,7 +13,7 @@ from models import GPT, token_batches
 from neuron_support import conformance
 from xtrain import observe
 from xtrain.cost import hardware, search
-from xtrain.cost.program import abstract_step
+from xtrain.cost.program import abstract_step, trainable_of
 from xtrain.errors import UnsupportedError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
@@ -52,7 +52,7 @@ def trn1_result():
 def rejected(candidate) -> list:
     """The checker's errors for `candidate`'s program, lowered for Neuron over its own mesh order."""
     _, wrapped, tx = gpt()
-    traced = abstract_step(wrapped, tx, candidate.mesh, candidate.plan(search.tensor_plan(wrapped, BATCH)), BATCH, platform="neuron")
+    traced = abstract_step(trainable_of(wrapped, tx), candidate.mesh, candidate.plan(search.tensor_plan(wrapped, BATCH)), BATCH, platform="neuron")
     found = conformance.check(traced.hlo, conformance.Target.for_instance("trn1.32xlarge"))
     return [f for f in found if f.severity is conformance.Severity.ERROR]
 

@@ -137,7 +137,7 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
 # -- activation checkpointing ----------------------------------------------------------------
 def remat_note(step) -> tuple[int, int]:
     """(temporaries with remat, without) from the report's note."""
-    (note,) = [n for n in step.report().notes if n.startswith("activation checkpointing")]
+    (note,) = [n for n in step.report(compare=True).notes if n.startswith("activation checkpointing")]
     found = re.search(r"temporaries (\d+) B per device vs (\d+) B without \(saves (-?\d+) B\)", note)
     on, off, saved = map(int, found.groups())
     assert saved == off - on

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from xtrain.cost import model as cost_model
+from xtrain.cost import program as cost_program
 from xtrain.ir import attention
 from xtrain.lowering import accounting, offload
 from xtrain.lowering import report as report_mod
@@ -16,25 +18,45 @@ from xtrain.sharding import layout as layout_mod
 from xtrain.sharding import presets
 
 
-def _remat_note(step, batch: tuple, memory: dict[str, int]) -> str:
-    """What activation checkpointing saves: this step's temporaries vs the same step compiled
-    without it."""
-    without = report_mod.memory_of(step.compiled(*batch, remat=None))
-    saved = without["temporaries"] - memory["temporaries"]
-    return (f"activation checkpointing {step.plan.layer_remat().setting}: temporaries {memory['temporaries']} B "
-            f"per device vs {without['temporaries']} B without (saves {saved} B)")
+def _temporaries(step, batch: tuple, remat, compare: bool) -> int:
+    """Device temporaries of `step` under another checkpointing policy: from XLA's memory analysis
+    of that step compiled (`compare`), else the graph model's peak of its per-device program
+    (a trace, no compile: cost.model.peak_live_bytes)."""
+    if compare:
+        return report_mod.memory_of(step.compiled(*batch, remat=remat))["temporaries"]
+    return _graph_peak(step.program(*batch, remat=remat))
 
 
-def _offload_note(step, batch: tuple, memory: dict[str, int]) -> str:
+def _graph_peak(program) -> int:
+    return cost_model.peak_live_bytes(cost_program.per_device_body(program) or program)
+
+
+def _remat_note(step, batch: tuple, memory: dict[str, int], compare: bool) -> str:
+    """What activation checkpointing saves: this step's temporaries vs the same step without it
+    (both measured by XLA with `compare`, else both by the graph model)."""
+    setting = step.plan.layer_remat().setting
+    without = _temporaries(step, batch, None, compare)
+    if compare:
+        on = memory["temporaries"]
+        return (f"activation checkpointing {setting}: temporaries {on} B per device vs {without} B without "
+                f"(saves {without - on} B)")
+    on = _graph_peak(step.program(*batch))
+    return (f"activation checkpointing {setting}: graph estimate of temporaries {on} B per device vs {without} B "
+            f"without (saves {without - on} B; report(compare=True) compiles both)")
+
+
+def _offload_note(step, batch: tuple, memory: dict[str, int], compare: bool) -> str:
     """Offloaded activations: their host bytes, and this step's device temporaries vs the same
     checkpointing policy saving them on the device."""
     remat = step.plan.layer_remat()
-    saved = report_mod.memory_of(step.compiled(*batch, remat=dataclasses.replace(remat, offload=False)))
+    saved = _temporaries(step, batch, dataclasses.replace(remat, offload=False), compare)
+    on = memory["temporaries"] if compare else _graph_peak(step.program(*batch))
+    how = "" if compare else " (graph estimate; report(compare=True) compiles both)"
     where = (" (XLA:CPU keeps offloaded residuals in device buffers: JAX lowers the copies to host memory "
              "only for GPU and TPU)" if step.mesh.devices.flat[0].platform == "cpu" else "")
     return (f"{remat.setting}: {memory['activations_host']} B of saved activations per device go to host memory "
-            f"each step; device temporaries {memory['temporaries']} B vs {saved['temporaries']} B with "
-            f"remat={remat.mode.value!r} saving them on the device{where}")
+            f"each step; device temporaries {on} B vs {saved} B with remat={remat.mode.value!r} saving them on the "
+            f"device{how}{where}")
 
 
 def _layers_note(step) -> str:
@@ -78,18 +100,19 @@ def collectives(step, *batch, compiled=None) -> list[report_mod.Collective]:
     return report_mod.collectives_from_hlo(compiled.as_text(), sizes)
 
 
-def report(step, *batch) -> report_mod.Report:
+def report(step, *batch, compare: bool = False) -> report_mod.Report:
     """Collectives and per-device memory of `step`'s compiled training step, for `batch`'s
-    shapes or the last batch trained on."""
+    shapes or the last batch trained on. The step is compiled once and traced once; `compare`
+    also compiles it without its activation checkpointing / offload for the notes' figures."""
     compiled = step.compiled(*batch)
     sizes, layout = dict(step.mesh.shape), step.layout
     notes, memory = _state_notes(step), report_mod.memory_of(compiled)
     remat = step.plan.layer_remat()
     if remat is not None and remat.offload:
         memory["activations_host"] = offload.offloaded_activation_bytes(step.program(*batch))
-        notes.append(_offload_note(step, batch, memory))
+        notes.append(_offload_note(step, batch, memory, compare))
     if remat is not None:
-        notes.append(_remat_note(step, batch, memory))
+        notes.append(_remat_note(step, batch, memory, compare))
     found = collectives(step, *batch, compiled=compiled)
     if step.options.lowering == "explicit":
         notes += [_layers_note(step)] if step.plan.pipeline is None else []

@@ -48,7 +48,7 @@ def model_flops(step, *batch: Any) -> float:
     """Global model FLOPs of one training step (forward + backward over the whole global
     batch) of a compiled xtrain step, for `batch`'s shapes or the last batch trained on: the
     one definition of xtrain.ir.flops, shared with `xtrain plan` and the benchmarks."""
-    shapes = step._shapes(batch)  # builds a plan="auto" step first
+    shapes = step.batch_shapes(batch)  # builds a plan="auto" step first
     state = step.state
     return flops.model_flops(step.model, state.params, state.buffers, state.key, shapes, frozen=state.frozen)
 

@@ -2,9 +2,9 @@
 
 `abstract_step` traces xtrain's training step over a `jax.sharding.AbstractMesh` of the target
 size with shape-only state (`jax.ShapeDtypeStruct`): nothing is allocated and no device is
-emulated, so a 128-device trn1 plan is lowered on a laptop. It calls what `TrainStep` calls
-(the layout resolution, the pipeline's stage placement, the step skeleton), so the result is
-the jaxpr `TrainStep.program()` gives on real devices: FLOPs (ir.flops), collectives
+emulated, so a 128-device trn1 plan is lowered on a laptop. The step is the one `xtrain.compile`
+builds, assembled by the same function (xtrain.lowering.assembly), so its jaxpr is the one
+`TrainStep.program()` gives on real devices: FLOPs (ir.flops), collectives
 (lowering.accounting) and graph memory (cost.model) are read from it.
 
 `model_facts` reads what the search needs of the model itself: how many repeated blocks a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import jax
 import numpy as np
@@ -23,21 +23,13 @@ import optax
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh
 
-from xtrain.ir import flops, stacked
-from xtrain.ir.model import Model
-from xtrain.lowering import precision
+from xtrain.ir import flops
+from xtrain.ir.model import Model, Trainable
+from xtrain.lowering import assembly, ordering, platforms
 from xtrain.lowering import state as state_mod
-from xtrain.lowering import ordering, platforms
-from xtrain.lowering.grad_transforms import GradTransforms
+from xtrain.lowering.assembly import AssemblyOptions
 from xtrain.lowering.explicit.blocks import find_repeated_blocks
 from xtrain.lowering.explicit.gaps import gather_blocks
-from xtrain.lowering.gradient_sync import GradSync
-from xtrain.lowering.lower import lower
-from xtrain.lowering.options import StepOptions
-from xtrain.lowering.pipeline.program import placement
-from xtrain.lowering.state import TrainState
-from xtrain.lowering.train_step import StepConfig
-from xtrain.sharding import layout as layout_mod
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Plan, Spec, axes_of
 
@@ -78,66 +70,62 @@ def _state_bytes(params, opt_state, layout: StateLayout, sizes) -> dict[str, int
             "optimizer": 0, where: optimizer}
 
 
-def abstract_step(model: Model, tx: optax.GradientTransformation, sizes: Mapping[str, int], plan: Plan,
-                  batch: tuple, *, grad_sync: GradSync | None = None, scan_layers: bool = True,
-                  regather: bool = True, stack_blocks: bool = True, platform: str | None = None) -> AbstractStep:
-    """Traces the explicit lowering's training step for a mesh of axis `sizes`: the same layout
-    resolution, stage placement and step skeleton as `xtrain.compile`'s step, on shapes.
+@dataclasses.dataclass(frozen=True)
+class OneGroup:
+    """The learning rates of a torch optimizer with every parameter in one param group (what the
+    plan search assumes of a model given with an optax transformation of lr 1)."""
+
+    groups: Mapping[str, int]
+
+    def current(self) -> np.ndarray:
+        return np.ones((1,), np.float32)
+
+    def mark_stepped(self) -> None:
+        pass
+
+
+def trainable_of(model: Model, tx: optax.GradientTransformation, experts: Iterable[str] = ()) -> Trainable:
+    """`model` trained by `tx` with every parameter optimized, in one param group (stored as a
+    torch model's step stores it: block families stacked for the layer scan); `experts`: its
+    MoE expert weights (Trainable.experts)."""
+    names = frozenset(model.param_shapes())
+    return Trainable(model=model, tx=tx, optimized=names, learning_rates=OneGroup({n: 0 for n in names}),
+                     experts=frozenset(experts))
+
+
+def abstract_step(trainable: Trainable, sizes: Mapping[str, int], plan: Plan, batch: tuple, *,
+                  options: AssemblyOptions = AssemblyOptions(scan_layers=True),
+                  platform: str | None = None) -> AbstractStep:
+    """Traces the explicit lowering's training step for a mesh of axis `sizes` on shapes: the
+    step `xtrain.compile` builds (xtrain.lowering.assembly), nothing allocated.
 
     Args:
-        model: xtrain's wrapped model (xtrain.ir.Model); every parameter is treated as trained.
-        tx: the optax transformation.
+        trainable: the model and its optimizer (`trainable_of(model, tx)` for a bare model).
         sizes: mesh axis sizes in device order, e.g. {"data": 64, "tensor": 2}.
         plan: the plan (its zero stage and remat included).
         batch: the global batch as arrays or jax.ShapeDtypeStruct.
-        stack_blocks: block parameters stored stacked, as xtrain.compile stores a torch
-            model's (xtrain.ir.stacked).
+        options: the compile options that shape the step (the step's own: CompileOptions.assembly()).
         platform: also lower the step for this platform ("neuron", "cuda"; lowering.platforms)
             and keep its HLO text (`hlo`), e.g. for the Neuron conformance checker.
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    model = precision.apply_policy(model, plan.precision)  # as TrainStep: matmuls in the compute dtype
-    shapes = model.param_shapes()
-    layout = layout_mod.resolve(plan, sizes, shapes, optimized=set(shapes),
-                                lr_groups={} if stack_blocks else None, scan_layers=scan_layers)
-    model = stacked.stored_model(model, layout.stacking)
-    buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
-    key = jax.ShapeDtypeStruct((2,), np.uint32)
-    if plan.pipeline is not None:  # as the step places each stage's block parameters on it
-        where = placement(model, mesh, layout, plan.pipeline, (dict(shapes), buffers, key, _shaped(batch)))
-        layout = layout_mod.place_stages(layout, where)
-        model = stacked.stored_model(model, layout.stacking)
-    params = model.param_shapes()
-    opt_state = jax.eval_shape(tx.init, params)
-    sync = grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype)
-    residual = state_mod.residual_shapes(layout, params) if sync.int8 else None
-    scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), precision.initial_state(plan.precision))
-    state = TrainState(params=params, frozen={}, buffers=buffers, opt_state=opt_state,
-                       step=jax.ShapeDtypeStruct((), np.int32), key=key, loss_scale=scale, grad_residual=residual)
-    # the default step's gradient norm and skip (detect_nan, input checks), and fp16's loss scale
-    config = StepConfig(tx=tx, sync=sync, remat=plan.layer_remat(), regather=regather,
-                        grad_tx=GradTransforms.of(StepOptions(), loss_scale=plan.precision.loss_scale),
-                        offload_optimizer=layout.offload_optimizer)
-    lowered = lower(model, mesh, layout, state_mod.shardings(state, layout, mesh), config, pipeline=plan.pipeline)
-    no_lr_groups = jax.ShapeDtypeStruct((0,), np.float32)  # lrs enter per param group; none here
-    traced = lowered.train.trace(state, _shaped(batch), no_lr_groups)
+    built = assembly.assemble(trainable, plan, mesh, options, batch=batch,
+                              target=assembly.Target(platform=platform or "cpu", local_devices=math.prod(sizes.values())))
+    traced = built.program.train.trace(built.placed_state, assembly.shaped(batch), assembly.lrs_shape(trainable))
     hlo = None
     if platform is not None:
         with warnings.catch_warnings():  # shape-only inputs carry no sharding to alias outputs to
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             hlo = traced.lower(lowering_platforms=platforms.lowering_platforms(platform)).as_text(dialect="hlo")
-    bubble = lowered.strategy.program.table.bubble() if plan.pipeline is not None else 0.0
-    state_bytes = _state_bytes(params, opt_state, layout, sizes)
-    if residual is not None:  # int8 error feedback: one gradient's worth per device
+    layout, state = built.layout, built.state
+    state_bytes = _state_bytes({**state.params, **state.frozen}, state.opt_state, layout, sizes)
+    if state.grad_residual is not None:  # int8 error feedback: one gradient's worth per device
         specs = state_mod.residual_specs(layout)
-        state_bytes["grad_residual"] = sum(_local_bytes(r.shape, r.dtype, specs[n], sizes) for n, r in residual.items())
+        state_bytes["grad_residual"] = sum(_local_bytes(r.shape, r.dtype, specs[n], sizes)
+                                           for n, r in state.grad_residual.items())
     return AbstractStep(traced.jaxpr, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
-                        state_bytes, bubble, hlo)
-
-
-def _shaped(batch: tuple) -> tuple:
-    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in batch)
+                        state_bytes, built.bubble, hlo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +138,10 @@ class ModelFacts:
 
 def model_facts(model: Model, batch: tuple) -> ModelFacts:
     """Traces the model once (forward, then value and gradient) on `batch`'s shapes."""
-    params = {n: jax.ShapeDtypeStruct(p.shape, p.dtype) for n, p in model.initial_params().items()}
+    params = dict(model.param_shapes())  # shapes only: a model on the meta device plans too
     buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
     key = jax.ShapeDtypeStruct((2,), np.uint32)
-    shaped = _shaped(batch)
+    shaped = assembly.shaped(batch)
     apply = lambda p, b, k, x: model.apply(p, b, k, x, training=True)
     forward = gather_blocks(jax.make_jaxpr(apply)(params, buffers, key, shaped), model.module_paths())
     param_vars = forward.jaxpr.invars[:len(params)]  # a dict's leaves come in sorted key order

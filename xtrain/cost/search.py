@@ -60,6 +60,7 @@ from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, 
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
 from xtrain.lowering import accounting, offload
+from xtrain.lowering.assembly import AssemblyOptions
 from xtrain.sharding import presets
 from xtrain.sharding.experts import expert_parallel
 from xtrain.sharding.offload import Offload
@@ -224,7 +225,8 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         profile.check_precision(candidate.precision)
         plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None,
                               expert_plan(model, experts) if experts else None)
-        traced = program_mod.abstract_step(model, tx, candidate.mesh, plan, batch, regather=regather,
+        traced = program_mod.abstract_step(program_mod.trainable_of(model, tx, experts), candidate.mesh, plan, batch,
+                                           options=AssemblyOptions(scan_layers=True, regather=regather),
                                            platform="neuron" if target else None)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")

@@ -37,6 +37,9 @@ from xtrain.lowering.zero import Update
 from xtrain.sharding.plan import Spec
 from xtrain.sharding.remat import LayerRemat
 
+TRACE_EVENT = "/xtrain/lowering/train_step_trace"  # jax.monitoring: the training step's Python body traced
+PLACEMENT_EVENT = "/xtrain/lowering/stage_placement_trace"  # a pipeline's stages balanced on the traced model
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig:
@@ -203,6 +206,7 @@ def _poisoned(grads, bad) -> dict:
 
 def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.Found, traced: Traced) -> Callable:
     def train_step(state: TrainState, batch: tuple, lrs):
+        jax.monitoring.record_event(TRACE_EVENT, model=getattr(model, "name", ""))
         compute = strategy.gradients(state, batch)  # traced at global shapes, outside shard_map
         checks = _checks(model, config, strategy.runner, state, batch, found)
 

@@ -134,20 +134,23 @@ def _layer_shapes(params: dict, storage: Stacking) -> dict:
     return out
 
 
+def check(config: StepConfig, layout: StateLayout) -> None:
+    """What the pipeline step refuses (before anything is traced)."""
+    _check_options(config.options, config.grad_tx, config.remat)
+    if layout.zero > 1:
+        raise UnsupportedError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): "
+                               "its gradients are accumulated over microbatches before the data-parallel reduction")
+    if config.capacity_factor is not None:
+        raise UnsupportedError(f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline "
+                               "step; use capacity_factor=None (drop-free MoE layers) with a pipeline")
+
+
 class PipelineStrategy:
     """Loss and gradients by the pipeline schedule (see the module docstring)."""
 
     def __init__(self, model: Model, mesh, layout: StateLayout, state_specs: TrainState, config: StepConfig,
                  pipeline: Pipeline):
-        _check_options(config.options, config.grad_tx, config.remat)
-        if layout.zero > 1:
-            raise UnsupportedError(
-                f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): its "
-                "gradients are accumulated over microbatches before the data-parallel reduction")
-        if config.capacity_factor is not None:
-            raise UnsupportedError(
-                f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline step; "
-                "use capacity_factor=None (drop-free MoE layers) with a pipeline")
+        check(config, layout)
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
