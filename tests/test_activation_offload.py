@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain import errors
 from models import GPT, MLP, token_batches
 from xtrain.errors import UnsupportedError
 from xtrain.testing import ParityResult, assert_parity, torch_reference
@@ -86,7 +87,7 @@ def test_dots_offloaded_under_megatron_train_like_torch_and_move_more_to_the_hos
 def test_activation_offload_errors_name_the_setting_and_the_fix():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), plan=OFFLOAD)
-    with pytest.raises(ValueError, match=re.escape("offload='activations' checkpoints each layer of the model's "
+    with pytest.raises(errors.PlanError, match=re.escape("offload='activations' checkpoints each layer of the model's "
                                                    "repeated blocks, but MLP has none")):
         step(torch.randn(16, 12), torch.randint(0, 5, (16,)))
     gpt = GPT(layers=2)

@@ -87,8 +87,15 @@ def test_the_lowering_communicates_only_through_the_collectives_layer():
     assert not offenders, f"collectives emitted outside xtrain/lowering/collectives.py: {offenders}"
 
 
-MODULE_LINES, FUNCTION_LINES = 400, 60
+MODULE_LINES, FUNCTION_LINES, LISTED_LINES = 600, 60, 400
 REASON = "Why this is long:"
+# Modules past LISTED_LINES, each with why it is one module (none may pass MODULE_LINES).
+LONG_MODULES = {
+    "xtrain/runtime/launch.py": "one pure function of the environment per launcher (torchrun, SageMaker, Slurm, "
+                                "MPI) and their precedence: read together to see which one wins",
+    "xtrain/step.py": "the TrainStep users hold: its lifecycle (deferred or built), running, state, checkpoints "
+                      "and the explanation entry points; building is xtrain.lowering.assembly's",
+}
 
 
 def _code_lines(node) -> int:
@@ -106,19 +113,22 @@ def _sources():
 
 
 def test_long_modules_and_functions_say_why():
-    long = []
+    long, listed = [], set()
     for path in _sources():
-        text = path.read_text()
+        text, name = path.read_text(), str(path.relative_to(ROOT))
         tree = ast.parse(text)
-        doc = ast.get_docstring(tree) or ""
-        if len(text.splitlines()) > MODULE_LINES and REASON not in doc:
-            long.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        lines = len(text.splitlines())
+        if lines > MODULE_LINES or (lines > LISTED_LINES and name not in LONG_MODULES):
+            long.append(f"{name}: {lines} lines")
+        listed |= {name} if lines > LISTED_LINES else set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = _code_lines(node)
                 if lines > FUNCTION_LINES and REASON not in (ast.get_docstring(node) or ""):
-                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
-    assert not long, f"split these, or say at their top ({REASON!r}) why not: {long}"
+                    long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, (f"split these (modules past {MODULE_LINES} lines always; past {LISTED_LINES} unless listed in "
+                      f"LONG_MODULES with a reason; functions past {FUNCTION_LINES} unless {REASON!r}): {long}")
+    assert set(LONG_MODULES) == listed, f"LONG_MODULES lists modules no longer long: {set(LONG_MODULES) - listed}"
 
 
 def _context_assignments(tree) -> list[str]:

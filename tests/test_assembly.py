@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import xtrain
+from xtrain import errors
 from models import GPT, token_batches
 from test_long_sequence import batches as long_batches, blocks_of_16, llama  # noqa: F401 (a fixture)
 from test_long_sequence import lm_loss as ids_loss
@@ -170,7 +171,7 @@ def test_one_trace_per_batch_signature_and_one_placement(plan, mesh):
 def test_a_deferred_step_says_what_it_waits_for():
     model, batch = _gpt()
     step = _step(model, PIPE, xtrain.Plan().with_pipeline(stages=2, microbatches=4), {})
-    with pytest.raises(RuntimeError, match="balances its stages"):
+    with pytest.raises(errors.NotBuiltError, match="balances its stages"):
         step.param_specs
     assert set(step.state_dict()) == set(model.state_dict())  # the initial state, before any call
     step(*batch)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from xtrain import errors
 from xtrain.frontend import sdpa
 from xtrain.ir import blockwise as attention
 from xtrain.ir import attention as markers
@@ -107,9 +108,9 @@ def test_fully_masked_rows_are_zero_not_nan():
 
 def test_mismatched_heads_message_names_the_fix():
     q, k, v = jnp.zeros((1, 6, 4, 8)), jnp.zeros((1, 4, 4, 8)), jnp.zeros((1, 4, 4, 8))
-    with pytest.raises(ValueError, match="6 query heads and 4 key/value heads; 4 does not divide 6"):
+    with pytest.raises(errors.UnsupportedOpError, match="6 query heads and 4 key/value heads; 4 does not divide 6"):
         sdpa.sdpa(q, k, v, enable_gqa=True)
-    with pytest.raises(ValueError, match="pass enable_gqa=True .* or 1 key/value head"):
+    with pytest.raises(errors.UnsupportedOpError, match="pass enable_gqa=True .* or 1 key/value head"):
         sdpa.sdpa(q, k, v)
 
 

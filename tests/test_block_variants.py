@@ -15,6 +15,7 @@ from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import xtrain
+from xtrain import errors
 from xtrain.errors import UnsupportedError
 from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir import attention as markers
@@ -219,7 +220,7 @@ def test_layer_remat_error_names_the_first_difference():
     model = different()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()),
                           plan=xtrain.Plan(remat="full"))
-    with pytest.raises(ValueError, match=r"checkpoints each layer of the model's repeated blocks, but .* has none "
+    with pytest.raises(errors.PlanError, match=r"checkpoints each layer of the model's repeated blocks, but .* has none "
                                          r"\(blocks.0 .. blocks.2 are not one family .*op tanh vs logistic"):
         step(*mlp_batches(1)[0])
 

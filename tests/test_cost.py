@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain import errors
 from xtrain.errors import OptionsError, PlanError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
@@ -244,9 +245,9 @@ def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
     initial = step.state_dict()  # nothing loaded yet: the model's initial state
     assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items())
     assert step.load(tmp_path / "ckpt") == {"next": 2} and step.step_count == 2
-    with pytest.raises(RuntimeError, match=r"plan='auto' chooses the plan .* before state_dict\(\) of the checkpoint"):
+    with pytest.raises(errors.NotBuiltError, match=r"plan='auto' chooses the plan .* before state_dict\(\) of the checkpoint"):
         step.state_dict()
-    with pytest.raises(RuntimeError, match=r"plan='auto' chooses the plan .* before \.mesh"):
+    with pytest.raises(errors.NotBuiltError, match=r"plan='auto' chooses the plan .* before \.mesh"):
         step.mesh
     resumed = [step(*b)["loss"] for b in batches[2:]]
     assert resumed == pytest.approx(continued, rel=1e-5) and step.step_count == 4
@@ -258,9 +259,9 @@ def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
 def test_plan_auto_needs_a_first_step_and_rejects_other_strings():
     model, _, _ = gpt_case()
     step = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
-    with pytest.raises(RuntimeError, match=r"plan='auto' chooses the plan at the first step\(\*batch\)"):
+    with pytest.raises(errors.NotBuiltError, match=r"plan='auto' chooses the plan at the first step\(\*batch\)"):
         step.report()
-    with pytest.raises(ValueError, match="plan='fastest'.*plan='auto'"):
+    with pytest.raises(errors.OptionsError, match="plan='fastest'.*plan='auto'"):
         xtrain.compile(model, optimizer=adamw(model.parameters()), plan="fastest")
 
 

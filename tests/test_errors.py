@@ -126,7 +126,7 @@ def test_the_fix_runs_and_an_axis_that_splits_nothing_is_a_report_note():
 def test_a_meta_device_model_without_init_from_names_the_fix():
     with torch.device("meta"):
         model = MLP()
-    with pytest.raises(ValueError, match=re.escape("6 parameters of MLP are on the meta device")) as err:
+    with pytest.raises(errors.OptionsError, match=re.escape("6 parameters of MLP are on the meta device")) as err:
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model))
     assert "init_from='model.safetensors'" in str(err.value)  # the fix
 
@@ -206,6 +206,11 @@ def _index_out_of_range():
     xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model))(torch.full((8, 3), 12))
 
 
+def _auto_step():
+    model = MLP()
+    return xtrain.compile(model, plan="auto", optimizer=sgd(model))
+
+
 def _does_not_conform():
     branchy = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x))  # a conditional: Neuron has none
     conformance.assert_conforms(branchy.lower(jnp.ones(8)).compile().as_text())
@@ -228,6 +233,7 @@ BAD_INPUTS = {
     errors.LaunchError: (lambda: process_env({"RANK": "1"}), "RANK"),
     errors.ConformanceError: (_does_not_conform, r"does not fit trn1.32xlarge \(1 findings\)"),
     errors.CheckpointError: (lambda: read_manifest("no-such-checkpoint"), "no-such-checkpoint"),
+    errors.NotBuiltError: (lambda: _auto_step().param_specs, "plan='auto' chooses the plan at the first step"),
 }
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import xtrain
+from xtrain import errors
 from xtrain.ir import stacked
 from xtrain.sharding import layout
 from xtrain.testing import assert_parity, run_parity
@@ -174,7 +175,7 @@ def test_unrolled_zero3_keeps_one_layer_gathered_like_the_scan():
 @pytest.mark.parametrize("bad", ["scan", 1, None])
 def test_scan_layers_takes_a_bool_or_auto(bad):
     model = GPT()
-    with pytest.raises(ValueError, match=r"scan_layers=.*: use True \(one scan over the repeated blocks\), False"):
+    with pytest.raises(errors.OptionsError, match=r"scan_layers=.*: use True \(one scan over the repeated blocks\), False"):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), scan_layers=bad)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain import errors
 from models import GPT, token_batches
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 from xtrain import plans
@@ -195,10 +196,10 @@ def test_assert_sharded_names_the_largest_replicated_tensors():
     derived = tp(model, TP2)
     assert plans.largest_replicated(derived, model, TP2, top=2) == [
         ("transformer.wte.weight", (101, 32)), ("transformer.wpe.weight", (32, 32))]
-    with pytest.raises(ValueError, match=r"replicated on every device .*largest: transformer.wte.weight \(101, 32\)"):
+    with pytest.raises(errors.PlanError, match=r"replicated on every device .*largest: transformer.wte.weight \(101, 32\)"):
         plans.assert_sharded(derived, model, TP2)
     assert plans.assert_sharded(plans.fsdp(model, TP2, base=derived), model, TP2) < 0.05
-    with pytest.raises(ValueError, match="100.0% of the parameter elements"):
+    with pytest.raises(errors.PlanError, match="100.0% of the parameter elements"):
         plans.assert_sharded(plans.ddp(), model, dict(data=8))
 
 
@@ -311,7 +312,7 @@ def test_a_pending_plan_is_derived_at_the_first_step_and_user_rules_win():
     edited = dataclasses.replace(pending, params={"blocks.*.attn.q.weight": (None, "tensor")}, zero=1)
     assert "pending" in str(edited) and "blocks.*.attn.q.weight  (None, 'tensor')" in str(edited)
     step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()), plan=edited)
-    with pytest.raises(RuntimeError, match="plans.megatron derives its rules at the first step"):
+    with pytest.raises(errors.NotBuiltError, match="plans.megatron derives its rules at the first step"):
         step.param_specs
     step(*batches[0])
     assert step.plan.zero == 1 and not isinstance(step.plan, type(pending))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import xtrain
+from xtrain import errors
 from xtrain import LossScale, Precision
 from xtrain.errors import PlanError, UnsupportedError
 from xtrain.testing import ParityResult, assert_parity, torch_reference
@@ -193,7 +194,7 @@ def test_remat_without_a_layer_scan_is_an_error():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
                           plan=xtrain.Plan(remat="full"))
-    with pytest.raises(ValueError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
+    with pytest.raises(errors.PlanError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
                                          r"MLP has none \(no run of identical blocks.0, blocks.1, ...\); use remat='off'"):
         step(*mlp_batches(n=1)[0])
     with pytest.raises(PlanError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots'"):

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import xtrain
+from xtrain import errors
 from xtrain.checkpoint import CheckpointError
 from xtrain.cli import free_port_pair
 
@@ -84,7 +85,7 @@ def test_a_buffer_left_on_the_meta_device_is_named(tmp_path):
     model = llama()
     model.save_pretrained(tmp_path)  # the rotary tables are non-persistent buffers: not in the file
     meta = meta_model(model, "meta device")
-    with pytest.raises(ValueError, match=r"buffer 'model.rotary_emb.inv_freq' of LlamaForCausalLM is on the meta "
+    with pytest.raises(errors.OptionsError, match=r"buffer 'model.rotary_emb.inv_freq' of LlamaForCausalLM is on the meta "
                                          r"device and not in .*: build the model under `with "
                                          r"xtrain.checkpoint.meta_params\(\):`"):
         xtrain.compile(meta, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(meta.parameters(), lr=0.1),

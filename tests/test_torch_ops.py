@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from xtrain import errors
 from xtrain.errors import UnsupportedOpError
 from xtrain.frontend import sdpa, torch_ops
 from xtrain.frontend.torch_module import TorchModel
@@ -304,7 +305,7 @@ def test_sdpa_matches_torch(kind):
 def test_sdpa_rejects_mismatched_heads_without_gqa():
     rng = np.random.default_rng(1)
     q, k, v = _sdpa_case(rng, hk=2)
-    with pytest.raises(ValueError, match="enable_gqa=True"):
+    with pytest.raises(errors.UnsupportedOpError, match="enable_gqa=True"):
         sdpa.sdpa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
 
 

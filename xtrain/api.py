@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from xtrain import runtime
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.frontend import jax_function, torch_module
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.lower import LOWERINGS
@@ -70,16 +71,16 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
         A TrainStep: `step(*batch)` trains on one global batch and returns {"loss": float, ...}.
     """
     if lowering not in LOWERINGS:
-        raise ValueError(f"lowering={lowering!r} is not one of {LOWERINGS}")
+        raise OptionsError(f"lowering={lowering!r} is not one of {LOWERINGS}")
     if not isinstance(scan_layers, bool) and scan_layers != "auto":
-        raise ValueError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks), False "
+        raise OptionsError(f"scan_layers={scan_layers!r}: use True (one scan over the repeated blocks), False "
                          "(the blocks one after another) or 'auto' (unrolled up to 3 layers)")
     if isinstance(plan, str) and plan != AUTO:
-        raise ValueError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
+        raise OptionsError(f"plan={plan!r}: pass an xtrain.Plan, a preset (xtrain.plans.*) or plan='auto'")
     if plan == AUTO and lowering != "explicit":
-        raise ValueError("plan='auto' searches plans of the explicit lowering; use lowering='explicit'")
+        raise UnsupportedError("plan='auto' searches plans of the explicit lowering; use lowering='explicit'")
     if plan == AUTO and grad_sync is not None and grad_sync.int8:
-        raise ValueError("plan='auto' searches plans with the default gradient sync, not GradSync(comm_dtype='int8') "
+        raise UnsupportedError("plan='auto' searches plans with the default gradient sync, not GradSync(comm_dtype='int8') "
                          "(which excludes ZeRO-3 and pipelines); pass a plan, e.g. xtrain.plans.ddp()")
     options = CompileOptions(seed=seed, lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
                              zero3_regather=zero3_regather, init_from=init_from,

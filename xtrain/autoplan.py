@@ -7,6 +7,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from xtrain.cost import hardware, search
+from xtrain.errors import PlanError
 from xtrain.ir.model import Trainable
 
 
@@ -31,7 +32,7 @@ def agreed_pick(result: search.SearchResult) -> search.Candidate:
     processes compiled different plans would deadlock in its first collective. An error when no
     candidate fits."""
     if result.best is None:
-        raise ValueError(f"plan='auto': no candidate plan fits the device memory:\n{result}")
+        raise PlanError(f"plan='auto': no candidate plan fits the device memory:\n{result}")
     if jax.process_count() == 1:
         return result.best.candidate
     index = multihost_utils.broadcast_one_to_all(np.int32(result.rows.index(result.best)))

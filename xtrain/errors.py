@@ -19,7 +19,8 @@ tensor, shape or mesh axis involved and the fix; the class says which kind of fi
     │   └── TopKTooLarge                 torch.topk asked for more elements than its dimension has
     ├── LaunchError (ValueError)         the job's launch (environment, processes, CLI) is inconsistent
     ├── ConformanceError (ValueError)    a program does not fit a Trainium target's rules
-    └── CheckpointError (RuntimeError)   a checkpoint that is incomplete, corrupt or does not fit
+    ├── CheckpointError (RuntimeError)   a checkpoint that is incomplete, corrupt or does not fit
+    └── NotBuiltError (RuntimeError)     a step asked for what exists only once its first call built it
 
 This module imports nothing of xtrain, so every layer (ir included) and neuron_support use it.
 """
@@ -29,7 +30,7 @@ from typing import Sequence
 
 __all__ = ["XtrainError", "PlanError", "MeshError", "OptionsError", "InputError", "BatchTypeError",
            "BatchIndexError", "UnsupportedError", "UnsupportedOpError", "TraceError", "TopKTooLarge",
-           "LaunchError", "ConformanceError", "CheckpointError"]
+           "LaunchError", "ConformanceError", "CheckpointError", "NotBuiltError"]
 
 
 class XtrainError(Exception):
@@ -103,3 +104,8 @@ class ConformanceError(XtrainError, ValueError):
 
 class CheckpointError(XtrainError, RuntimeError):
     """A checkpoint that is incomplete, corrupt, or does not fit the step loading it."""
+
+
+class NotBuiltError(XtrainError, RuntimeError):
+    """A step deferred to its first call (plan="auto", a pending plans.megatron, a pipeline) was
+    asked for its layout, state or program before that call gave it the batch shapes."""

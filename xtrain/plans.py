@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from xtrain.errors import PlanError
 from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import TorchModel
@@ -55,7 +56,7 @@ def _shapes(model: Any) -> Shapes:
 
 def _structure(model: Any) -> Structure:
     if not _is_torch(model):
-        raise ValueError(f"xtrain.plans.megatron reads a torch module's structure; got {type(model).__name__}. "
+        raise PlanError(f"xtrain.plans.megatron reads a torch module's structure; got {type(model).__name__}. "
                          "Write the rules yourself with xtrain.Plan(params={...})")
     return describe(model)
 
@@ -138,7 +139,7 @@ def megatron(model, mesh: Mesh | Mapping[str, int], *, axis: str = TENSOR, vocab
         A Plan with one rule per parameter group and notes (batch: the default, the "data" axis).
     """
     if not _is_torch(model):
-        raise ValueError(f"xtrain.plans.megatron traces a torch module; got {type(model).__name__}. "
+        raise PlanError(f"xtrain.plans.megatron traces a torch module; got {type(model).__name__}. "
                          "Write the rules yourself with xtrain.Plan(params={...})")
     sizes = _sizes(mesh)
     presets.require_axes((axis,), sizes, "megatron")
@@ -173,7 +174,7 @@ def _sequence_parallel(plan: Plan, trace: TraceOptions, flow, sizes: dict[str, i
 def _specs_and_shapes(step_or_plan, model, mesh) -> tuple[dict[str, Spec], Shapes]:
     if isinstance(step_or_plan, Plan):
         if model is None or mesh is None:
-            raise ValueError("checking a Plan needs the model (or its {name: shape}) and the mesh")
+            raise PlanError("checking a Plan needs the model (or its {name: shape}) and the mesh")
         shapes = _shapes(model)
         return step_or_plan.param_specs(shapes, _sizes(mesh)), shapes
     state = step_or_plan.state
@@ -198,13 +199,13 @@ def assert_sharded(step_or_plan, model: Any = None, mesh: Mesh | Mapping[str, in
     device (MaxText's `assert_params_sufficiently_sharded`). Returns that fraction.
 
     Raises:
-        ValueError: naming the largest replicated tensors and their shapes.
+        PlanError: naming the largest replicated tensors and their shapes.
     """
     specs, shapes = _specs_and_shapes(step_or_plan, model, mesh)
     fraction = presets.replicated_fraction(specs, shapes)
     if fraction > max_replicated:
         worst = presets.largest_replicated(specs, shapes)
-        raise ValueError(
+        raise PlanError(
             f"{fraction:.1%} of the parameter elements are replicated on every device (allowed: "
             f"{max_replicated:.0%}); largest: {', '.join(f'{n} {s}' for n, s in worst)}. Add rules for them, "
             "or combine with xtrain.plans.fsdp(model, mesh, base=plan)")

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain import autoplan, checkpoint, data, explain, guards, hooks, recompile, runtime
 from xtrain.cost import hardware
+from xtrain.errors import MeshError, NotBuiltError
 from xtrain.frontend import tensors
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
@@ -113,7 +114,7 @@ class TrainStep:
         if plan == AUTO:
             devices = len(jax.devices())
             if np.prod(list(mesh.resolve(devices).values())) != devices:
-                raise ValueError(f"plan='auto': {mesh} does not cover the {devices} devices")
+                raise MeshError(f"plan='auto': {mesh} does not cover the {devices} devices")
             self._stage = Deferred(mesh, plan)
         elif isinstance(plan, PendingPlan):
             self._stage = Deferred(mesh, plan, mesh.build())
@@ -190,7 +191,7 @@ class TrainStep:
 
     def _built_for(self, what: str) -> BuiltStep:
         if isinstance(self._stage, Deferred):
-            raise RuntimeError(f"{self._stage.waits_for()} at the first step(*batch) (it needs the batch shapes); "
+            raise NotBuiltError(f"{self._stage.waits_for()} at the first step(*batch) (it needs the batch shapes); "
                                f"call the step once before {what}")
         return self._stage
 
@@ -388,7 +389,7 @@ class TrainStep:
             self._built_for("program(), compiled() or report() without a batch")
         placed = self._place(batch) if batch else self._last_batch
         if placed is None:
-            raise RuntimeError("needs the batch shapes: pass a batch or run step(*batch) once first")
+            raise NotBuiltError("needs the batch shapes: pass a batch or run step(*batch) once first")
         return _shapes(placed)
 
     def program(self, *batch: Any, remat="plan"):

@@ -21,6 +21,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
+from xtrain.errors import UnsupportedOpError
 from xtrain.frontend import static_mask, uniform_attention
 from xtrain.ir import blockwise as attention
 from xtrain.ir import neuron_attention as nki
@@ -65,7 +66,7 @@ def _heads(hq: int, hk: int, enable_gqa: bool) -> int:
         return hq // hk
     fix = (f"{hk} does not divide {hq}: use a key/value head count that divides it" if enable_gqa
            else f"pass enable_gqa=True (grouped-query attention), or 1 key/value head (torch broadcasts it)")
-    raise ValueError(f"scaled_dot_product_attention: {hq} query heads and {hk} key/value heads; {fix}")
+    raise UnsupportedOpError(f"scaled_dot_product_attention: {hq} query heads and {hk} key/value heads; {fix}")
 
 
 def _grouped_mask(mask, hq: int, hk: int, rank: int):
@@ -148,7 +149,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     _heads(query.shape[-3], key.shape[-3], enable_gqa)
     key, value = _for_split(query, key, value)
     if is_causal and attn_mask is not None:
-        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+        raise UnsupportedOpError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
     scale = attention.default_scale(query.shape[-1]) if scale is None else float(scale)
     rng = env.get_and_rotate_prng_key() if dropout_p > 0 else None
     kind, why = choose(_backend(), query, value, attn_mask, dropout_p)

@@ -14,6 +14,7 @@ import torchax
 from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
+from xtrain.errors import OptionsError
 from xtrain.frontend import autograd_function, moe, optim, options_scope, structure, torch_ops, uniform_attention
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
@@ -174,7 +175,7 @@ class TorchModel(Model):
         named = dict(self.module.named_parameters())
         meta = [n for n in self.param_names if named[n].is_meta]
         if meta:
-            raise ValueError(
+            raise OptionsError(
                 f"{len(meta)} parameters of {self.name} are on the meta device (e.g. {meta[:3]}): they have shapes but "
                 "no values. Load them while compiling with xtrain.compile(..., init_from='model.safetensors' or an HF "
                 "checkpoint directory), or build the model on the CPU")
@@ -194,7 +195,7 @@ class TorchModel(Model):
             if n in stored:
                 out[n] = np.asarray(stored[n]).astype(_np_dtype(named[n].dtype))
             elif named[n].is_meta:
-                raise ValueError(f"buffer {n!r} of {self.name} is on the meta device and not in the checkpoint: "
+                raise OptionsError(f"buffer {n!r} of {self.name} is on the meta device and not in the checkpoint: "
                                  "build the model under `with xtrain.checkpoint.meta_params():` (parameters on meta, "
                                  "buffers real) instead of torch.device('meta'), or store the buffer in the file")
             else:
@@ -297,7 +298,7 @@ def wrap(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loss_
     """What `xtrain.compile(module, mesh, optimizer=torch.optim....)` trains: the module as a
     Model, its optimizer as optax with per-group learning rates, and its structure."""
     if optimizer is None:
-        raise ValueError("xtrain.compile of a torch module needs optimizer=torch.optim.<...>(model.parameters(), ...)")
+        raise OptionsError("xtrain.compile of a torch module needs optimizer=torch.optim.<...>(model.parameters(), ...)")
     model = TorchModel(module, loss_fn=loss_fn)
     tx, groups = optim.from_torch(optimizer, model.name_of, model.trainable())
     return Trainable(model=model, tx=tx, optimized=frozenset(groups),

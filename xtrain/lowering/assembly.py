@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import optax
 
+from xtrain.errors import NotBuiltError
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
 from xtrain.lowering import precision
@@ -208,7 +209,7 @@ def _placed_stages(model: Model, mesh, layout: StateLayout, plan: Plan, batch: t
     """The layout with each block family stored on the pipeline stage that runs it (one trace of
     the model at the batch's shapes balances the stages)."""
     if batch is None:
-        raise ValueError("a pipeline plan's stages are balanced on the traced model: assemble it with the batch "
+        raise NotBuiltError("a pipeline plan's stages are balanced on the traced model: assemble it with the batch "
                          "(its shapes)")
     params = model.param_shapes()
     buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}

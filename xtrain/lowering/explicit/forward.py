@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 from jax import lax
 
+from xtrain.errors import PlanError
 from xtrain.ir.model import Model
 from xtrain.lowering import accumulation, gradient_sync
 from xtrain.lowering import zero as zero_mod
@@ -158,7 +159,7 @@ class Program:
         notes += examined.notes
         if self.remat is not None and not examined.found:
             why = f" ({'; '.join(examined.notes)})" if examined.notes else " (no run of identical blocks.0, blocks.1, ...)"
-            raise ValueError(
+            raise PlanError(
                 f"{self.remat.setting} checkpoints each layer of the model's repeated blocks, but "
                 f"{self.model.name} has none{why}; use remat='off'"
                 + (" and offload='none'" if self.remat.offload else ""))
