@@ -110,6 +110,9 @@ class TrainStep:
         self._pending_load: str | os.PathLike | None = None
         self._stage: Deferred | BuiltStep
         self._programs: dict = {}  # batch signature -> the emitted program (a report reads it several times)
+        self.state: TrainState | None = None  # placed when the step is built
+        self._last_batch: tuple | None = None
+        self._compiled_for: list[recompile.Signature] = []  # batch signatures compiled so far
         builds = self._intercept is None or self._intercept.build
         if plan == AUTO:
             devices = len(jax.devices())
@@ -136,8 +139,6 @@ class TrainStep:
                                   batch=None if batch is None else assembly.shaped(batch))
         self.state = self._placed(built, self._initial_state(built))
         self._stage = built
-        self._last_batch: tuple | None = None
-        self._compiled_for: list[recompile.Signature] = []  # batch signatures compiled so far
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
             self.load(path, verify=False)  # verified when load() deferred it
