@@ -85,7 +85,7 @@ def test_cudnn_attention_runs_on_each_devices_shard(on_cuda, kv_heads):
     the attention layer gathers over `tensor`; inside attention no collective, but the multi-query
     key/value gradients' sums over the query heads' devices."""
     from test_hf_models import lm_batches
-    from xtrain import explain
+    from xtrain.step import explain
 
     sizes = dict(data=4, tensor=2)
     model, step = _llama_step(kv_heads, sizes)

@@ -173,7 +173,7 @@ def test_nki_attention_runs_on_each_devices_shard(monkeypatch, on_neuron):
     sample, 2 of 4 query heads) with no collective inside attention, and the losses of 3 SGD steps
     and attention weights' updates match the blockwise kernel's within bf16 rounding."""
     from test_hf_models import lm_batches
-    from xtrain import explain
+    from xtrain.step import explain
 
     sizes = dict(data=4, tensor=2)
     model, step = _llama_step(sizes)

@@ -313,7 +313,7 @@ def _run_script(script: str, args: Sequence[str]) -> None:
 def _intercepted(script: str, args: Sequence[str], run, *, build: bool, what: str) -> int:
     """Runs `script` with its first training step taken over by `run`; 0 once `run` has
     printed, an error when the script never calls a training step."""
-    from xtrain.hooks import intercept_first_step
+    from xtrain.step.hooks import intercept_first_step
 
     def stop_after(step, batch):
         run(step, batch)
