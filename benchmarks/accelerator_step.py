@@ -11,7 +11,7 @@ xtrain's front end), weights, batches and AdamW:
   jax.jit            the model's pure JAX function (xtrain's front end) under plain jax.jit and
                      optax: parameters cast to bf16 in the loss, batch split over the devices
 
-MFU uses xtrain's one definition (xtrain.ir.flops: model FLOPs per step = the forward and
+MFU uses xtrain's one definition (xtrain.ir.analysis.flops: model FLOPs per step = the forward and
 backward matmuls of the model's traced graph, 6N + attention per token, the same for every
 row) and the dense bf16 peak of the device (xtrain.cost.hardware.peak_flops, cited there).
 Writes a Markdown table and JSON to benchmarks/results/ (`accelerator_step_<device>.md`),
@@ -38,7 +38,7 @@ import xtrain
 from xtrain import plans
 from xtrain.cost.hardware import peak_flops
 from xtrain.frontend.torch_module import wrap
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LR = 1e-4

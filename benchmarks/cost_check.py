@@ -52,7 +52,7 @@ def main() -> None:
     from xtrain.cost import hardware, search
     from xtrain.frontend.torch_module import wrap
     from xtrain.step import host_batch
-    from xtrain.ir import flops
+    from xtrain.ir.analysis import flops
 
     xtrain.init()
     profile = hardware.emulated(8)

@@ -93,7 +93,7 @@ REASON = "Why this is long:"
 LONG_MODULES = {
     "xtrain/runtime/launch.py": "one pure function of the environment per launcher (torchrun, SageMaker, Slurm, "
                                 "MPI) and their precedence: read together to see which one wins",
-    "xtrain/step.py": "the TrainStep users hold: its lifecycle (deferred or built), running, state, checkpoints "
+    "xtrain/step/train.py": "the TrainStep users hold: its lifecycle (deferred or built), running, state, checkpoints "
                       "and the explanation entry points; building is xtrain.lowering.assembly's",
 }
 

@@ -1,4 +1,4 @@
-"""The blockwise attention kernel (xtrain.ir.blockwise) against torch's SDPA, forward and
+"""The blockwise attention kernel (xtrain.ir.kernels.blockwise) against torch's SDPA, forward and
 gradient, with blocks small enough that every case spans several (and padded) blocks."""
 import math
 
@@ -10,10 +10,11 @@ import torch
 
 from xtrain import errors
 from xtrain.frontend import sdpa
-from xtrain.ir import blockwise as attention
+from xtrain.ir.kernels import blockwise as attention
 from xtrain.ir import attention as markers
 from xtrain.ir import markers as codec
-from xtrain.ir import flops, walk
+from xtrain.ir import walk
+from xtrain.ir.analysis import flops
 
 B, HQ, L, S, D = 2, 4, 10, 13, 8
 
@@ -232,9 +233,9 @@ def test_ring_attention_drops_the_weights_the_whole_call_drops(causal):
     """Attention dropout on a sequence split over `context` (ring attention, load-balanced when
     causal, in blocks of 8) keeps the weights the kernel on the whole sequence keeps (blocks of
     16): the mask is a hash of global (batch, head, query, key), not of the blocking or the device
-    (xtrain.ir.attention_dropout). Output and gradients."""
+    (xtrain.ir.kernels.attention_dropout). Output and gradients."""
     from jax.sharding import Mesh, PartitionSpec as P
-    from xtrain.ir import attention_dropout
+    from xtrain.ir.kernels import attention_dropout
     from xtrain.lowering import ring_attention as ra
 
     n, c = 64, 4

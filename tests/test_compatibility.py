@@ -60,7 +60,7 @@ PUBLIC = {
                "TrainStep", "sagemaker", "errors"],
     "xtrain.errors": ["XtrainError", "PlanError", "MeshError", "OptionsError", "InputError", "BatchTypeError",
                       "BatchIndexError", "UnsupportedError", "UnsupportedOpError", "TraceError", "TopKTooLarge",
-                      "LaunchError", "ConformanceError", "CheckpointError"],
+                      "LaunchError", "ConformanceError", "CheckpointError", "NotBuiltError"],
     "xtrain.hooks": ["intercept_first_step"],
     "xtrain.plans": ["ddp", "fsdp", "zero", "hybrid", "megatron", "assert_sharded", "largest_replicated"],
     "xtrain.checkpoint": ["CheckpointError", "CheckpointManager", "CheckpointOptions", "CheckpointWarning",

@@ -221,7 +221,7 @@ def test_presets_keep_the_sequence_split():
 
 def test_dropout_masks_do_not_depend_on_the_context_split():
     """Hidden, embedding and attention dropout on: context=4 draws the masks data=8 draws (the
-    ring's attention masks hash global (batch, head, query, key): xtrain.ir.attention_dropout)."""
+    ring's attention masks hash global (batch, head, query, key): xtrain.ir.kernels.attention_dropout)."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
                                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="sdpa"))

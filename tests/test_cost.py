@@ -19,7 +19,7 @@ from xtrain.errors import OptionsError, PlanError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
 from xtrain.cost import hardware, search
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 from xtrain.cost.program import abstract_step, trainable_of
 from xtrain.testing import assert_parity, run_parity
 

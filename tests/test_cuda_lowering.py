@@ -25,9 +25,10 @@ import program_text
 import xtrain
 from models import GPT, SequenceParallelGPT, token_batches
 from neuron_support import conformance
-from xtrain import explain, plans
+from xtrain import plans
 from xtrain.errors import OptionsError
 from xtrain.lowering import zero
+from xtrain.step import explain
 
 BATCH = token_batches(n=1, batch=16, seq=16)[0]
 BF16 = xtrain.Plan(precision="bf16")

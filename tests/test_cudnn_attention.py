@@ -1,6 +1,6 @@
 """cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, xtrain.frontend.sdpa's choice there)
 under a Megatron plan, on CPU with a GPU's backend stood in: the dimension flow carries the head split
-through its primitives (xtrain.ir.per_head), so each device runs them on its own batch x heads shard
+through its primitives (xtrain.ir.analysis.per_head), so each device runs them on its own batch x heads shard
 (xtrain.lowering.explicit.rules.attention), grouped-query and multi-query keys/values included. A CPU
 lowering of the primitives computing their contract (softmax attention, each key/value head read by
 its group of query heads) in plain jnp lets the split program train, against the same on one axis."""
@@ -14,7 +14,8 @@ from jax.interpreters import mlir
 
 from xtrain.frontend import sdpa
 from xtrain.ir import attention as markers
-from xtrain.ir import per_head, walk
+from xtrain.ir import walk
+from xtrain.ir.analysis import per_head
 
 HEADS = 4
 LOWERED: list = []  # the query shapes the stand-in forward kernel was lowered for
@@ -84,7 +85,7 @@ def test_cudnn_attention_runs_on_each_devices_shard(on_cuda, kv_heads):
     the attention layer gathers over `tensor`; inside attention no collective, but the multi-query
     key/value gradients' sums over the query heads' devices."""
     from test_hf_models import lm_batches
-    from xtrain import explain
+    from xtrain.step import explain
 
     sizes = dict(data=4, tensor=2)
     model, step = _llama_step(kv_heads, sizes)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xtrain.ir import blockwise, index_ops, markers, moe
+from xtrain.ir import index_ops, markers
+from xtrain.ir.kernels import blockwise, moe
 from xtrain.ir.attention import Implementation, Site
 
 AWKWARD = "not cuDNN: a/b, 'quoted' \"double\" back\\slash ;|= {x: [1]} é"

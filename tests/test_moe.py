@@ -18,7 +18,7 @@ from transformers.integrations.moe import use_experts_implementation
 
 import xtrain
 from xtrain.errors import InputError, PlanError
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 from xtrain.ir.model import TraceError
 from xtrain.testing import ParityResult, assert_parity, run_parity, torch_reference
 

@@ -1,4 +1,4 @@
-"""Neuron's NKI flash-attention path (xtrain.ir.neuron_attention) on CPU: which calls get it, and
+"""Neuron's NKI flash-attention path (xtrain.ir.kernels.neuron_attention) on CPU: which calls get it, and
 its plumbing (layouts, custom_vjp, GQA repeat, per-device grid, partition rule) run through a
 stand-in lowered for CPU that computes the kernels' documented contract in plain jnp. The kernels
 themselves run only on Trainium (neuronxcc and jax_neuronx are not installed here)."""
@@ -13,7 +13,7 @@ from xtrain.errors import UnsupportedError
 from xtrain.frontend import sdpa
 from xtrain.ir import attention as markers
 from xtrain.ir import markers as codec
-from xtrain.ir import neuron_attention as nki
+from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.ir import walk
 
 NKI, BLOCKWISE = markers.Implementation.NKI_FLASH, markers.Implementation.BLOCKWISE
@@ -173,7 +173,7 @@ def test_nki_attention_runs_on_each_devices_shard(monkeypatch, on_neuron):
     sample, 2 of 4 query heads) with no collective inside attention, and the losses of 3 SGD steps
     and attention weights' updates match the blockwise kernel's within bf16 rounding."""
     from test_hf_models import lm_batches
-    from xtrain import explain
+    from xtrain.step import explain
 
     sizes = dict(data=4, tensor=2)
     model, step = _llama_step(sizes)
@@ -242,7 +242,7 @@ def test_context_meshes_and_xlas_partitioner_get_the_blockwise_kernel(on_neuron,
 def test_kernel_flops_are_counted(causal):
     """The kernels' matmuls count as model FLOPs (MFU, the cost model): forward q.k and p.v,
     backward those recomputed and dp, dq, dk; a causal mask skips half."""
-    from xtrain.ir import flops
+    from xtrain.ir.analysis import flops
 
     x = jnp.zeros((2, 4, 1024, 64), jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(nki.flash(q, k, v, causal, 0.125, 1024).astype(jnp.float32))

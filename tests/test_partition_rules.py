@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from xtrain.ir import moe
+from xtrain.ir.kernels import moe
 from xtrain.lowering.explicit.check import run_partitioned
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import RULES
@@ -242,7 +242,7 @@ def case_custom_vjp(rng):
 
 def case_routing(rng):
     """Mixture-of-experts routing: top-k, sorts and argsorts, flips, grouped matmuls,
-    histograms (scatter-add) and the routed-experts call (xtrain.ir.moe)."""
+    histograms (scatter-add) and the routed-experts call (xtrain.ir.kernels.moe)."""
     kind = rng.integers(6)
     x = normal(rng, rand_shape(rng, rng.integers(1, 4)))
     axis = int(rng.integers(x.ndim))

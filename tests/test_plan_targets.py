@@ -17,7 +17,7 @@ from xtrain.cost.program import abstract_step, trainable_of
 from xtrain.errors import UnsupportedError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 
 TRN1_4 = "trn1.32xlarge:4"
 BATCH = (np.zeros((128, 16), np.int32),) * 2

@@ -11,7 +11,7 @@ logs their max and mean over experts and the worst layer's max / mean (`expert_l
     xtrain.observe.plot(monitor.history, "runs/train.png")
 
 MFU = model FLOPs per step / (step time x devices x dense peak FLOP/s of one device), with
-model FLOPs as xtrain.ir.flops defines them for `xtrain plan` and the benchmarks too: counted
+model FLOPs as xtrain.ir.analysis.flops defines them for `xtrain plan` and the benchmarks too: counted
 in the traced graph of the model's forward and backward pass on the global batch
 (`model_flops`): 2·M·N·K per matmul (dot_general) and the equivalent per convolution, scan
 bodies times their length, i.e. 6N + attention per token for a transformer (no optimizer, no
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from xtrain.errors import OptionsError
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 from xtrain.cost.hardware import peak_flops
 
 
@@ -40,14 +40,14 @@ from xtrain.cost.hardware import peak_flops
 
 def matmul_flops(jaxpr) -> float:
     """FLOPs of every dot_general and convolution in `jaxpr` (a Jaxpr or ClosedJaxpr), nested
-    calls included; a scan body counts `length` times (xtrain.ir.flops)."""
+    calls included; a scan body counts `length` times (xtrain.ir.analysis.flops)."""
     return flops.count(jaxpr).matmul
 
 
 def model_flops(step, *batch: Any) -> float:
     """Global model FLOPs of one training step (forward + backward over the whole global
     batch) of a compiled xtrain step, for `batch`'s shapes or the last batch trained on: the
-    one definition of xtrain.ir.flops, shared with `xtrain plan` and the benchmarks."""
+    one definition of xtrain.ir.analysis.flops, shared with `xtrain plan` and the benchmarks."""
     shapes = step.batch_shapes(batch)  # builds a plan="auto" step first
     state = step.state
     return flops.model_flops(step.model, state.params, state.buffers, state.key, shapes, frozen=state.frozen)

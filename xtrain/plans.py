@@ -20,7 +20,7 @@ from xtrain.frontend.jax_function import param_shapes
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import TorchModel
 from xtrain.ir.structure import Structure
-from xtrain.ir import dimflow
+from xtrain.ir.analysis import dimflow
 from xtrain.ir.trace_options import SequenceParallel, TraceOptions
 from xtrain.sharding import presets, tensor_parallel
 from xtrain.sharding.mesh import CONTEXT, DATA, TENSOR, Mesh, job_devices

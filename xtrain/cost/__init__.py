@@ -1,4 +1,4 @@
-"""Cost model: FLOPs (xtrain.ir.flops) and memory of a lowered step, hardware profiles,
+"""Cost model: FLOPs (xtrain.ir.analysis.flops) and memory of a lowered step, hardware profiles,
 predicted step time, and the plan search built on them.
 
     hardware.py  hardware profiles (peak FLOP/s, HBM, links), this machine's emulated mesh, and

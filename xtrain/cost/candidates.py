@@ -22,7 +22,8 @@ TensorPlan = Callable[[Mapping[str, int]], Plan]
 ExpertPlan = Callable[[Plan, Mapping[str, int]], Plan]
 
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
-# under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage (executors.py)
+# under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage
+# (xtrain/lowering/pipeline/executors.py)
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
 SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
 SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"

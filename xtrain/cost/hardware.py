@@ -160,7 +160,7 @@ def _from_topology(name: str, peaks: str, *, float32_matmul: str, intra: float, 
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # AWS P4d page: NVLink 3 through NVSwitch, 600 GB/s per GPU (both directions) -> 300 GB/s
-    # each way; EFA 400 Gbps per instance shared by 8 GPUs (topology.py).
+    # each way; EFA 400 Gbps per instance shared by 8 GPUs (neuron_support/topology.py).
     # Host link: NVIDIA A100 datasheet, PCIe Gen4 64 GB/s (both directions) -> 32 GB/s each way.
     _from_topology("p4d.24xlarge", "A100", float32_matmul="tf32", intra=300 * GB, inter_latency=30e-6, overlap=0.8,
                    host=32 * GB),
@@ -178,7 +178,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
                    host=64 * GB),
     # NVIDIA V100 datasheet: NVLink 2, 300 GB/s per GPU (both directions) -> 150 GB/s each way;
     # host link PCIe Gen3 32 GB/s (both directions) -> 16 GB/s.
-    # Network: AWS P3 page (topology.py), ENA through TCP except p3dn's EFA; assumption: 50 us
+    # Network: AWS P3 page (neuron_support/topology.py), ENA through TCP except p3dn's EFA; assumption: 50 us
     # per ring step over TCP. p3.2xlarge has one GPU (its intra-node rate is never used).
     _from_topology("p3.2xlarge", "V100", float32_matmul="fp32", intra=150 * GB, inter_latency=50e-6, overlap=0.8,
                    host=16 * GB),
@@ -194,7 +194,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     _from_topology("trn1.2xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
     _from_topology("trn1.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
     _from_topology("trn1n.32xlarge", "trn1", float32_matmul="tf32", intra=96 * GB, inter_latency=30e-6, overlap=0.5),
-    # HBM: Neuron docs, Trainium2 NKI guide: 96 GiB at 2.9 TB/s per chip (topology.py has no
+    # HBM: Neuron docs, Trainium2 NKI guide: 96 GiB at 2.9 TB/s per chip (neuron_support/topology.py has no
     # bandwidth for trn2). Assumption: NeuronLink-v3 ~1 TB/s per chip (AWS Trn2 page), 4 logical cores.
     _from_topology("trn2.48xlarge", "trn2", float32_matmul="tf32", intra=250 * GB, inter_latency=30e-6,
                    overlap=0.5, hbm_bytes_per_s_chip=2.9e12),

@@ -37,8 +37,8 @@ import jax
 import numpy as np
 
 from xtrain.errors import PlanError, UnsupportedError
-from xtrain.ir import flops as ir_flops
-from xtrain.ir.flops import Flops
+from xtrain.ir.analysis import flops as ir_flops
+from xtrain.ir.analysis.flops import Flops
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.lowering.report import Collective
 
@@ -176,7 +176,7 @@ def predict(cost: StepCost, profile: HardwareProfile, *, model_flops: float | No
     """Step time, throughput and fit of `cost` on `profile`.
 
     Args:
-        model_flops: the model's FLOPs per step, all devices together (xtrain.ir.flops: the
+        model_flops: the model's FLOPs per step, all devices together (xtrain.ir.analysis.flops: the
             same for every plan of a model, so MFU compares plans); default: the program's own
             matmul FLOPs on every device, replicated work and recomputation included.
     """

@@ -4,7 +4,7 @@
 size with shape-only state (`jax.ShapeDtypeStruct`): nothing is allocated and no device is
 emulated, so a 128-device trn1 plan is lowered on a laptop. The step is the one `xtrain.compile`
 builds, assembled by the same function (xtrain.lowering.assembly), so its jaxpr is the one
-`TrainStep.program()` gives on real devices: FLOPs (ir.flops), collectives
+`TrainStep.program()` gives on real devices: FLOPs (ir.analysis.flops), collectives
 (lowering.accounting) and graph memory (cost.model) are read from it.
 
 `model_facts` reads what the search needs of the model itself: how many repeated blocks a
@@ -23,7 +23,7 @@ import optax
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh
 
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 from xtrain.ir.model import Model, Trainable
 from xtrain.lowering import assembly, ordering, platforms
 from xtrain.lowering import state as state_mod
@@ -133,7 +133,7 @@ class ModelFacts:
     """What the plan search reads of the model, independent of any plan."""
 
     layers: int           # length of the longest run of identical blocks (0: none; no pipeline then)
-    matmul_flops: float   # model FLOPs of one training step on the global batch (xtrain.ir.flops.model_flops)
+    matmul_flops: float   # model FLOPs of one training step on the global batch (xtrain.ir.analysis.flops.model_flops)
 
 
 def model_facts(model: Model, batch: tuple) -> ModelFacts:

@@ -28,7 +28,7 @@ the conformance checker (neuron_support.conformance: replica groups, permutes be
 cores, the cap on distinct groups) in every order of its mesh axes ("data", "pipe", "tensor",
 tensor innermost, first): the candidate takes the fastest order that passes (e.g. pipe
 innermost, so that stages are neighbouring cores), and one that fails in every order is listed
-with the first finding and never picked. MFU divides the model's FLOPs (xtrain.ir.flops.model_flops:
+with the first finding and never picked. MFU divides the model's FLOPs (xtrain.ir.analysis.flops.model_flops:
 6N + attention per token, the same for every plan) by each plan's predicted step time. A
 candidate that cannot be lowered (batch not divisible by data x microbatches, fewer repeated
 blocks than stages, no transformer blocks for tensor parallel) is listed with the reason; one
@@ -50,7 +50,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 
 from xtrain.errors import UnsupportedError
-from xtrain.ir import flops as flops_mod
+from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
 from xtrain.cost import placement
 from xtrain.cost import program as program_mod
@@ -215,7 +215,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     Args:
         layers: the model's repeated blocks (program.model_facts), to refuse a pipeline of more
             stages without lowering it; None: the lowering finds out.
-        model_flops: the model's FLOPs per step (xtrain.ir.flops.model_flops), for MFU.
+        model_flops: the model's FLOPs per step (xtrain.ir.analysis.flops.model_flops), for MFU.
         experts: the model's MoE expert weights (Trainable.experts), for expert-parallel candidates."""
     reason = _refusal(candidate, batch[0].shape[0], layers)
     if reason:

@@ -5,7 +5,7 @@
   the backward needs no translation of its own.
 - HF experts modules (classes decorated with `transformers.integrations.moe.
   use_experts_implementation`, running `experts_implementation="grouped_mm"`, the default: Mixtral,
-  Qwen3-MoE, ...) are traced as one call of `xtrain.ir.moe.routed_experts`, the same arithmetic
+  Qwen3-MoE, ...) are traced as one call of `xtrain.ir.kernels.moe.routed_experts`, the same arithmetic
   (tokens sorted by expert into a fixed, drop-free buffer, grouped matmuls, weighted sum), so the
   explicit lowering sees one token-local call it can run on each device's own tokens.
 - `aten::histc` (HF's count of tokens per expert) is a compare-and-sum, no sort or scatter.
@@ -26,7 +26,7 @@ from torchax.ops import mappings, ops_registry
 
 from xtrain.errors import TopKTooLarge, UnsupportedOpError  # TopKTooLarge: re-exported
 from xtrain.frontend import torch_ops
-from xtrain.ir import moe
+from xtrain.ir.kernels import moe
 
 aten = torch.ops.aten
 
@@ -153,7 +153,7 @@ def expert_params(root: torch.nn.Module, name_of) -> frozenset[str]:
 
 
 def _routed_forward(module, spec: moe.ExpertsSpec, hidden_states, top_k_index, top_k_weights):
-    """The experts' forward as one traced call of xtrain.ir.moe.routed_experts."""
+    """The experts' forward as one traced call of xtrain.ir.kernels.moe.routed_experts."""
     up = module.gate_up_proj if spec.gated else module.up_proj
     return torchax_interop.call_jax(moe.traced_call(spec), hidden_states, top_k_index, top_k_weights, up,
                                     module.down_proj)

@@ -6,8 +6,8 @@ and multi-query attention group the query heads per key/value head instead of re
 and values (unless a tensor-parallel split of the query heads would cut the groups: `_for_split`,
 under the trace options of the model being traced, `traced_under`).
 Each call site picks its implementation (`choose`): cuDNN's fused attention on
-CUDA, Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention) on Neuron, where they
-apply, else the blockwise kernel (xtrain.ir.blockwise), traced inside a
+CUDA, Neuron's NKI flash-attention kernels (xtrain.ir.kernels.neuron_attention) on Neuron, where they
+apply, else the blockwise kernel (xtrain.ir.kernels.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`. A boolean mask the program
 builds from positions (HF's sliding window) lets the kernel skip the key blocks its static
 bound hides (xtrain.frontend.static_mask); calls of one shape whose masks differ share one
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from xtrain.errors import UnsupportedOpError
 from xtrain.frontend import static_mask, uniform_attention
-from xtrain.ir import blockwise as attention
-from xtrain.ir import neuron_attention as nki
+from xtrain.ir.kernels import blockwise as attention
+from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.ir import markers
 from xtrain.ir.attention import DEFAULT_BLOCK, Implementation, Site
 from xtrain.ir.trace_options import TraceOptions

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xtrain.ir import walk
-from xtrain.ir.blockwise import Blocking
+from xtrain.ir.kernels.blockwise import Blocking
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,15 +7,17 @@
     graph.py     the traced graph (a jaxpr) and the torch module path of each equation
     walk.py      the one jaxpr walker: environment, inlined calls, module paths
     stacked.py   block parameters stored stacked, (L, ...) per block position
-    flops.py     FLOPs of a jaxpr's equations, by kind
+    tree.py      logical names of a state's arrays (pytree key paths)
+    interop.py   how a front end's tensors reach JAX functions
+    hlo.py       the replica groups of a compiled collective, from HLO text
     trust_ratio.py  LARS / LAMB's per-layer trust ratio; the step supplies whole-tensor norms
-    dimflow.py   which matmul output dimensions reach a matmul that contracts them (tensor
-                 parallel's column -> row pairs); provenance.py: jaxpr inputs as parameters
-                 per_head.py: attention kernels (cuDNN, NKI) carry its head split
     structure.py a torch module tree as plain data (shapes, kinds, children)
     index_ops.py markers (xtrain.ir.markers) of torch index ops whose rules differ from JAX's (read by the input checks)
     attention.py markers (xtrain.ir.markers) naming the attention each call site got (read by the report)
-    neuron_attention.py  Neuron's NKI flash-attention kernels as primitives with a custom VJP
+    kernels/     pure JAX computations the front end traces and the lowering recognises: blockwise
+                 attention, Neuron's NKI flash attention, MoE's routed experts, the dropout hash
+    analysis/    what is read off a traced program: FLOPs, the dimension flow (tensor parallel's
+                 column -> row pairs) with parameter provenance, low-rank detours, per-head kernels
 """
 from xtrain.ir.model import Model, TraceError
 

@@ -17,7 +17,7 @@ class Implementation(enum.Enum):
 
     BLOCKWISE = "blockwise"  # key blocks with an online softmax; backward keeps out + log-sum-exp
     CUDNN = "cudnn"          # jax.nn.dot_product_attention(implementation="cudnn") on CUDA
-    NKI_FLASH = "nki_flash"  # Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention)
+    NKI_FLASH = "nki_flash"  # Neuron's NKI flash-attention kernels (xtrain.ir.kernels.neuron_attention)
     EAGER = "eager"          # HF's eager matmul -> softmax -> matmul left as written (full L x S weights)
 
 

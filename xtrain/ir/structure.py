@@ -1,6 +1,6 @@
 """A model's module tree as plain data (kinds, parameters' canonical names and shapes, children),
 described once by the front end (xtrain.frontend.structure) so that the compiler never sees torch.
-Tensor-parallel plans do not read it: they come from the traced program (xtrain.ir.dimflow).
+Tensor-parallel plans do not read it: they come from the traced program (xtrain.ir.analysis.dimflow).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import math
 import numpy as np
 from jax.extend import core as jcore
 
-from xtrain.ir import flops
+from xtrain.ir.analysis import flops
 from xtrain.lowering.report import Collective
 
 _KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",

@@ -144,7 +144,7 @@ def assemble(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = 
     """Builds the training step of `trainable` for `plan` on `mesh`.
 
     Args:
-        trainable: the model and its optimizer (xtrain.ir.Trainable).
+        trainable: the model and its optimizer (xtrain.ir.model.Trainable).
         plan: how tensors are split over the mesh.
         mesh: a jax.sharding.Mesh, or an AbstractMesh for a mesh that is not here.
         options: the compile options that shape the step.

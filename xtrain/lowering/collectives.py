@@ -1,6 +1,6 @@
 """The collectives layer: every collective xtrain emits is one of these calls.
 
-Partition rules (explicit/sharded.py), gradient synchronisation, ZeRO, gradient clipping and
+Partition rules (explicit/rules/), gradient synchronisation, ZeRO, gradient clipping and
 the pipeline's permutes all communicate through here and nowhere else (a test checks the
 sources), so what the program can contain is this list: all-reduce, reduce-scatter,
 all-gather, all-to-all, collective permute. The report counts them back from the emitted program

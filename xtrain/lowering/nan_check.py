@@ -3,7 +3,7 @@
 The model's forward is evaluated again in the global view (XLA's partitioner places it on the
 same mesh) equation by equation, nested jit calls inlined, recording whether each equation's
 floating-point outputs are all finite; the first that is not is named by its module path.
-It runs only after a step detect_nan skipped (xtrain.guards), on the state that step kept, so it
+It runs only after a step detect_nan skipped (xtrain.step.guards), on the state that step kept, so it
 costs nothing otherwise.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ devices (`jit(f).trace(...).lower(lowering_platforms=(p,))`): the program XLA wo
 there, before XLA's own passes (which run only when compiling on that platform). xtrain emits
 only JAX primitives with platform-independent lowering rules, plus one CPU-only rule of its own
 (ordering.py), so the program lowered here for CUDA or Neuron is the one a GPU or a Trainium
-host builds. The NKI flash-attention primitives (xtrain.ir.neuron_attention) get their lowering
+host builds. The NKI flash-attention primitives (xtrain.ir.kernels.neuron_attention) get their lowering
 for "neuron" from the plugin and are emitted only when the trace runs on Neuron devices with it
 (xtrain.frontend.sdpa), so lowering for "neuron" elsewhere needs no plugin.
 """

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xtrain.ir import markers, moe, walk
+from xtrain.ir import markers, walk
+from xtrain.ir.kernels import moe
 from xtrain.sharding.precision import Compute, LossScale, Precision
 
 # primitives whose operands the policy narrows (the FLOPs); the rest keep their traced dtypes

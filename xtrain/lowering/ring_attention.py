@@ -6,7 +6,7 @@ its queries' attention over every chunk with an online softmax across steps (the
 output and log-sum-exp, merged). The derivative rule rings again: key/value chunks travel with
 their dK/dV accumulators, which arrive back home after the last step; only the output and the
 log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise kernel
-(xtrain.ir.blockwise), its own forward and backward.
+(xtrain.ir.kernels.blockwise), its own forward and backward.
 
 Skipped steps: without balancing, a ring step whose key/value chunk the call's static band (a sliding
 window: Blocking.visible) hides from every device is not computed, and the chunks hop past it.
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from xtrain.errors import InputError, UnsupportedError
-from xtrain.ir import attention_dropout as dm
-from xtrain.ir import blockwise as bw
+from xtrain.ir.kernels import attention_dropout as dm
+from xtrain.ir.kernels import blockwise as bw
 from xtrain.lowering import collectives
 
 
@@ -97,7 +97,7 @@ def check(ring: Ring, where: str) -> None:
 
 def _piece_forward(b: bw.Blocking, q, k, v, mask, drop=None):
     """(out f32, lse with -inf for rows that saw nothing) of q over k, v; `drop` places the
-    piece's dropout mask (xtrain.ir.attention_dropout.Drop)."""
+    piece's dropout mask (xtrain.ir.kernels.attention_dropout.Drop)."""
     out, lse, _ = bw._forward(b, q, k, v, mask, drop)
     return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
@@ -230,7 +230,7 @@ def _ring_forward(ring: Ring, q, k, v, mask, drop):
 def ring_attention(ring: Ring, q, k, v, mask, drop=None):
     """Local q (..., Hk, G, n, D), k, v (..., Hk, n, D|Dv), mask None or (..., n|1, L) with the
     whole key sequence: this device's attention output (..., Hk, G, n, Dv). `drop`: None, or
-    (dropout key, flat global index of q's leading positions: xtrain.ir.attention_dropout)."""
+    (dropout key, flat global index of q's leading positions: xtrain.ir.kernels.attention_dropout)."""
     return _ring_forward(ring, q, k, v, mask, drop)[0]
 
 

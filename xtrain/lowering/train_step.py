@@ -111,7 +111,7 @@ def batch_specs(batch_spec: Spec, batch: tuple, batch_args=()) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class PerDevice:
     """Runs a step function on every device of `mesh` (shard_map), with the collectives in one
-    order on XLA's CPU runtime (explicit/ordering.py)."""
+    order on XLA's CPU runtime (xtrain/lowering/ordering.py)."""
 
     mesh: Any
     state_specs: TrainState

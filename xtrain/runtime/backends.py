@@ -140,7 +140,7 @@ def default_nproc_per_node(backend: str, *, layout: str = "process-per-node",
 # different order on different emulated devices, and the rendezvous then deadlocks (XLA
 # aborts after 40 s). The default scheduler keeps one order on every device. A loop holding
 # collectives (a layer scan) still runs asynchronously beside what follows it: the explicit
-# lowering orders those by dataflow (xtrain/lowering/explicit/ordering.py).
+# lowering orders those by dataflow (xtrain/lowering/ordering.py).
 # Emulated devices time-share the host's cores: on a loaded 2-core machine one device's thread
 # can reach a collective more than 40 s after the others, and XLA then aborts the process
 # although nothing is wrong. Wait up to 10 minutes before calling a rendezvous stuck.

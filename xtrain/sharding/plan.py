@@ -67,7 +67,7 @@ class Plan:
             split (gathered per use). Tensors with no dimension divisible by the data size
             stay whole (the report lists them).
         precision: the mixed-precision policy: "fp32", "bf16", "fp16" or an
-            `xtrain.Precision(...)` with per-module overrides (see xtrain.precision).
+            `xtrain.Precision(...)` with per-module overrides (see xtrain.sharding.precision).
         remat: activation checkpointing per layer of the layer scan (explicit lowering):
             "off", "full" (keep only each layer's input; True means this), "dots" (keep matmul
             outputs) or "selective" (keep the activations of the modules `remat_keep` names),

@@ -1,7 +1,7 @@
 """Presets: the usual parallel layouts as ordinary, printable, editable Plans.
 
 Every preset reads the parameters' names and shapes (and, for `megatron`, the traced program's
-dimension flow: xtrain.ir.dimflow) and the mesh's axis sizes, and writes one rule per parameter (layers with
+dimension flow: xtrain.ir.analysis.dimflow) and the mesh's axis sizes, and writes one rule per parameter (layers with
 the same choice collapse to one `blocks.*.` glob). What a preset kept whole, and why, is in
 `plan.notes`. Users call them through `xtrain.plans`, which describes a torch module or a JAX
 parameter tree first.
@@ -13,7 +13,7 @@ import math
 from typing import Mapping
 
 from xtrain.errors import PlanError
-from xtrain.ir import dimflow
+from xtrain.ir.analysis import dimflow
 from xtrain.ir.model import Model
 from xtrain.sharding import tensor_parallel
 from xtrain.sharding import zero as zero_mod

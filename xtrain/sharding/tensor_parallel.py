@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism derived from the traced program (xtrain.ir.dimflow), not from module
+"""Megatron tensor parallelism derived from the traced program (xtrain.ir.analysis.dimflow), not from module
 names: each column -> row pair the dimension flow found becomes parameter specs over the
 tensor axis, and every decision a note in graph terms.
 
@@ -18,7 +18,7 @@ import re
 from typing import Mapping
 
 from xtrain.errors import PlanError
-from xtrain.ir.dimflow import Flow, Group, Use
+from xtrain.ir.analysis.dimflow import Flow, Group, Use
 from xtrain.sharding.plan import Spec
 from xtrain.sharding.segments import Segments
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from xtrain.errors import PlanError
-from xtrain.ir import flops as cost_flops
+from xtrain.ir.analysis import flops as cost_flops
 from xtrain.lowering.explicit.blocks import segments
 
 FLOPS_PER_BYTE = 100.0  # ridge point of a GPU/Trainium-class chip: where memory traffic costs as much as math
@@ -54,7 +54,7 @@ def _nbytes(var) -> int:
 
 
 def flops(eqns) -> float:
-    """FLOPs of a list of equations (nested jaxprs included; xtrain.ir.flops)."""
+    """FLOPs of a list of equations (nested jaxprs included; xtrain.ir.analysis.flops)."""
     return cost_flops.of_eqns(eqns).total
 
 

@@ -1,5 +1,6 @@
 """Partition rules of attention: cuDNN's fused attention (jax.nn.dot_product_attention on CUDA, which the
-front end picks there: xtrain.frontend.sdpa) and Neuron's NKI flash-attention kernels (xtrain.ir.neuron_attention).
+front end picks there: xtrain.frontend.sdpa) and Neuron's NKI flash-attention kernels
+(xtrain.ir.kernels.neuron_attention).
 
 Its forward and backward primitives take (batch, length, heads, dim) arrays and per-row
 statistics (batch, heads, length); batch and heads are independent, so a split of either
@@ -20,9 +21,10 @@ import dataclasses
 import math
 
 from xtrain.errors import UnsupportedError
-from xtrain.ir import attention_dropout as dropout_mask
-from xtrain.ir import blockwise, markers
-from xtrain.ir import neuron_attention as nki
+from xtrain.ir import markers
+from xtrain.ir.kernels import attention_dropout as dropout_mask
+from xtrain.ir.kernels import blockwise
+from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
 from xtrain.lowering import sharded as C
@@ -125,7 +127,7 @@ def _check_not_gathered(ctx: Context, ring, args) -> None:
 
 def _lead_index(ctx: Context, q: Sharded):
     """The flat global index of each of this device's leading (batch..., Hk, G) positions of q,
-    which places its attention dropout mask (xtrain.ir.attention_dropout)."""
+    which places its attention dropout mask (xtrain.ir.kernels.attention_dropout)."""
     local, lead = q.value.shape[:-2], q.layout.dims[:-2]
     offsets = [collectives.axis_offset(ctx.sizes, axes) * n for axes, n in zip(lead, local)]
     return dropout_mask.flat_index(local, offsets, q.shape[:-2])

@@ -1,4 +1,4 @@
-"""Expert parallelism: a routed-experts call (xtrain.ir.moe) whose experts are split over the
+"""Expert parallelism: a routed-experts call (xtrain.ir.kernels.moe) whose experts are split over the
 `expert` mesh axis. Each device sorts its own (token, expert) pairs by the device that holds
 their expert, sends them there and gets the results back with one all-to-all each way
 (dispatch, combine), in buffers of fixed capacity: every device reserves room for all of its
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from xtrain.errors import PlanError
-from xtrain.ir import moe
+from xtrain.ir.kernels import moe
 from xtrain.lowering import collectives
 from xtrain.sharding.mesh import EXPERT
 

@@ -2,7 +2,7 @@
 dimension whole, every other dimension keeps its split), histograms of assignments
 (scatter-add: local counts, summed where they are read), grouped matmuls (`ragged_dot`: rows and
 group sizes whole, the experts' output features may stay split), and the routed-experts call
-(xtrain.ir.moe), run on each device's own tokens: no token moves, no collective (parameters
+(xtrain.ir.kernels.moe), run on each device's own tokens: no token moves, no collective (parameters
 split by ZeRO-3/FSDP are gathered as for any other use), unless its experts are split over the
 `expert` axis: then tokens go to their experts and back by all-to-all (experts.py)."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from xtrain.ir import markers, moe
+from xtrain.ir import markers
+from xtrain.ir.kernels import moe
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
@@ -121,7 +122,7 @@ def _capacity(ctx: Context, ids: C.Sharded, experts: int) -> int | None:
 
 
 def routed_experts(ctx: Context, eqn, args):
-    """A routed-experts call (xtrain.ir.moe) on each device's own tokens: tokens keep their
+    """A routed-experts call (xtrain.ir.kernels.moe) on each device's own tokens: tokens keep their
     split, every other dim is whole; the experts' weights are gathered if split, except over
     `expert` (expert parallel: experts.routed_experts) and a tensor axis splitting their FFN
     dim (each device computes its FFN features; the output a pending sum over that axis)."""

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from xtrain.ir import attention_dropout as dropout_mask
+from xtrain.ir.kernels import attention_dropout as dropout_mask
 from xtrain.ir import markers
 from xtrain.ir.attention import Implementation, Site
 
@@ -153,7 +153,7 @@ def _scores(b: Blocking, q_i, k_j, mask_j, q_start: int, k_start):
 
 def _dropped(b: Blocking, p, key, i: int, j):
     """p with torch's inverted dropout, its mask a hash of the global coordinates (the backward
-    draws it again; xtrain.ir.attention_dropout). `key`: the dropout key, or a Drop that places
+    draws it again; xtrain.ir.kernels.attention_dropout). `key`: the dropout key, or a Drop that places
     a chunk of the call (ring attention)."""
     if not b.dropout:
         return p

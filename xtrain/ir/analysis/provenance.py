@@ -2,7 +2,7 @@
 
 A torch weight reaches its matmul through views: a transpose (F.linear), a dtype cast, a call
 boundary (pjit, custom_jvp). `View` follows those, so the dimension-flow analysis
-(xtrain.ir.dimflow) can say "this dot_general contracts dimension 1 of `layers.0.fc.weight`".
+(xtrain.ir.analysis.dimflow) can say "this dot_general contracts dimension 1 of `layers.0.fc.weight`".
 """
 from __future__ import annotations
 

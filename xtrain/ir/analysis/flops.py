@@ -24,7 +24,7 @@ the model's own traced graph (`model_flops`), whatever the plan. For a transform
 layers x sequence x width per token, the causal mask not discounted), the usual "6N +
 attention" of PaLM's MFU; no optimizer, no recomputation, no work a plan replicates or a
 pipeline's bubble adds. One exception, as counted in the graph: attention through torch's SDPA
-over more than one block (xtrain.ir.blockwise) counts the blocks it computes, so a causal
+over more than one block (xtrain.ir.kernels.blockwise) counts the blocks it computes, so a causal
 mask's skipped blocks are not counted and the backward's recomputed q.k is. MFU = model FLOPs per step / (step seconds x devices x the dense peak
 FLOP/s of one device).
 """
@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.extend import core as jcore
 
-from xtrain.ir import neuron_attention
+from xtrain.ir.kernels import neuron_attention
 
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
                             "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "lgamma",

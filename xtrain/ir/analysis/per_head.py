@@ -1,16 +1,16 @@
 """Attention kernels that compute each (batch, head) pair on its own, for the dimension flow
-(xtrain.ir.dimflow): a tensor-parallel split of the heads (Megatron's) passes through them.
+(xtrain.ir.analysis.dimflow): a tensor-parallel split of the heads (Megatron's) passes through them.
 
 cuDNN's fused attention (jax.nn.dot_product_attention on CUDA) takes (batch, length, heads, dim)
 queries, keys and values ((batch, heads, length, dim) under its BNTH layout), keys and values
 with fewer heads under grouped-query attention, and keeps per-row statistics (batch, heads,
 length); its other operands (bias, mask, sequence lengths, offsets, page tables) are empty
 placeholders where xtrain calls it, and carry nothing. Neuron's NKI kernels
-(xtrain.ir.neuron_attention) take (batch, heads, ...) operands, heads equal.
+(xtrain.ir.kernels.neuron_attention) take (batch, heads, ...) operands, heads equal.
 """
 from __future__ import annotations
 
-from xtrain.ir import neuron_attention
+from xtrain.ir.kernels import neuron_attention
 
 CUDNN_FORWARD, CUDNN_BACKWARD = "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"
 _BTNH = 0  # jax's cuDNN AttentionLayout.BTNH (BNTH is 1)

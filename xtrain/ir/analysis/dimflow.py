@@ -24,7 +24,9 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
-from xtrain.ir import detour, markers, moe, per_head, provenance, reshapes, walk
+from xtrain.ir import markers, walk
+from xtrain.ir.analysis import detour, per_head, provenance, reshapes
+from xtrain.ir.kernels import moe
 from xtrain.ir.model import Model
 
 # Bodies the analysis enters: they run inline, their inputs are the caller's operands.
@@ -162,7 +164,7 @@ class _Analysis:
         return out if any(x is not None for x in out) else None
 
     def experts(self, spec, eqn, ins, vws, path) -> None:
-        """A routed-experts call (xtrain.ir.moe): its expert FFN dimension is a source in the up
+        """A routed-experts call (xtrain.ir.kernels.moe): its expert FFN dimension is a source in the up
         weight and a sink in the down weight (each device computes its FFN features per expert)."""
         self.brk([x for lab in ins if lab for x in lab], "op", "routed experts", f"{path}: a split token feature")
         (up, u), (down, d) = ((vws[i], dim) for i, dim in zip((3, 4), moe.ffn_dims(spec)))

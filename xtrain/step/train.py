@@ -5,12 +5,12 @@ first batch's shapes) or built (`xtrain.lowering.assembly.BuiltStep`, plus the p
 The assembly (one pure function, shared with the cost model and the plan search) decides the
 layout, the pipeline's stages and the program; the step only places the state and runs.
 Plans that are built at `xtrain.compile`: every plan that needs no batch shapes. Deferred to
-the first call: `plan="auto"` (the cost model picks from the batch's shapes: xtrain.autoplan), a
+the first call: `plan="auto"` (the cost model picks from the batch's shapes: xtrain.step.autoplan), a
 pending `plans.megatron(model, mesh)` (derived from the program traced on the batch) and a
 pipeline (its stages are balanced on the model traced at the batch's shapes).
 
 A caller that runs a user's script, such as the `xtrain report` and `xtrain plan` commands, takes
-the script's first step call over with `xtrain.hooks.intercept_first_step`.
+the script's first step call over with `xtrain.step.hooks.intercept_first_step`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain import autoplan, checkpoint, data, explain, guards, hooks, recompile, runtime
+from xtrain import checkpoint, data, runtime
 from xtrain.cost import hardware
 from xtrain.errors import MeshError, NotBuiltError
 from xtrain.frontend import tensors
@@ -40,6 +40,7 @@ from xtrain.lowering.train_step import StepProgram
 from xtrain.runtime import devices as runtime_devices
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import PendingPlan, Plan
+from xtrain.step import autoplan, explain, guards, hooks, recompile
 
 AUTO = "auto"
 RESIDUAL = "grad_residual/"  # checkpoint names of the TrainState's per-device leaves (int8 error feedback)
@@ -162,7 +163,7 @@ class TrainStep:
 
     def _choose_plan(self, batch: tuple) -> None:
         """plan="auto": the cost model's pick for the current devices, agreed by every process
-        (xtrain.autoplan); `self.search` keeps the search."""
+        (xtrain.step.autoplan); `self.search` keeps the search."""
         self.search = autoplan.search_plans(self.trainable, host_batch(batch), pipelines=self._searches_pipelines)
         best = autoplan.agreed_pick(self.search)
         tensor = autoplan.search.tensor_plan(self.trainable.model, host_batch(batch)) \
@@ -380,7 +381,7 @@ class TrainStep:
         job: SM_MODEL_DIR/model.safetensors, uploaded when the job ends. Returns the path."""
         return checkpoint.export(self.state_dict(), runtime.sagemaker.export_path() if path is None else path)
 
-    # -- explanation (xtrain.explain) --------------------------------------------------------
+    # -- explanation (xtrain.step.explain) ---------------------------------------------------
     def batch_shapes(self, batch: tuple) -> tuple:
         """`batch` (or, when empty, the last batch trained on) as placed on the mesh, as
         jax.ShapeDtypeStruct with shardings; builds a deferred step first."""
@@ -424,7 +425,7 @@ class TrainStep:
 
     def report(self, *batch: Any, compare: bool = False):
         """Collectives and per-device memory of the compiled training step, for `batch`'s
-        shapes or the last batch trained on (xtrain.explain.report). `compare`: also compile the
+        shapes or the last batch trained on (xtrain.step.explain.report). `compare`: also compile the
         step without its activation checkpointing / offload, for the notes' measured figures."""
         return explain.report(self, *batch, compare=compare)
 
