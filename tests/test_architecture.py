@@ -29,6 +29,7 @@ def _copy(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.multiprocess
 def test_the_import_contracts_hold():
     out = _lint(ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
@@ -44,6 +45,7 @@ VIOLATIONS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("path", sorted(VIOLATIONS))
 def test_a_deliberate_violation_breaks_the_contracts(tmp_path, path):
     root = _copy(tmp_path)
@@ -74,6 +76,7 @@ def _collective_calls(tree: ast.AST) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_the_lowering_communicates_only_through_the_collectives_layer():
     offenders = {}
     for path in sorted((ROOT / "xtrain" / "lowering").rglob("*.py")):
@@ -103,6 +106,7 @@ def _sources():
         yield from sorted((ROOT / package).rglob("*.py"))
 
 
+@pytest.mark.unit
 def test_long_modules_and_functions_say_why():
     long = []
     for path in _sources():

@@ -28,6 +28,8 @@ from neuron_support import conformance
 from xtrain import explain, plans
 from xtrain.lowering import zero
 
+pytestmark = pytest.mark.e2e
+
 BATCH = token_batches(n=1, batch=16, seq=16)[0]
 BF16 = xtrain.Plan(precision="bf16")
 DP, TP, PP = dict(data=8), dict(data=4, tensor=2), dict(data=4, pipe=2)

@@ -16,6 +16,8 @@ from xtrain.frontend import sdpa
 from xtrain.ir import attention as markers
 from xtrain.ir import per_head, walk
 
+pytestmark = pytest.mark.e2e
+
 HEADS = 4
 LOWERED: list = []  # the query shapes the stand-in forward kernel was lowered for
 

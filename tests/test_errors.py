@@ -10,6 +10,8 @@ from xtrain.ir import TraceError
 
 from models import MLP, mlp_batches
 
+pytestmark = pytest.mark.e2e
+
 
 @torch.library.custom_op("xtrain_test::mystery", mutates_args=())
 def mystery(x: torch.Tensor) -> torch.Tensor:

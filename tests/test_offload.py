@@ -28,6 +28,7 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
+@pytest.mark.e2e
 def test_adam_state_on_the_host_matches_torch_and_the_report_splits_its_bytes(tmp_path):
     torch.manual_seed(0)
     model, batches = GPT(), token_batches(n=4)
@@ -54,6 +55,7 @@ def test_adam_state_on_the_host_matches_torch_and_the_report_splits_its_bytes(tm
     assert [plain(*b)["loss"] for b in batches[2:]] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_search_proposes_offload_when_nothing_else_fits():
     model, wrapped, tx = wrapped_gpt()
     profile = hardware.profile("p4d.24xlarge")
@@ -75,6 +77,7 @@ def test_search_proposes_offload_when_nothing_else_fits():
     assert row.candidate.plan(describe(model)).offload.value == "optimizer"
 
 
+@pytest.mark.unit
 def test_offload_values_name_what_is_supported():
     with pytest.raises(ValueError, match=re.escape("Plan(offload='gradients') must be one of ['none', 'optimizer', "
                                                    "'activations']")):
@@ -82,6 +85,7 @@ def test_offload_values_name_what_is_supported():
     assert "offload=optimizer" in str(OFFLOAD)
 
 
+@pytest.mark.e2e
 def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_their_transfers():
     torch.manual_seed(0)
     layers, batch = 4, 64
@@ -109,6 +113,7 @@ def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_t
     assert compiled.source == "xla" and compiled.activations_host == compiled.host == reported
 
 
+@pytest.mark.unit
 def test_search_picks_activation_offload_when_the_plain_plan_does_not_fit():
     model, wrapped, tx = wrapped_gpt()
     profile = hardware.profile("p4d.24xlarge")
