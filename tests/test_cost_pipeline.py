@@ -73,7 +73,7 @@ def test_search_lists_pipeline_candidates_for_repeated_blocks_and_none_without()
     assert plain.rows and all(r.candidate.pipe == 1 for r in plain.rows)
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_pipeline_prediction_holds_the_bubble_in_its_compute():
     """The lockstep program runs m + p - 1 ticks each way: its FLOPs grow with the bubble.
     At a fixed batch, m=2 (3 ticks of 2 rows) does 6/5 of m=4's (5 ticks of 1 row) matmuls."""
