@@ -3,7 +3,8 @@ belongs to one tier (README, "Tests"):
 
   unit          compiles no full training step (small jax functions are fine): the fast loop,
                 `python -m pytest -m unit`
-  e2e           compiles and runs training steps in this process (parity against one device, reports)
+  e2e           compiles and runs training steps in this process (parity against one device, reports),
+                or whole sharded programs and plan searches too slow for the fast loop
   multiprocess  starts real worker processes (torchrun, the CLI, a second Python)
   slow          (beside e2e or multiprocess) the longest tests: `-m "not slow"` leaves them out
 
