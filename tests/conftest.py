@@ -1,4 +1,17 @@
-"""Every test run emulates an 8-device cluster on the CPU (set before JAX starts)."""
+"""Every test run emulates an 8-device cluster on the CPU (set before JAX starts), and every test
+belongs to one tier (README, "Tests"):
+
+  unit          compiles no full training step (small jax functions are fine): the fast loop,
+                `python -m pytest -m unit`
+  e2e           compiles and runs training steps in this process (parity against one device, reports),
+                or whole sharded programs and plan searches too slow for the fast loop
+  multiprocess  starts real worker processes (torchrun, the CLI, a second Python)
+  slow          (beside e2e or multiprocess) the longest tests: `-m "not slow"` leaves them out
+
+A test names its tier with a `pytestmark` line at the top of its module, or a mark of its own
+where a module mixes tiers. Collection fails on a test with no tier or two, and a `unit` test
+fails when it compiles a training step (counted through jax.monitoring, below).
+"""
 import os
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
@@ -13,6 +26,26 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 NUM_DEVICES = 8
+TIERS = ("unit", "e2e", "multiprocess")
+# the jitted functions of xtrain.lowering.train_step.build: the whole training and evaluation step
+STEP_FUNCTIONS = ("train_step", "eval_step")
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class StepCompiles:
+    """Counts XLA compilations of a training or evaluation step in this process."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **meta) -> None:
+        name = str(meta.get("fun_name", ""))
+        if event == BACKEND_COMPILE and any(f in name for f in STEP_FUNCTIONS):
+            self.count += 1
+
+
+step_compiles = StepCompiles()
+_COMPILES_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +58,36 @@ def pytest_configure(config):
     import jax
 
     assert jax.device_count() == NUM_DEVICES, f"tests need {NUM_DEVICES} emulated CPU devices, got {jax.device_count()}"
+    jax.monitoring.register_event_duration_secs_listener(step_compiles)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is in exactly one tier; `slow` only beside e2e or multiprocess."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1 or (tiers == ["unit"] and item.get_closest_marker("slow")):
+            wrong.append(f"{item.nodeid}: {tiers or 'no tier'}{' + slow' if item.get_closest_marker('slow') else ''}")
+    if wrong:
+        raise pytest.UsageError(f"each test needs exactly one of the markers {TIERS} (unit never with slow); add "
+                                f"`pytestmark = pytest.mark.<tier>` at the module's top or mark the test: "
+                                + "; ".join(wrong[:20]))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_COMPILES_BEFORE] = step_compiles.count  # before module fixtures built for this test, too
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    compiled = step_compiles.count - item.stash.get(_COMPILES_BEFORE, step_compiles.count)
+    if call.when == "call" and report.passed and compiled and item.get_closest_marker("unit"):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} is marked unit but compiled {compiled} training step(s) "
+                           f"({'/'.join(STEP_FUNCTIONS)}); mark it e2e (or build the piece it tests "
+                           f"without a whole step)")
+

@@ -5,8 +5,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import accelerator_step  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_tiny_llama_rows_share_one_flop_count_and_the_table_names_the_device(tmp_path):

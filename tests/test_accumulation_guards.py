@@ -18,6 +18,7 @@ def sgd(params):
 
 
 # -- accumulation --------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("lowering", ["explicit", "xla"])
 def test_accumulating_four_micro_batches_equals_the_large_batch(lowering):
     """Global batch 64 on data=8 as 4 micro-batches of 16 vs torch's one batch of 64."""
@@ -27,6 +28,7 @@ def test_accumulating_four_micro_batches_equals_the_large_batch(lowering):
     assert_parity(result)
 
 
+@pytest.mark.e2e
 def test_accumulation_on_gpt_with_tensor_parallel():
     torch.manual_seed(0)
     model, batches = GPT(layers=2), token_batches(n=4, batch=32)
@@ -34,6 +36,7 @@ def test_accumulation_on_gpt_with_tensor_parallel():
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=4, tensor=2), plan=plan, accumulate=2))
 
 
+@pytest.mark.unit
 def test_accumulation_needs_a_batch_that_splits_per_device():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), accumulate=3)
@@ -43,12 +46,14 @@ def test_accumulation_needs_a_batch_that_splits_per_device():
         step(*mlp_batches(n=1)[0])
 
 
+@pytest.mark.unit
 def test_accumulate_must_be_a_positive_integer():
     with pytest.raises(OptionsError, match=r"accumulate=0 must be an integer >= 1"):
         xtrain.compile(MLP(), xtrain.Mesh(data=8), optimizer=sgd(MLP().parameters()), accumulate=0)
 
 
 # -- recompilation guard ---------------------------------------------------------------------
+@pytest.mark.e2e
 def test_a_new_batch_shape_is_refused_naming_the_input():
     model = GPT(layers=1)
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
@@ -65,6 +70,7 @@ def test_a_new_batch_shape_is_refused_naming_the_input():
     assert step.step_count == 1, "the refused call must not train"
 
 
+@pytest.mark.e2e
 def test_a_dtype_change_is_named_and_allow_recompile_lets_it_through():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
@@ -100,6 +106,7 @@ class Fragile(nn.Module):
         return nn.functional.cross_entropy(self.head(self.root(self.fc1(x))), y)
 
 
+@pytest.mark.e2e
 def test_detect_nan_names_the_module_and_skips_the_update():
     torch.manual_seed(0)
     model = Fragile()
@@ -113,6 +120,7 @@ def test_detect_nan_names_the_module_and_skips_the_update():
     assert all(torch.equal(before[k], after[k]) for k in before), "a non-finite step changed the parameters"
 
 
+@pytest.mark.e2e
 def test_detect_nan_is_on_by_default_finite_steps_pass_and_it_can_be_turned_off():
     torch.manual_seed(0)
     model = MLP()
@@ -171,6 +179,7 @@ def torch_masked_reference(model, batches):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.e2e
 def test_sum_and_count_loss_accumulates_exactly_with_uneven_counts():
     torch.manual_seed(0)
     pair = MaskedMLP(pair=True)

@@ -47,6 +47,8 @@ def numbers(note: str, pattern: str) -> tuple[int, ...]:
     return tuple(map(int, found.groups()))
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_twelve_layers_offload_their_inputs_to_the_host_and_train_like_torch():
     torch.manual_seed(0)
     model, batches = GPT(layers=LAYERS, d=D, seq=SEQ), token_batches(n=4, batch=BATCH)
@@ -69,6 +71,7 @@ def test_twelve_layers_offload_their_inputs_to_the_host_and_train_like_torch():
     assert not HOST.findall(saving_step.lower(*batches[0], platform="cuda").as_text(dialect="hlo"))
 
 
+@pytest.mark.e2e
 def test_dots_offloaded_under_megatron_train_like_torch_and_move_more_to_the_host():
     torch.manual_seed(0)
     model, batches = GPT(layers=2, d=D, seq=SEQ), token_batches(n=4, batch=BATCH)
@@ -84,6 +87,7 @@ def test_dots_offloaded_under_megatron_train_like_torch_and_move_more_to_the_hos
     assert len(HOST.findall(dots.lower(*batches[0], platform="cuda").as_text(dialect="hlo"))) > 1
 
 
+@pytest.mark.unit
 def test_activation_offload_errors_name_the_setting_and_the_fix():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), plan=OFFLOAD)

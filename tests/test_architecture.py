@@ -29,6 +29,7 @@ def _copy(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.multiprocess
 def test_the_import_contracts_hold():
     out = _lint(ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
@@ -46,6 +47,7 @@ VIOLATIONS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("path", sorted(VIOLATIONS))
 def test_a_deliberate_violation_breaks_the_contracts(tmp_path, path):
     root = _copy(tmp_path)
@@ -76,6 +78,7 @@ def _collective_calls(tree: ast.AST) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_the_lowering_communicates_only_through_the_collectives_layer():
     offenders = {}
     for path in sorted((ROOT / "xtrain" / "lowering").rglob("*.py")):
@@ -112,6 +115,7 @@ def _sources():
         yield from sorted((ROOT / package).rglob("*.py"))
 
 
+@pytest.mark.unit
 def test_long_modules_and_functions_say_why():
     long, listed = [], set()
     for path in _sources():
@@ -152,12 +156,14 @@ def _context_assignments(tree) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_the_check_for_context_assignments_finds_them():
     source = "def rule(ctx):\n    path, ctx.path = ctx.path, 'x'\n    ctx.cursor.layer = None\n    ctx.memo[k] = v\n"
     assert _context_assignments(ast.parse(source)) == ["line 2: path, ctx.path = (ctx.path, 'x')",
                                                          "line 3: ctx.cursor.layer = None"]
 
 
+@pytest.mark.unit
 def test_no_lowering_code_assigns_the_interpreter_state():
     """Rules move the cursor with `with ctx.cursor.at(path):`, never save and restore a field."""
     offenders = {}

@@ -88,6 +88,7 @@ def xtrain_sdpa(q, k, v, kwargs):
     return out, list(grads[:3]) + ([grads[3]] if differentiable else [])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", KINDS)
 def test_blockwise_matches_torch_sdpa(kind):
     q, k, v, kwargs = case(kind)
@@ -100,6 +101,7 @@ def test_blockwise_matches_torch_sdpa(kind):
         np.testing.assert_allclose(np.asarray(g), w.numpy(), atol=5e-5, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.unit
 def test_fully_masked_rows_are_zero_not_nan():
     q, k, v, kwargs = case("padded")
     out, grads = xtrain_sdpa(q, k, v, kwargs)
@@ -107,6 +109,7 @@ def test_fully_masked_rows_are_zero_not_nan():
     assert np.all(np.asarray(grads[0])[1, :, 6:] == 0)
 
 
+@pytest.mark.unit
 def test_mismatched_heads_message_names_the_fix():
     q, k, v = jnp.zeros((1, 6, 4, 8)), jnp.zeros((1, 4, 4, 8)), jnp.zeros((1, 4, 4, 8))
     with pytest.raises(errors.UnsupportedOpError, match="6 query heads and 4 key/value heads; 4 does not divide 6"):
@@ -122,6 +125,7 @@ def _step_flops(causal: bool, length=256, block=32) -> float:
     return flops.count(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)).matmul
 
 
+@pytest.mark.unit
 def test_causal_skips_masked_blocks():
     """FLOPs counted on the forward + backward program: causal <= 0.6 x full at 8 blocks."""
     full, causal = _step_flops(False), _step_flops(True)
@@ -129,6 +133,7 @@ def test_causal_skips_masked_blocks():
     assert causal <= 0.6 * full, (causal, full)
 
 
+@pytest.mark.unit
 def test_one_block_keeps_its_weights_and_recomputes_nothing():
     """A sequence within one block: forward + backward matmuls are 3 x the forward's, as for
     full attention (model FLOPs stay 6N + attention)."""
@@ -137,6 +142,7 @@ def test_one_block_keeps_its_weights_and_recomputes_nothing():
     assert _step_flops(False, length=length, block=32) == 3 * forward
 
 
+@pytest.mark.e2e
 def test_backward_keeps_no_score_matrix():
     """The residuals of the derivative rule: inputs, output and log-sum-exp, nothing L x S."""
     length = 64
@@ -147,6 +153,7 @@ def test_backward_keeps_no_score_matrix():
     assert max(sizes) < length * length, sizes
 
 
+@pytest.mark.e2e
 def test_dropout_draws_the_same_mask_forward_and_backward():
     """With dropout, the gradient is that of the function the forward computed (checked by a
     finite difference along a random direction) and the output differs from no dropout."""
@@ -168,6 +175,7 @@ def test_dropout_draws_the_same_mask_forward_and_backward():
     assert not np.allclose(run(*x, None, key, b), run(*x, None, None, plain))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype,dropout,mask,want", [
     (jnp.bfloat16, 0.0, None, markers.Implementation.CUDNN),
     (jnp.float32, 0.0, None, markers.Implementation.BLOCKWISE),
@@ -189,6 +197,7 @@ def _band(length, size):
     return ((j <= i) & (j > i - size))[None, None]
 
 
+@pytest.mark.e2e
 def test_sliding_window_mask_built_from_positions_matches_torch_and_skips_blocks():
     q, k, v, _ = case("window")
     want, want_grads = torch_sdpa(q, k, v, dict(attn_mask=window(L, L, 3)))
@@ -218,6 +227,7 @@ def _window_flops(mask_of, length=256, block=32) -> float:
         return flops.count(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, q, q)).matmul
 
 
+@pytest.mark.unit
 def test_sliding_window_skips_blocks_outside_the_window():
     """FLOPs counted on the forward + backward program, window 32 at 256 tokens in blocks of 32:
     15 block pairs against causal's 36 and no mask's 64."""
@@ -228,6 +238,8 @@ def test_sliding_window_skips_blocks_outside_the_window():
     assert windowed <= 0.25 * full, (windowed, full)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_drops_the_weights_the_whole_call_drops(causal):
     """Attention dropout on a sequence split over `context` (ring attention, load-balanced when

@@ -91,6 +91,7 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+@pytest.mark.e2e
 def test_straight_through_estimator_gradients_equal_torchs():
     torch.manual_seed(0)
     model = Quantized()
@@ -102,11 +103,13 @@ def test_straight_through_estimator_gradients_equal_torchs():
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8)))
 
 
+@pytest.mark.e2e
 def test_a_custom_gradient_activation_matches_torch():
     torch.manual_seed(0)
     assert_parity(run_parity(Clipped(), sgd, mlp_batches(n=4), xtrain.Mesh(data=8)))
 
 
+@pytest.mark.e2e
 def test_needs_input_grad_says_which_inputs_are_differentiated():
     seen = []
 
@@ -160,6 +163,7 @@ class Deep(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
+@pytest.mark.e2e
 def test_a_function_in_repeated_blocks_under_the_layer_scan_and_fsdp_matches_torch():
     torch.manual_seed(0)
     model = Deep()
@@ -173,6 +177,7 @@ def test_a_function_in_repeated_blocks_under_the_layer_scan_and_fsdp_matches_tor
     assert not any("no partition rule" in note for note in step.report(*batches[0]).notes)
 
 
+@pytest.mark.e2e
 def test_a_function_under_megatron_tensor_parallelism_matches_torch():
     torch.manual_seed(0)
     model = Deep(layers=2)
@@ -252,6 +257,7 @@ def closes_over(module, x):
     return ReadsWeight.apply(x)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body,message", [
     (closes_over, r"ReadsWeight \(called in module 'inner\.0'\): forward reads tensors it was not passed \(closed "
                   r"over: a module's parameter.*pass every tensor it uses to ReadsWeight\.apply\(\.\.\.\)"),

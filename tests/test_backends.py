@@ -15,6 +15,7 @@ def detect(env=None, modules=(), files=()):
     return backends.detect_backend(env or {}, has_module=lambda m: m in modules, exists=lambda p: p in files)
 
 
+@pytest.mark.unit
 def test_detection_order_and_overrides():
     assert detect() == "cpu"
     assert detect(modules={"jax_plugins.xla_cuda12"}, files={"/dev/nvidia0"}) == "cuda"
@@ -27,6 +28,7 @@ def test_detection_order_and_overrides():
         detect({"XTRAIN_BACKEND": "tpu"})
 
 
+@pytest.mark.unit
 def test_instance_type():
     none = lambda path: None  # noqa: E731
     assert backends.instance_type({"XTRAIN_INSTANCE_TYPE": "trn1.2xlarge"}, read=none) == "trn1.2xlarge"
@@ -35,6 +37,7 @@ def test_instance_type():
     assert backends.instance_type({}, read=lambda path: "Standard PC (i440FX)") is None
 
 
+@pytest.mark.unit
 def test_local_device_counts_and_default_processes():
     assert backends.local_device_count("cuda", {"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
     nvidia = lambda pattern: ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]  # noqa: E731
@@ -49,6 +52,7 @@ def test_local_device_counts_and_default_processes():
         backends.default_nproc_per_node("neuron", layout="process-per-core", local_devices=None)
 
 
+@pytest.mark.unit
 def test_neuron_variables_follow_the_launch():
     per_core = process_env({"RANK": "3", "WORLD_SIZE": "32", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "32",
                             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
@@ -60,6 +64,7 @@ def test_neuron_variables_follow_the_launch():
         backends.backend_env("neuron", ProcessEnv(), instance=None)
 
 
+@pytest.mark.unit
 def test_gpu_pinning_per_process():
     env = lambda lr, lws, dpp=None: ProcessEnv(process_id=lr, num_processes=lws, local_rank=lr,  # noqa: E731
                                                local_world_size=lws, coordinator="h:1", devices_per_process=dpp)
@@ -71,6 +76,7 @@ def test_gpu_pinning_per_process():
 
 # -- XLA flags per backend, checked against the installed XLA ------------------------------------
 
+@pytest.mark.multiprocess
 def test_probe_rejects_unknown_flags_and_values_and_accepts_gpu_flags_on_cpu():
     # XLA parses GPU flags on a CPU start too, so this machine can vet them for a GPU one.
     assert backends.probe_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=true"])
@@ -78,6 +84,7 @@ def test_probe_rejects_unknown_flags_and_values_and_accepts_gpu_flags_on_cpu():
     assert not backends.probe_xla_flags(["--xla_gpu_enable_latency_hiding_scheduler=maybe"])
 
 
+@pytest.mark.unit
 def test_cuda_flags_are_latency_hiding_and_combining_up_to_one_gradient_bucket():
     from xtrain.lowering.gradient_sync import GradSync
 
@@ -95,6 +102,7 @@ def test_cuda_flags_are_latency_hiding_and_combining_up_to_one_gradient_bucket()
     assert len(merged) == 6
 
 
+@pytest.mark.unit
 def test_supported_flags_probe_once_per_jaxlib_version(tmp_path):
     calls = []
 
@@ -113,6 +121,7 @@ def test_supported_flags_probe_once_per_jaxlib_version(tmp_path):
     assert calls == [["--xla_a=1"]]                                                 # new jaxlib, new probe
 
 
+@pytest.mark.multiprocess
 def test_init_on_cuda_adds_the_flags_xla_accepts_and_keeps_the_users(tmp_path):
     # In a child: this process's JAX has started, and init sets flags only before it starts.
     code = ("import os; from xtrain.runtime import devices; from xtrain.runtime.launch import ProcessEnv; "
@@ -131,6 +140,7 @@ def test_init_on_cuda_adds_the_flags_xla_accepts_and_keeps_the_users(tmp_path):
 TWO_NODES = ProcessEnv(num_processes=2, num_nodes=2, master_addr="10.0.0.1", coordinator="10.0.0.1:29517")
 
 
+@pytest.mark.unit
 def test_cuda_sets_libfabric_over_efa_between_instances_only():
     efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
     assert backends.backend_env("cuda", TWO_NODES, instance="p4d.24xlarge", efa=True) == efa
@@ -142,6 +152,7 @@ def test_cuda_sets_libfabric_over_efa_between_instances_only():
     assert found(sysfs) and not found({k: v for k, v in sysfs.items() if "mlx" in k}) and not found({})
 
 
+@pytest.mark.unit
 def test_neuron_compiler_flags_and_rounding_follow_the_plans_precision():
     env = lambda precision: backends.backend_env("neuron", TWO_NODES, instance="trn1.32xlarge",  # noqa: E731
                                                  precision=precision)
@@ -155,6 +166,7 @@ def test_neuron_compiler_flags_and_rounding_follow_the_plans_precision():
         env("int8")
 
 
+@pytest.mark.unit
 def test_a_plan_of_another_precision_than_init_is_an_error_naming_the_fix():
     applied = backends.backend_env("neuron", TWO_NODES, instance="trn1.32xlarge")
     backends.check_precision("fp32", "fp32", applied)
@@ -164,6 +176,7 @@ def test_a_plan_of_another_precision_than_init_is_an_error_naming_the_fix():
         backends.check_precision("bf16", "fp32", applied)
 
 
+@pytest.mark.unit
 def test_init_refuses_an_unknown_precision():
     from xtrain.runtime import devices
 

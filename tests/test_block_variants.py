@@ -56,6 +56,7 @@ def gemma_case():
     return model, batches, torch_reference(model, sgd, batches, lm_loss)
 
 
+@pytest.mark.e2e
 def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch(blocks_of_8):
     """Longer than one attention block, the window layers' and the full layer's attention calls
     share one block structure (the union of their key-block ranges, each with its own mask)."""
@@ -76,6 +77,7 @@ def test_gemma3_mixed_attention_is_one_layer_scan_and_trains_like_torch(blocks_o
                          "blocks skipped by the causal mask); HF eager attention recognised"], attention
 
 
+@pytest.mark.e2e
 def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_of_8):
     model, batches, reference = gemma_case()
     plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
@@ -86,6 +88,7 @@ def test_gemma3_mixed_attention_trains_on_two_pipeline_stages_like_torch(blocks_
     assert "  model.layers: one family; 3 shared input(s) chosen per layer" in " ".join(step.report().notes)
 
 
+@pytest.mark.e2e
 def test_gemma3_mixed_attention_under_context_parallel_rings_each_layer_with_its_own_mask(blocks_of_8):
     """Under the shared structure every layer's call is causal with a mask; the ring over `context`
     then runs with the mask alone (the causal ring would drop the window layers' masks)."""
@@ -120,6 +123,7 @@ def families(wrapped, closed):
                                                                 closed.jaxpr.invars[:len(wrapped.param_names)])]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("seq,traces", [(8, 2), (32, 3)])
 def test_the_model_is_traced_again_only_when_attention_calls_of_one_shape_differ(blocks_of_8, seq, traces):
     """One block (8 tokens): the calls agree, the first trace is the probe's. Four blocks: the probe
@@ -132,6 +136,7 @@ def test_the_model_is_traced_again_only_when_attention_calls_of_one_shape_differ
     assert [families(wrapped, c) for c in closed] == [[("model.layers", 6)]] * 2
 
 
+@pytest.mark.e2e
 def test_sdpa_causal_call_without_a_mask_gets_a_constant_one_and_keeps_torchs_loss(blocks_of_8):
     """HF's sdpa passes the full layer no mask (is_causal); under the shared structure it reads a
     constant causal mask of the window layers' shape, and the loss stays torch's."""
@@ -177,6 +182,7 @@ def sgd_small(params):
     return torch.optim.SGD(params, lr=0.2)
 
 
+@pytest.mark.e2e
 def test_blocks_differing_in_constants_are_one_scan_and_train_like_torch():
     torch.manual_seed(0)
     model = Stack([Block(s, w) for s, w in [(0.5, 16), (1.5, 8), (0.5, 8), (2.0, 16)]])
@@ -193,6 +199,7 @@ def different():
     return Stack([Block(), Block(act=torch.sigmoid), Block()])
 
 
+@pytest.mark.e2e
 def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_difference():
     model, batches = different(), mlp_batches(4)
     result, step = train(model, sgd_small, batches, dict(data=8), None, torch_reference(model, sgd_small, batches))
@@ -207,6 +214,7 @@ def test_structurally_different_blocks_run_unrolled_with_a_note_naming_the_diffe
         "blocks.1)" in note, note
 
 
+@pytest.mark.unit
 def test_pipeline_error_names_the_first_difference():
     model = different()
     step = xtrain.compile(model, xtrain.Mesh(pipe=2, data=4), optimizer=sgd_small(model.parameters()),
@@ -216,6 +224,7 @@ def test_pipeline_error_names_the_first_difference():
         step(*mlp_batches(1, batch=16)[0])
 
 
+@pytest.mark.unit
 def test_layer_remat_error_names_the_first_difference():
     model = different()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd_small(model.parameters()),
@@ -225,6 +234,7 @@ def test_layer_remat_error_names_the_first_difference():
         step(*mlp_batches(1)[0])
 
 
+@pytest.mark.e2e
 def test_gemma3_with_dropout_is_one_scan_with_the_dropout_streams_of_xlas_partitioner():
     """Dropout keys run through the layers as a carry; the last layer's next key and the sliding
     layers' KV cache are unread: left out when the layers are matched, the layers stay one family,

@@ -69,6 +69,7 @@ def run_worker(*args: str) -> subprocess.CompletedProcess:
 
 
 # -- resume ----------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_resume_in_a_new_process_is_bit_identical(saved, tmp_path):
     path, _, losses, state = saved
     out = tmp_path / "resumed.json"
@@ -83,6 +84,7 @@ def test_resume_in_a_new_process_is_bit_identical(saved, tmp_path):
     assert not different, f"parameters differ after resuming: {different}"
 
 
+@pytest.mark.e2e
 def test_checkpoint_holds_every_train_state_field_under_logical_names(saved):
     manifest = read_manifest(saved[0])
     names = set(manifest["tensors"])
@@ -109,6 +111,7 @@ def megatron(model, mesh):
     return plans.megatron(model, mesh, example=token_batches(n=1)[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mesh,plan", [({"data": 4, "tensor": 2}, megatron), ({"data": 8}, fsdp)],
                          ids=["tp2xdp4", "zero3"])
 def test_restore_under_another_mesh_and_plan_continues_under_parity(saved, mesh, plan):
@@ -123,6 +126,7 @@ def test_restore_under_another_mesh_and_plan_continues_under_parity(saved, mesh,
 
 
 # -- atomic saves ----------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     proc = run_worker("killed", tmp_path, tmp_path / "unused.json")
     output = proc.stdout + proc.stderr
@@ -158,6 +162,7 @@ def stop_mid_save(proc: subprocess.Popen, root: Path) -> Path:
     raise AssertionError(f"never caught the saving process mid-save: {proc.communicate()}")
 
 
+@pytest.mark.multiprocess
 def test_a_save_killed_by_the_test_is_rejected_and_the_last_complete_one_loads(saved, tmp_path):
     cmd = [sys.executable, str(TESTS / "_ckpt_worker.py"), "save-loop", str(tmp_path), str(tmp_path / "unused.json")]
     proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -179,6 +184,7 @@ def test_a_save_killed_by_the_test_is_rejected_and_the_last_complete_one_loads(s
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.e2e
 def test_async_save_and_keep_last_n(tmp_path):
     mlp = MLP()
     step = xtrain.compile(mlp, xtrain.Mesh(data=8), optimizer=adamw(mlp.parameters()))
@@ -198,6 +204,7 @@ def test_async_save_and_keep_last_n(tmp_path):
 
 
 # -- export ----------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_export_loads_into_the_torch_module_with_the_same_loss(saved, tmp_path, suffix):
     step = saved[1]
@@ -212,6 +219,7 @@ def test_export_loads_into_the_torch_module_with_the_same_loss(saved, tmp_path, 
 
 
 # -- errors ----------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_loading_into_a_different_model_names_the_tensors(saved):
     model = GPT(d=64)
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()))
@@ -224,12 +232,14 @@ def test_loading_into_a_different_model_names_the_tensors(saved):
         other.load(saved[0])
 
 
+@pytest.mark.e2e
 def test_extra_must_be_json(saved, tmp_path):
     with pytest.raises(OptionsError, match="checkpoint extra must be JSON-serialisable"):
         saved[1].save(tmp_path / "x", extra={"loader": object()})
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
 
+@pytest.mark.e2e
 def test_a_tensor_the_pieces_do_not_cover_is_named(saved, tmp_path):
     import shutil
 
@@ -243,6 +253,7 @@ def test_a_tensor_the_pieces_do_not_cover_is_named(saved, tmp_path):
         saved[1].load(copy_)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field,value,message", [
     ("keep", -1, "CheckpointOptions.keep=-1 must be >= 0"),
     ("save_every", -5, "CheckpointOptions.save_every=-5 must be >= 0"),

@@ -16,6 +16,8 @@ from xtrain.checkpoint import CheckpointError, CheckpointManager, CheckpointWarn
 
 from models import MLP, mlp_batches
 
+pytestmark = pytest.mark.e2e
+
 WAIT_S = 120  # a safety net for a broken build (events below are set deterministically)
 
 

@@ -33,6 +33,7 @@ def command(opts, backend="cpu", local_devices=None, outer=SINGLE, port=40000):
     return flags, cmd[13:]
 
 
+@pytest.mark.multiprocess
 def test_env_prints_backend_devices_and_process():
     proc = cli("env")
     assert proc.returncode == 0, proc.stderr
@@ -40,6 +41,7 @@ def test_env_prints_backend_devices_and_process():
     assert "process: single" in proc.stdout and "Mesh(data=8)" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_env_emulated_trn1_cluster():
     proc = cli("env", "--emulate", "trn1.32xlarge:2", env={"JAX_NUM_CPU_DEVICES": None})
     assert proc.returncode == 0, proc.stderr
@@ -47,11 +49,13 @@ def test_env_emulated_trn1_cluster():
     assert "NEURON_PJRT_PROCESSES_NUM_DEVICES=32,32" in proc.stdout and "FI_PROVIDER=efa" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_env_bad_emulate_names_the_choices():
     proc = cli("env", "--emulate", "trn9.large", "--no-start")
     assert proc.returncode == 2 and "unknown instance type 'trn9.large'; known: trn1.2xlarge" in proc.stderr
 
 
+@pytest.mark.unit
 def test_run_defaults_per_backend():
     opts = RunOptions(script="train.py", args=("--steps", "5"))
     flags, rest = command(opts, backend="cuda", local_devices=8)  # p4d: one process per GPU
@@ -66,6 +70,7 @@ def test_run_defaults_per_backend():
         "--nproc_per_node"] == "3"
 
 
+@pytest.mark.unit
 def test_run_multi_node_flags_and_environments():
     opts = RunOptions(script="t.py", nnodes=4, node_rank=2, master_addr="10.0.0.1")
     flags, _ = command(opts, backend="cuda", local_devices=8)
@@ -82,6 +87,7 @@ def test_run_multi_node_flags_and_environments():
     assert (flags["--nnodes"], flags["--node_rank"], flags["--master_addr"]) == ("3", "2", "gpu1")
 
 
+@pytest.mark.unit
 def test_run_emulation_is_one_local_process_per_node():
     opts = RunOptions(script="t.py", emulate="trn1.32xlarge:2")
     flags, _ = command(opts)
@@ -89,6 +95,7 @@ def test_run_emulation_is_one_local_process_per_node():
     assert launch_env(opts) == {"XTRAIN_EMULATE": "trn1.32xlarge:2"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("opts, error, message", [
     (RunOptions(script="t.py", nnodes=2), LaunchError, "--nnodes 2 needs --master-addr"),
     (RunOptions(script="t.py", nnodes=2, node_rank=2, master_addr="h"), LaunchError,
@@ -108,12 +115,14 @@ def ranks(stdout: str) -> list[dict]:
     return sorted(found, key=lambda r: r["rank"])
 
 
+@pytest.mark.multiprocess
 def test_run_launches_torchrun():
     proc = cli("run", "--nproc-per-node", "2", str(TESTS / "_cli_worker.py"), "a", "--b")
     assert proc.returncode == 0, proc.stderr
     assert ranks(proc.stdout) == [{"rank": r, "world": 2, "args": ["a", "--b"]} for r in (0, 1)]
 
 
+@pytest.mark.multiprocess
 def test_run_emulated_trn1_cluster_across_processes():
     # Two trn1.2xlarge (2 NeuronCores each) as two local processes with 2 CPU devices each.
     proc = cli("run", "--emulate", "trn1.2xlarge:2", str(TESTS / "_cli_worker.py"), "--jax",
@@ -123,6 +132,7 @@ def test_run_emulated_trn1_cluster_across_processes():
     assert ranks(proc.stdout) == [{"rank": r, **expected} for r in (0, 1)]
 
 
+@pytest.mark.multiprocess
 def test_env_shows_the_xla_flags_for_cuda_without_a_gpu():
     proc = cli("env", "--no-start", env={"XTRAIN_BACKEND": "cuda",
                                          "XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=1"})
@@ -133,6 +143,7 @@ def test_env_shows_the_xla_flags_for_cuda_without_a_gpu():
             "--xla_gpu_all_reduce_combine_threshold_bytes=1)") in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_env_shows_what_a_bf16_plan_sets_on_emulated_p4d_and_trn1_clusters():
     p4d = cli("env", "--no-start", "--emulate", "p4d.24xlarge:2", "--precision", "bf16")
     assert p4d.returncode == 0, p4d.stderr

@@ -4,10 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--steps", "3", "--batch", "8", "--seq", "16", "--layers", "1", "--d-model", "32", "--heads", "2"]
 
 
+@pytest.mark.multiprocess
 def test_report_prints_the_step_report_without_training():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                XTRAIN_CACHE_DIR="off")
@@ -21,6 +24,7 @@ def test_report_prints_the_step_report_without_training():
     assert "done:" not in out.stdout  # no training ran
 
 
+@pytest.mark.multiprocess
 def test_report_of_a_script_that_never_steps_is_an_error(tmp_path):
     script = tmp_path / "no_step.py"
     script.write_text("print('no training step here')\n")
@@ -32,6 +36,7 @@ def test_report_of_a_script_that_never_steps_is_an_error(tmp_path):
     assert "no_step.py finished without calling a compiled training step, so there is no report" in out.stderr
 
 
+@pytest.mark.unit
 def test_plan_validates_every_target_before_running_the_script(tmp_path, capsys):
     from xtrain import cli
 

@@ -79,6 +79,7 @@ CLIP_PLANS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("plan_name", list(CLIP_PLANS))
 def test_clipping_matches_torch_clip_grad_norm(plan_name):
     model, batches, reference = gpt_clip_case()
@@ -90,6 +91,7 @@ def test_clipping_matches_torch_clip_grad_norm(plan_name):
     np.testing.assert_allclose(norms, reference[1], rtol=1e-5, err_msg="pre-clip norm differs from torch's")
 
 
+@pytest.mark.e2e
 def test_clipping_with_zero1_optimizer_slices_and_the_xla_lowering():
     """ZeRO-1 computes the norm over optimizer slices of whole gradients (summed over data);
     XLA's partitioner computes it in the global view. Both equal torch's."""
@@ -103,6 +105,7 @@ def test_clipping_with_zero1_optimizer_slices_and_the_xla_lowering():
         np.testing.assert_allclose([o["grad_norm"] for o in outs], reference[1], rtol=1e-5)
 
 
+@pytest.mark.unit
 def test_clip_grad_norm_must_be_positive():
     with pytest.raises(OptionsError, match=r"clip_grad_norm=-1.0 must be a positive number or None"):
         xtrain.compile(MLP(), xtrain.Mesh(data=8), optimizer=sgd(MLP().parameters()), clip_grad_norm=-1.0)
@@ -123,6 +126,7 @@ def cosine_with_warmup(optimizer, warm=2, total=6):
     return torch.optim.lr_scheduler.SequentialLR(optimizer, [lin, cos], milestones=[warm])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("make_scheduler", [warmup, cosine_with_warmup], ids=["lambda_warmup", "cosine_warmup"])
 def test_scheduler_matches_torch_without_recompiling(make_scheduler):
     torch.manual_seed(0)
@@ -134,6 +138,7 @@ def test_scheduler_matches_torch_without_recompiling(make_scheduler):
     assert step.compilations == 1, "a new lr recompiled the step"
 
 
+@pytest.mark.e2e
 def test_scheduler_per_param_group_with_xla_lowering():
     """Two param groups with their own lrs, each scheduled; XLA's partitioner lowering."""
     torch.manual_seed(0)

@@ -11,6 +11,8 @@ from xtrain.testing import assert_parity, run_parity
 
 from models import CNN, GPT, MLP, cnn_batches, mlp_batches, token_batches
 
+pytestmark = pytest.mark.e2e
+
 GRAD_SYNC = "xtrain.grad_sync"
 
 

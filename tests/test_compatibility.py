@@ -37,6 +37,7 @@ def _step(layout: str):
                           plan=make_plan(model, mesh), **options)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("saved,layout", [("dp8_scan", "dp8_scan"), ("zero2_unrolled", "tp2_fsdp4_scan"),
                                           ("tp2_fsdp4_scan", "zero2_unrolled")])
 def test_a_checkpoint_of_the_earlier_format_loads_and_resumes(saved, layout):
@@ -79,6 +80,7 @@ PUBLIC = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("module", sorted(PUBLIC))
 def test_every_public_name_imports(module):
     loaded = importlib.import_module(module)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from xtrain.runtime import cache
 
 TESTS = Path(__file__).resolve().parent
@@ -25,6 +27,7 @@ def entries(cache_dir: Path) -> set[str]:
     return {p.name for p in (cache_dir / "jax").iterdir()}
 
 
+@pytest.mark.multiprocess
 def test_second_run_compiles_nothing(tmp_path):
     first = run_script(tmp_path)
     written = entries(tmp_path)
@@ -36,6 +39,7 @@ def test_second_run_compiles_nothing(tmp_path):
     assert second["losses"] == first["losses"]
 
 
+@pytest.mark.unit
 def test_cache_location(tmp_path):
     assert cache.cache_root({"XTRAIN_CACHE_DIR": str(tmp_path)}) == tmp_path
     assert cache.jax_cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/xtrain/jax")

@@ -50,6 +50,7 @@ def mesh(shape, names, order=None):
 
 # -- unsupported ops and dtypes ------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_conditional():
     (found,) = findings(lambda x: lax.cond(x.sum() > 0, lambda x: x * 2, lambda x: x - 1, x), X)
     assert found.rule == "conditional" and found.severity is Severity.ERROR
@@ -58,6 +59,7 @@ def test_conditional():
     assert "jnp.where" in found.message
 
 
+@pytest.mark.e2e
 def test_dynamic_while_but_not_fori_loop():
     (found,) = findings(lambda x: lax.while_loop(lambda c: c.sum() < 100, lambda c: c * 2, x), X)
     assert found.rule == "dynamic-while" and "lax.fori_loop or lax.scan" in found.message
@@ -65,23 +67,27 @@ def test_dynamic_while_but_not_fori_loop():
     assert findings(lambda x: lax.scan(lambda c, _: (c * 2, None), x, length=5)[0], X) == []
 
 
+@pytest.mark.e2e
 def test_host_callback():
     double = lambda a: np.asarray(a) * 2  # noqa: E731
     (found,) = findings(lambda x: jax.pure_callback(double, jax.ShapeDtypeStruct(x.shape, x.dtype), x), X)
     assert found.rule == "host-callback" and "xla_ffi_python_cpu_callback" in found.message
 
 
+@pytest.mark.e2e
 def test_integer_dot():
     (found,) = findings(lambda a: a @ a, jnp.ones((4, 4), jnp.int32))
     assert found.rule == "integer-dot" and "s32" in found.message
     assert findings(lambda a: a @ a, jnp.ones((4, 4), jnp.float32)) == []
 
 
+@pytest.mark.e2e
 def test_variadic_reduce():
     (found,) = findings(jnp.argmax, X)
     assert found.rule == "variadic-reduce" and "(f32[], s32[])" in found.message
 
 
+@pytest.mark.e2e
 def test_sort_comparator():
     # jnp.sort of floats: JAX's comparator orders NaN and -0.0 with EQ/NE compares.
     (found,) = findings(jnp.sort, X)
@@ -92,10 +98,12 @@ def test_sort_comparator():
     assert findings(jnp.sort, jnp.arange(4, dtype=jnp.int32)) == []  # one integer key: plain LT
 
 
+@pytest.mark.e2e
 def test_reduce_precision():
     assert rules(findings(lambda a: lax.reduce_precision(a * 3, 5, 10) + 1, X)) == ["reduce-precision"]
 
 
+@pytest.mark.e2e
 def test_fp64():
     with jax.enable_x64(True):
         found = findings(lambda a: a * 2.0, jnp.ones((4,), jnp.float64))
@@ -103,11 +111,13 @@ def test_fp64():
     assert "jit(<lambda>)/mul" in found[0].source
 
 
+@pytest.mark.e2e
 def test_complex():
     found = findings(lambda a: jnp.fft.fft(a).real, X)
     assert rules(found) == ["complex"] and all("c64" in f.message for f in found)
 
 
+@pytest.mark.e2e
 def test_int64_is_a_warning():
     with jax.enable_x64(True):
         text = compiled(lambda a: a + 1, jnp.ones((4,), jnp.int64)).as_text()
@@ -118,6 +128,7 @@ def test_int64_is_a_warning():
 
 # -- collectives -------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_replica_group_of_three():
     m = mesh((2, 3), ("a", "b"))
     (found,) = findings(on_mesh(lambda v: lax.psum(v, "b"), m, P(("a", "b"))), jnp.ones(6))
@@ -126,6 +137,7 @@ def test_replica_group_of_three():
     assert "shard_map/psum" in found.source
 
 
+@pytest.mark.e2e
 def test_replica_group_misaligned():
     # A mesh over devices 1..7,0: the pairs of axis "b" are physical {1,2}, {3,4}, ...
     m = mesh((4, 2), ("a", "b"), order=[1, 2, 3, 4, 5, 6, 7, 0])
@@ -133,12 +145,14 @@ def test_replica_group_misaligned():
     assert found.rule == "replica-groups" and "group [1, 2]" in found.message
 
 
+@pytest.mark.e2e
 def test_strided_data_groups_under_tensor_parallel_conform():
     m = mesh((2, 4), ("data", "tensor"))  # data groups {0,4}, {1,5}, ...: the other half of tensor=4
     assert findings(on_mesh(lambda v: lax.psum(v, "data"), m, P(("data", "tensor"))), jnp.ones(8)) == []
     assert findings(on_mesh(lambda v: lax.psum(v, "tensor"), m, P(("data", "tensor"))), jnp.ones(8)) == []
 
 
+@pytest.mark.e2e
 def test_groups_across_nodes_must_take_the_same_cores():
     target = TWO_NODES.target()
     good = mesh((2, 4), ("node", "core"))
@@ -150,6 +164,7 @@ def test_groups_across_nodes_must_take_the_same_cores():
     assert found.rule == "replica-groups" and "different cores on each" in found.message
 
 
+@pytest.mark.e2e
 def test_permute_must_follow_a_ring_of_adjacent_ranks():
     m = mesh((8,), ("i",))
     shift = lambda k: on_mesh(lambda v: lax.ppermute(v, "i", [(i, (i + k) % 8) for i in range(8)]), m, P("i"))  # noqa: E731
@@ -177,6 +192,7 @@ COUNT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_distinct_replica_group_cap_per_runtime():
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="16", JAX_PLATFORMS="cpu")
     text = subprocess.run([sys.executable, "-c", COUNT_SCRIPT], env=env, capture_output=True, text=True,
@@ -202,6 +218,7 @@ def gpt_step(request):
     return step, token_batches(n=1)[0]
 
 
+@pytest.mark.e2e
 def test_xtrain_data_parallel_gpt_step_conforms(gpt_step):
     step, batch = gpt_step
     # One trn1.32xlarge (all 8 devices in one node) and two scaled nodes (data across nodes).
@@ -213,6 +230,7 @@ def test_xtrain_data_parallel_gpt_step_conforms(gpt_step):
     assert emulate.check_step(step, *batch, cluster=emulate.virtual_cluster("p4d.24xlarge")) == []
 
 
+@pytest.mark.e2e
 def test_conformance_error_lists_findings():
     text = compiled(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), X).as_text()
     with pytest.raises(conformance.ConformanceError, match=r"does not fit trn1.32xlarge \(1 findings\)"):
@@ -232,6 +250,7 @@ def tensor_parallel_step(request):
     return step, token_batches(n=1)[0]
 
 
+@pytest.mark.e2e
 def test_xtrain_tensor_parallel_gpt_step_conforms(tensor_parallel_step):
     """Megatron TP2 x DP4: tensor pairs are adjacent cores (groups of 2 at even offsets), data
     groups strided by 2 inside an aligned block of 8: both allowed within a trn1 node."""

@@ -51,6 +51,7 @@ def _ring_permutes(step, *batch) -> int:
     return sum(1 for c in step.report(*batch).collectives if c.kind == "collective-permute" and c.axes == ("context",))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,padded,seq", [("llama", False, SEQ), ("gpt2", False, SEQ), ("gpt2", True, 256)])
 def test_context_parallel_trains_like_torch(name, padded, seq):
     result, step = train(name, padded, xtrain.Mesh(data=2, context=4), seq)
@@ -67,6 +68,7 @@ def test_context_parallel_trains_like_torch(name, padded, seq):
         assert not gathers, gathers
 
 
+@pytest.mark.e2e
 def test_context_composes_with_tensor_parallel():
     """Heads split over `tensor`, the sequence over `context` (FSDP over data x context, and a
     padded Llama, pass too: kept out of the suite for its time)."""
@@ -75,6 +77,7 @@ def test_context_composes_with_tensor_parallel():
     assert _ring_permutes(step) > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,padded,schedule", [("llama", False, "gpipe"), ("gpt2", True, "1f1b")])
 def test_context_inside_pipeline_stages(name, padded, schedule):
     """Each stage's attention rings over `context` (2 layers, one per stage; 128 tokens: 2 x
@@ -102,6 +105,7 @@ def _ring_cost(step, batch) -> tuple[int, float]:
     return _ring_permutes(step, *batch), step.compiled(*batch).cost_analysis()["flops"]
 
 
+@pytest.mark.e2e
 def test_the_ring_skips_the_steps_a_sliding_window_hides(blocks_of_16, monkeypatch):
     """HF Mistral, sliding window 16 over 128 tokens (blocks of 16) on context=4: a quarter's
     queries see only its own and the previous quarter's keys, so 2 of the 4 ring steps, their
@@ -136,12 +140,14 @@ def _temporaries(mesh, batch) -> int:
     return step.compiled(torch.zeros(batch, SEQ, dtype=torch.long)).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.e2e
 def test_temporaries_shrink_with_the_context_axis():
     """4 sequences per data replica: each device holds all 4 (data=8), or a quarter of each (context=4)."""
     whole, split = _temporaries(dict(data=8), 32), _temporaries(dict(data=2, context=4), 8)
     assert split <= 0.35 * whole, (split, whole)
 
 
+@pytest.mark.e2e
 def test_what_context_parallelism_refuses():
     model, data, loss, _ = reference("llama", False, 256)
     compile = lambda mesh, plan=None: xtrain.compile(model, mesh, optimizer=adamw(model.parameters()), loss_fn=loss,
@@ -174,6 +180,7 @@ class MaskedGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
+@pytest.mark.e2e
 def test_a_mask_argument_names_its_sequence_dim():
     """Plan(batch_args=...) gives the (B, 1, L, S) mask its sequence on dim 2; keys stay whole."""
     seq = 128
@@ -196,6 +203,7 @@ def test_a_mask_argument_names_its_sequence_dim():
     assert any("ring attention over 'context'=4" in n for n in step.report().notes)
 
 
+@pytest.mark.unit
 def test_the_plan_search_offers_context_candidates_for_long_sequences():
     from xtrain.cost import candidates as space
     from xtrain.cost import hardware
@@ -211,6 +219,7 @@ def test_the_plan_search_offers_context_candidates_for_long_sequences():
     assert "dp2xpp2xcp2 gpipe m2" in piped and "dp1xpp2xcp2xtp2 gpipe m4" in piped  # context inside stages
 
 
+@pytest.mark.unit
 def test_presets_keep_the_sequence_split():
     """HSDP's batch spans the replica axes but `context`, which splits the sequence (trained with
     parity like FSDP and Megatron-SP, whose sequence splits over context x tensor, in development)."""
@@ -219,6 +228,7 @@ def test_presets_keep_the_sequence_split():
     assert plans.fsdp(model, {"data": 2, "context": 4}).batch is None  # the default: sequence over context
 
 
+@pytest.mark.e2e
 def test_dropout_masks_do_not_depend_on_the_context_split():
     """Hidden, embedding and attention dropout on: context=4 draws the masks data=8 draws (the
     ring's attention masks hash global (batch, head, query, key): xtrain.ir.kernels.attention_dropout)."""

@@ -44,6 +44,7 @@ def host_batch(batch=16, seq=16):
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_flops_of_a_matmul_stack_are_exact_and_scans_count_per_iteration():
     b, k, n, layers = 8, 24, 40, 5
 
@@ -63,6 +64,7 @@ def test_flops_of_a_matmul_stack_are_exact_and_scans_count_per_iteration():
     assert grads.dot == f.dot + (2 * b * k * n) + layers * 2 * (2 * b * n * n)
 
 
+@pytest.mark.unit
 def test_data_movement_is_counted_in_bytes_apart_from_flops():
     """A scan's stacked outputs are zero-filled, written and read back, its stacked inputs
     read; transposes and concatenations copy: memory traffic the step pays, not FLOPs."""
@@ -80,6 +82,7 @@ def test_data_movement_is_counted_in_bytes_apart_from_flops():
     assert f.total == layers * (2 * b * n * n + b * n)  # FLOPs: the matmuls and tanh only
 
 
+@pytest.mark.unit
 def test_flops_of_a_grouped_convolution_are_exact():
     x, w = jnp.ones((2, 6, 10, 10)), jnp.ones((8, 3, 3, 3))    # NCHW, OIHW, 2 groups
     jaxpr = jax.make_jaxpr(lambda x, w: jax.lax.conv_general_dilated(
@@ -88,6 +91,7 @@ def test_flops_of_a_grouped_convolution_are_exact():
     assert flops.count(jaxpr).conv == 2 * out * 3 * 3 * 3
 
 
+@pytest.mark.e2e
 def test_transformer_flops_match_six_n_plus_attention_within_5_percent():
     model, wrapped, tx = wrapped_gpt(d=64, layers=2, vocab=64, seq=32)
     batch, seq = 16, 32
@@ -101,6 +105,7 @@ def test_transformer_flops_match_six_n_plus_attention_within_5_percent():
     assert abs(8 * per_device - expected) / expected < 0.05, (8 * per_device, expected)
 
 
+@pytest.mark.e2e
 def test_flops_agree_with_xla_cost_analysis_within_15_percent():
     """XLA counts a while loop's body once, so the layers are unrolled (scan_layers=False).
     XLA's count is higher: on CPU it expands erf/erfc (GELU) into polynomials and counts the
@@ -125,6 +130,7 @@ def test_flops_agree_with_xla_cost_analysis_within_15_percent():
 
 
 # -- hardware ---------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_peak_flops_by_device_kind_and_dtype():
     assert hardware.peak_flops("NVIDIA A100-SXM4-40GB", "bfloat16") == 312e12
     assert hardware.peak_flops("NVIDIA H100 80GB HBM3", "tf32") == 494e12
@@ -135,6 +141,7 @@ def test_peak_flops_by_device_kind_and_dtype():
         hardware.profile("trn9.fake")
 
 
+@pytest.mark.unit
 def test_emulated_profile_is_calibrated_on_this_machine():
     p = hardware.emulated(8)
     assert p.name == "emulated-cpu:8" and p.overlap == 0.0
@@ -150,6 +157,7 @@ def emulated_search():
     return search.search(wrapped, tx, host_batch(), hardware.emulated(8), 8, structure=describe(model), pipe_degrees=(1,))
 
 
+@pytest.mark.e2e
 def test_search_lists_every_candidate_and_picks_a_fitting_one():
     result = emulated_search()
     names = [r.candidate.name for r in result.rows]
@@ -168,6 +176,8 @@ def test_search_lists_every_candidate_and_picks_a_fitting_one():
         assert 0 < p.mfu < 1
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_tiny_memory_marks_what_does_not_fit_and_never_picks_it():
     base = emulated_search()
     by_name = {r.candidate.name: r.prediction.memory_bytes for r in base.rows if r.prediction}
@@ -194,11 +204,14 @@ def trn1_search(memory=None, batch=16, seq=32):
     return search.search(wrapped, tx, host_batch(batch, seq), profile, 2, structure=describe(model))
 
 
+@pytest.mark.e2e
 def test_trn1_picks_data_parallel_when_the_model_fits_easily():
     best = trn1_search().best.candidate
     assert (best.data, best.tensor, best.zero, best.remat) == (2, 1, 0, False)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     # The device is shrunk below the replicated training state (a trn1 NeuronCore's 16 GiB would
     # need a model too large to build here): no recomputation can save DDP, a sharded plan fits.
@@ -211,6 +224,7 @@ def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     assert result.best.prediction.memory_bytes <= limit
 
 
+@pytest.mark.unit
 def test_pipeline_bubble_is_the_schedule_tables_or_the_formula():
     from xtrain.cost.model import Pipeline
 
@@ -221,12 +235,14 @@ def test_pipeline_bubble_is_the_schedule_tables_or_the_formula():
 
 
 # -- training ---------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_plan_auto_trains_with_parity():
     model, batches, reference = gpt_case()
     result = run_parity(model, adamw, batches, xtrain.Mesh(data=-1), plan="auto", reference=reference)
     assert_parity(result)
 
 
+@pytest.mark.e2e
 def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
     """Resume is the normal restart path: before plan='auto' has picked its plan (at the first
     step), load() checks the checkpoint and returns its extra, step_count is the checkpoint's,
@@ -256,6 +272,7 @@ def test_plan_auto_resumes_a_checkpoint_loaded_before_its_first_step(tmp_path):
     assert all(r.candidate.offload.value != "activations" for r in step.search.rows)
 
 
+@pytest.mark.e2e
 def test_plan_auto_needs_a_first_step_and_rejects_other_strings():
     model, _, _ = gpt_case()
     step = xtrain.compile(model, optimizer=adamw(model.parameters()), plan="auto")
@@ -265,6 +282,7 @@ def test_plan_auto_needs_a_first_step_and_rejects_other_strings():
         xtrain.compile(model, optimizer=adamw(model.parameters()), plan="fastest")
 
 
+@pytest.mark.e2e
 def test_remat_recomputes_the_blocks_and_matches_torch():
     model, wrapped, tx = wrapped_gpt()
     plain, remat = (flops.count(abstract_step(trainable_of(wrapped, tx), {"data": 8}, xtrain.Plan(remat=r), host_batch()).program)
@@ -293,6 +311,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_cli_plan_lists_candidates_for_a_trainium_target(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))

@@ -51,6 +51,8 @@ def rows_by_name(result):
     return {r.candidate.name: r for r in result.rows}
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_search_lists_pipeline_candidates_for_repeated_blocks_and_none_without():
     result = gpt_search()
     piped = [r for r in result.rows if r.candidate.pipe > 1]
@@ -72,6 +74,7 @@ def test_search_lists_pipeline_candidates_for_repeated_blocks_and_none_without()
     assert plain.rows and all(r.candidate.pipe == 1 for r in plain.rows)
 
 
+@pytest.mark.e2e
 def test_pipeline_prediction_holds_the_bubble_in_its_compute():
     """The lockstep program runs m + p - 1 ticks each way: its FLOPs grow with the bubble.
     At a fixed batch, m=2 (3 ticks of 2 rows) does 6/5 of m=4's (5 ticks of 1 row) matmuls."""
@@ -93,6 +96,7 @@ def test_pipeline_prediction_holds_the_bubble_in_its_compute():
     assert m4.prediction.mfu < m4.cost.flops.matmul / m4.prediction.step_s / PROFILE.matmul_flops_per_s("float32")
 
 
+@pytest.mark.unit
 def test_pipeline_memory_divides_the_block_parameters_over_stages():
     """Each stage stores its own layers (and their optimizer state); embeddings and head stay on
     every stage."""
@@ -105,6 +109,7 @@ def test_pipeline_memory_divides_the_block_parameters_over_stages():
     assert rows["dp2xpp2 gpipe m2 zero1"].cost.memory.optimizer == pytest.approx(pp.optimizer / 2, rel=0.05)
 
 
+@pytest.mark.unit
 def test_unusable_pipelines_are_listed_with_the_reason():
     model, net, tx = wrapped()
     listed = [Candidate(data=1, pipe=4), Candidate(data=2, pipe=2, microbatches=8), Candidate(data=2, pipe=2, zero=2)]
@@ -123,6 +128,7 @@ def test_unusable_pipelines_are_listed_with_the_reason():
     assert none.rows[0].reason == "no repeated blocks (blocks.0, blocks.1, ...) to cut into pipeline stages"
 
 
+@pytest.mark.unit
 def test_candidate_and_enumeration_errors():
     with pytest.raises(PlanError, match=r"pipe_degrees=\(3,\): \[3\] do not divide the 4 devices"):
         search.candidates(4, PROFILE, pipe_degrees=(3,))
@@ -135,6 +141,8 @@ def test_candidate_and_enumeration_errors():
     assert plan.pipeline.checkpoint and plan.pipeline.schedule == "gpipe" and plan.remat.value == "off"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_short_memory_lowers_1f1b_and_never_picks_what_does_not_fit():
     base = rows_by_name(gpt_search())
     gpipe = base["dp2xpp2 gpipe m2"].prediction.memory_bytes
@@ -149,6 +157,7 @@ def test_short_memory_lowers_1f1b_and_never_picks_what_does_not_fit():
     assert all(r.prediction.memory_bytes <= limit for r in result.rows if r.usable)
 
 
+@pytest.mark.e2e
 def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
     """The search's public knob (candidate_list) restricted to pipelines: the pick is compiled
     from its Candidate (mesh and plan, as plan='auto' does). Its program has the FLOPs and
@@ -175,6 +184,7 @@ def test_a_picked_pipeline_plan_is_costed_as_compiled_and_trains_like_torch():
     assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
 
 
+@pytest.mark.e2e
 def test_plan_auto_leaves_pipelines_out_when_accumulating():
     """The pipeline step refuses accumulate > 1 (its microbatches accumulate already), so
     plan='auto' does not offer it a pipeline (the search then runs with pipe_degrees=(1,))."""
@@ -201,6 +211,7 @@ def _permutes(row, axis: str) -> collections.Counter:
                                if c.kind == "collective-permute" and c.axes == (axis,))
 
 
+@pytest.mark.e2e
 def test_context_inside_pipeline_stages_is_costed_per_stage():
     """dp2 x pp2 x cp2 (m2, 1 row per device and microbatch) beside the pipeline without context
     at the same rows per data shard (dp4 x pp2, m2) and context without a pipeline at the same rows
@@ -227,6 +238,7 @@ def test_context_inside_pipeline_stages_is_costed_per_stage():
     assert p.exposed_comm_s == pytest.approx(sum(p.comm_s.values())) and p.step_s > p.compute_s
 
 
+@pytest.mark.unit
 def test_search_lists_context_inside_pipelines_for_long_sequences(monkeypatch):
     """The default candidates (plan='auto', `xtrain plan`) of 8 devices: context x pipeline points
     at 4096 tokens, no context point at 1024 (the lowering is stubbed: only the list is read)."""

@@ -30,6 +30,8 @@ from xtrain.errors import OptionsError
 from xtrain.lowering import zero
 from xtrain.step import explain
 
+pytestmark = pytest.mark.e2e
+
 BATCH = token_batches(n=1, batch=16, seq=16)[0]
 BF16 = xtrain.Plan(precision="bf16")
 DP, TP, PP = dict(data=8), dict(data=4, tensor=2), dict(data=4, pipe=2)

@@ -17,6 +17,8 @@ from xtrain.ir import attention as markers
 from xtrain.ir import walk
 from xtrain.ir.analysis import per_head
 
+pytestmark = pytest.mark.e2e
+
 HEADS = 4
 LOWERED: list = []  # the query shapes the stand-in forward kernel was lowered for
 

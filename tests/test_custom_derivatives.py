@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import xtrain
 from test_partition_rules import scaled_tanh
+
+pytestmark = pytest.mark.e2e
 
 
 def loss(params, x, y):

@@ -20,6 +20,8 @@ from xtrain.runtime.launch import process_env
 
 from models import MLP, mlp_batches
 
+pytestmark = pytest.mark.e2e
+
 
 @torch.library.custom_op("xtrain_test::mystery", mutates_args=())
 def mystery(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 TINY = ["--steps", "8", "--layers", "1", "--d-model", "32", "--batch", "16", "--seq", "32", "--lr", "1e-2"]
 # Launcher variables would turn the child into a rank of some other job.

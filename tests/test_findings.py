@@ -21,6 +21,7 @@ from models import mlp_batches
 SIZES = {"a": 2, "b": 4}
 
 
+@pytest.mark.unit
 def test_the_cursor_moves_only_inside_its_blocks_and_comes_back_after_an_error():
     cursor = Cursor()
     with cursor.at("blocks.0"), cursor.in_layer(("blocks.0", "blocks.3")):
@@ -36,6 +37,7 @@ def test_the_cursor_moves_only_inside_its_blocks_and_comes_back_after_an_error()
     assert cursor.memo == {"key": "outer conversion"}
 
 
+@pytest.mark.unit
 def test_context_and_options_are_frozen_and_remat_is_dropped_by_a_new_context():
     ctx = Context.of(SIZES, remat="remat policy stand-in")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -52,6 +54,7 @@ def test_context_and_options_are_frozen_and_remat_is_dropped_by_a_new_context():
     assert collected([ctx.record]).fallbacks == {"sort": ("blocks.1",)}
 
 
+@pytest.mark.unit
 def test_records_collect_into_findings_in_order_once():
     first, second = Record(), Record()
     first.note("ring attention in 'blocks.0'")
@@ -71,6 +74,7 @@ def test_records_collect_into_findings_in_order_once():
     assert Findings().report_notes() == []
 
 
+@pytest.mark.unit
 def test_a_fallback_is_recorded_under_the_module_it_runs_in():
     """The interpreter attributes each equation to its module (named scopes in the jaxpr) through
     the cursor; a fallback lands in the record under that path."""
@@ -113,6 +117,7 @@ class Blocks(nn.Module):
         return nn.functional.cross_entropy(self.head(x), y)
 
 
+@pytest.mark.e2e
 def test_a_step_returns_its_findings_and_the_report_reads_them():
     torch.manual_seed(0)
     model, batches = Blocks(), mlp_batches(n=1)

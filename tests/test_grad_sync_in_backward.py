@@ -17,6 +17,8 @@ from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, token_batches
 
+pytestmark = pytest.mark.e2e
+
 LAYERS = 4
 IN_BACKWARD = "xtrain.grad_sync.in_backward"
 

@@ -8,6 +8,8 @@ import xtrain
 
 from test_hf_models import gpt2, lm_batches, lm_loss
 
+pytestmark = pytest.mark.e2e
+
 
 def same(a: dict, b: dict) -> list[str]:
     """Keys whose tensors differ in dtype or in any bit."""

@@ -9,6 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import xtrain
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
+pytestmark = pytest.mark.e2e
+
 # Odd vocabulary: a size that no mesh axis divides shows up any dimension mix-up.
 VOCAB = 101
 MESHES = {"data8": dict(data=8), "data2": dict(data=2, rest=4)}

@@ -12,6 +12,8 @@ from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, token_batches
 
+pytestmark = pytest.mark.e2e
+
 GRAD_SYNC = "xtrain.grad_sync"
 MESH = dict(node=2, local=4)
 PLAN = xtrain.Plan(batch=(("node", "local"),))

@@ -13,6 +13,8 @@ from xtrain.testing import assert_parity, run_parity
 
 from models import GPT, MLP, mlp_batches, token_batches
 
+pytestmark = pytest.mark.e2e
+
 SKIPPED = r"The update was skipped: parameters and optimizer state are those before this step"
 
 

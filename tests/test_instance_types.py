@@ -20,6 +20,7 @@ from xtrain.frontend.torch_module import wrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,gpus,gib,network,efa", [
     ("p3.2xlarge", 1, 16, 10, 0), ("p3.8xlarge", 4, 16, 10, 0), ("p3.16xlarge", 8, 16, 25, 0),
     ("p3dn.24xlarge", 8, 32, 100, 100), ("p4de.24xlarge", 8, 80, 400, 400), ("p5e.48xlarge", 8, 141, 3200, 3200),
@@ -32,6 +33,7 @@ def test_topologies_and_profiles(name, gpus, gib, network, efa):
     assert profile.plan_precision == ("fp16" if name.startswith("p3") else "fp32")
 
 
+@pytest.mark.unit
 def test_v100_peaks_and_no_bf16():
     assert hardware.peak_flops("Tesla V100-SXM2-16GB", "fp16") == 125e12
     assert hardware.peak_flops("Tesla V100-SXM2-32GB", "fp32") == 15.7e12
@@ -39,6 +41,7 @@ def test_v100_peaks_and_no_bf16():
     assert hardware.profile("p3.16xlarge").matmul_flops_per_s("float32") == 15.7e12  # no TF32 on Volta
 
 
+@pytest.mark.e2e
 def test_bf16_on_v100_is_an_error_naming_fp16(monkeypatch):
     message = "has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds dynamic loss scaling, or 'fp32'"
     v100 = message.replace("; use", " (NVIDIA V100); use")
@@ -55,12 +58,14 @@ def test_bf16_on_v100_is_an_error_naming_fp16(monkeypatch):
                        plan=xtrain.Plan(precision="bf16"))
 
 
+@pytest.mark.unit
 def test_unknown_types_name_the_known_ones():
     with pytest.raises(OptionsError, match=r"unknown instance type 'p3.4xlarge'; known: .*p3.2xlarge, p3.8xlarge, "
                                            r"p3.16xlarge, p3dn.24xlarge"):
         topology.instance("p3.4xlarge")
 
 
+@pytest.mark.e2e
 def test_p3dn_search_plans_in_fp16():
     torch.manual_seed(0)
     model = GPT()
@@ -78,6 +83,7 @@ def test_p3dn_search_plans_in_fp16():
     assert "precision: fp16 with dynamic loss scaling" in str(result)
 
 
+@pytest.mark.multiprocess
 def test_cli_plan_for_two_p3_16xlarge_lists_fp16_plans():
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "1"}
     out = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "p3.16xlarge:2",

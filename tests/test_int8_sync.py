@@ -34,6 +34,7 @@ def _per_device(fn, mesh_shape, names):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("levels", [[("d",)], [("local",), ("node",)]], ids=["flat", "hierarchical"])
 def test_all_reduce_plus_residuals_is_the_exact_sum(levels):
     names = tuple(a for level in levels for a in level)[::-1]  # mesh major-first: node, local
@@ -52,6 +53,7 @@ def test_all_reduce_plus_residuals_is_the_exact_sum(levels):
     assert np.abs(total[0] - x.sum(0)).max() < 0.05 * np.abs(x).max()  # int8: within a few % of the chunk max
 
 
+@pytest.mark.unit
 def test_zero2_reduce_scatter_plus_residuals_is_the_exact_sum():
     rng = np.random.default_rng(1)
     rows = rng.standard_normal((8, 8, 100)).astype(np.float32)  # device d's rows: (8 destinations, 100)
@@ -94,6 +96,7 @@ def _grad_wire(report) -> float:
     return sum(c.wire_bytes for c in report.collectives if "xtrain.grad_sync" in c.source)
 
 
+@pytest.mark.e2e
 def test_example_gpt_int8_wire_bytes_and_resume_mid_run(tmp_path):
     fp32_report, fp32_losses = fp32_run()
     step, first = train(INT8, 3)
@@ -135,6 +138,7 @@ def test_example_gpt_int8_wire_bytes_and_resume_mid_run(tmp_path):
     assert all(not np.any(v) for v in jax.device_get(resumed.state.grad_residual).values())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("zero,mesh,batch", [
     (1, dict(node=2, local=4), (("node", "local"),)),  # hierarchical: int8 over local, then node
     (2, dict(data=8), None),                            # ZeRO-2: the int8 all-to-all is its reduce-scatter
@@ -147,6 +151,7 @@ def test_int8_composes_with_zero_and_hierarchical_reduction(zero, mesh, batch):
     assert kinds == ({("all-to-all", ("local",)), ("all-to-all", ("node",))} if batch else {("all-to-all", ("data",))})
 
 
+@pytest.mark.e2e
 def test_cost_model_counts_int8_bytes_and_the_residual():
     from test_cost import host_batch, wrapped_gpt
     from xtrain.cost import hardware, search
@@ -169,11 +174,12 @@ def test_cost_model_counts_int8_bytes_and_the_residual():
 
 
 # -- what it refuses -------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(plan=xtrain.Plan(zero=3)), UnsupportedError, "not supported with ZeRO-3 (zero=3)"),
     (dict(plan=xtrain.Plan(precision="fp16")), UnsupportedError, "not supported with fp16 loss scaling"),
     (dict(lowering="xla"), UnsupportedError, "not supported with lowering='xla'"),
-    (dict(plan="auto"), ValueError, "plan='auto' searches plans with the default gradient sync"),
+    (dict(plan="auto"), UnsupportedError, "plan='auto' searches plans with the default gradient sync"),
 ], ids=["zero3", "fp16", "xla", "auto"])
 def test_unsupported_combinations_name_the_fix(kwargs, error, message):
     model = GPT()
@@ -183,6 +189,7 @@ def test_unsupported_combinations_name_the_fix(kwargs, error, message):
         step(*token_batches(n=1)[0])
 
 
+@pytest.mark.e2e
 def test_int8_with_a_pipeline_is_refused():
     model = GPT(layers=2)
     plan = xtrain.Plan().with_pipeline(stages=2, microbatches=2)
@@ -192,6 +199,7 @@ def test_int8_with_a_pipeline_is_refused():
         step(*token_batches(n=1, batch=16)[0])
 
 
+@pytest.mark.unit
 def test_int8_chunk_must_be_positive():
     with pytest.raises(OptionsError, match=re.escape("GradSync.int8_chunk=0 must be a positive number of elements")):
         xtrain.GradSync(comm_dtype="int8", int8_chunk=0)

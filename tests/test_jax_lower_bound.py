@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from test_pins import requirement
 
@@ -30,10 +31,13 @@ def install_side_by_side(version: str) -> Path:
     return target
 
 
+@pytest.mark.unit
 def test_jax_and_jaxlib_share_their_lower_bound():
     assert lower_bound("jax") == lower_bound("jaxlib")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_parity_on_the_lowest_admitted_jax():
     version = lower_bound("jax")
     target = install_side_by_side(version)

@@ -45,6 +45,7 @@ def _run_optax(tx, start, grads):
     return params
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("cls,options,reference", [
     (LAMB, dict(lr=0.01, weight_decay=0.1), optax.lamb(0.01, weight_decay=0.1)),
     (LARS, dict(lr=0.5, weight_decay=0.1, trust_coefficient=0.01, nesterov=True),
@@ -61,6 +62,7 @@ def test_torch_classes_match_optax(cls, options, reference):
         np.testing.assert_allclose(ours[k], theirs[k], atol=1e-6, err_msg=k)
 
 
+@pytest.mark.unit
 def test_trust_ratio_is_per_layer_of_a_stacked_array_and_zero_rows_stay_zero():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((3, 4, 5)).astype(np.float32)  # (L, ...): row 2 is a padding row
@@ -88,6 +90,7 @@ OPTIMIZERS = {"lamb": lambda ps: LAMB(_groups(ps, 0.01), lr=1e-2),
               "lars": lambda ps: LARS(_groups(ps, 1e-4), lr=2.0, trust_coefficient=0.02)}
 
 
+@pytest.mark.unit
 def test_exclude_from_adaptation_groups_biases_and_norms_apart():
     model = GPT()
     adapted, excluded = exclude_from_adaptation(model, weight_decay=0.1)
@@ -130,6 +133,7 @@ def _norm_reductions(step) -> dict[str, int]:
 
 
 # Every model meets every layout and every optimizer every layout (a Latin square, not all 12).
+@pytest.mark.e2e
 @pytest.mark.parametrize("model_name,optimizer,layout", [
     ("gpt2", "lamb", "data8"), ("llama", "lars", "data8"),
     ("gpt2", "lars", "fsdp"), ("llama", "lamb", "fsdp"),
@@ -146,6 +150,7 @@ def test_parity_with_torch_on_hf_models(model_name, optimizer, layout):
         assert set(_norm_reductions(step)) == {"tensor"}
 
 
+@pytest.mark.e2e
 def test_zero1_pipeline_with_a_padding_row_matches_torch_and_reports_the_norms():
     plan = xtrain.Plan(zero=1).with_pipeline(stages=2, microbatches=4, schedule="gpipe")  # 3 layers on 2 stages
     step = train("gpt", "lamb", dict(pipe=2, data=4), plan)
@@ -156,6 +161,7 @@ def test_zero1_pipeline_with_a_padding_row_matches_torch_and_reports_the_norms()
 
 
 # -- errors -----------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_another_packages_lamb_is_refused_by_its_own_name():
     class Lamb(torch.optim.Optimizer):
         def __init__(self, params):
@@ -168,6 +174,7 @@ def test_another_packages_lamb_is_refused_by_its_own_name():
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=LookAlike(model.parameters()))
 
 
+@pytest.mark.unit
 def test_bad_options_name_the_fix():
     params = GPT().parameters()
     with pytest.raises(OptionsError, match=re.escape("nesterov=True is invalid: Nesterov momentum needs momentum > 0")):

@@ -7,6 +7,8 @@ from xtrain.errors import LaunchError
 from xtrain.runtime.launch import (COORDINATOR_PORT_OFFSET, Cluster, Launcher, ProcessEnv,
                                    expand_hostlist, expand_tasks_per_node, process_env)
 
+pytestmark = pytest.mark.unit
+
 # torchrun --nnodes 2 --nproc_per_node 4 --node_rank 1 --master_addr 10.0.0.5 --master_port 29400,
 # the process with LOCAL_RANK 2 (variables as torchrun 2.13 sets them).
 TORCHRUN = {

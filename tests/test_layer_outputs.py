@@ -19,6 +19,8 @@ from xtrain.testing import assert_parity, run_parity
 from models import mlp_batches
 from test_moe import case, sgd
 
+pytestmark = pytest.mark.e2e
+
 PER_LAYER = "value(s) each layer computes are read after the blocks and leave them per layer"
 
 

@@ -75,6 +75,7 @@ def compiled(name, scan_layers=True):
     return model, step, batches(4)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", MODELS)
 def test_blocks_become_one_scan_and_training_matches_torch(name):
     model, step, batches = compiled(name)
@@ -85,6 +86,7 @@ def test_blocks_become_one_scan_and_training_matches_torch(name):
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), loss_fn=MODELS[name][1], scan_layers=True))
 
 
+@pytest.mark.e2e
 def test_scan_layers_off_unrolls():
     _, step, batches = compiled("gpt", scan_layers=False)
     assert scan_lengths(step.program(*batches[0])) == []
@@ -105,6 +107,7 @@ def dot_shapes(closed) -> list[tuple]:
     return found
 
 
+@pytest.mark.e2e
 def test_linear_layers_multiply_tokens_flattened():
     """An activation (B, T, D) times a weight runs as (B*T, D) x weight, so the backward's
     weight gradient is a 2-D product contracting the tokens: XLA:CPU reads the output gradient
@@ -134,6 +137,7 @@ def all_gather_sources(closed) -> list[str]:
     return found
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_unrolled_blocks_gather_each_layer_flat_and_train_like_torch(name):
     """scan_layers=False: no loop and per-layer storage, but still the repeated blocks'
@@ -155,6 +159,7 @@ def test_unrolled_blocks_gather_each_layer_flat_and_train_like_torch(name):
     assert_parity(run_parity(model, sgd, data, xtrain.Mesh(**mesh), plan=plan, loss_fn=loss_fn, scan_layers=False))
 
 
+@pytest.mark.e2e
 def test_unrolled_zero3_keeps_one_layer_gathered_like_the_scan():
     """XLA fuses reads of small weights (norm weights, biases) into the backward pass; sharing
     the flat buffer with the matrices, they kept every layer's whole buffer alive (2.5x the
@@ -172,6 +177,7 @@ def test_unrolled_zero3_keeps_one_layer_gathered_like_the_scan():
     assert temporaries[False] < 1.35 * temporaries[True], temporaries
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("bad", ["scan", 1, None])
 def test_scan_layers_takes_a_bool_or_auto(bad):
     model = GPT()
@@ -179,6 +185,7 @@ def test_scan_layers_takes_a_bool_or_auto(bad):
         xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()), scan_layers=bad)
 
 
+@pytest.mark.unit
 def test_auto_unrolls_shallow_models_on_one_device_per_process():
     names = [f"blocks.{k}.attn.weight" for k in range(3)] + ["blocks.0.extra.bias", "head.weight"]
     deep = names + ["blocks.3.attn.weight"]
@@ -192,6 +199,7 @@ def test_auto_unrolls_shallow_models_on_one_device_per_process():
     assert layout.scan_layers_for(False, deep, "cpu", 8) is False
 
 
+@pytest.mark.e2e
 def test_default_scans_on_this_emulated_host():
     model = GPT()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=sgd(model.parameters()))
@@ -218,6 +226,7 @@ class Uneven(nn.Module):
         return nn.functional.cross_entropy(self.head(x), y)
 
 
+@pytest.mark.e2e
 def test_blocks_that_differ_are_not_scanned():
     from models import mlp_batches
 

@@ -47,6 +47,7 @@ def assert_same_stream(got: list[tuple], want: list[tuple]) -> None:
 
 # -- the user's global batches --------------------------------------------------------------
 
+@pytest.mark.unit
 def test_loader_places_batches_on_the_mesh_in_order():
     source = rank_coded(5)
     loader = Loader(source, mesh=xtrain.Mesh(data=8), prefetch=2, epochs=1)
@@ -64,6 +65,7 @@ def torch_loader(seed: int = 7) -> torch.utils.data.DataLoader:
                                        generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stop_at", [3, 7])  # inside the first epoch, and inside the second
 def test_loader_resumes_a_shuffled_torch_dataloader_exactly(stop_at):
     mesh = xtrain.Mesh(data=8)
@@ -80,6 +82,7 @@ def test_loader_resumes_a_shuffled_torch_dataloader_exactly(stop_at):
     assert want[0][1].tolist() != want[5][1].tolist()  # the epochs really are shuffled differently
 
 
+@pytest.mark.unit
 def test_loader_resumes_an_epoch_function():
     def batches(epoch):  # each epoch's order from its own seed: resume replays only that epoch
         return torch_loader(seed=100 + epoch)
@@ -92,6 +95,7 @@ def test_loader_resumes_an_epoch_function():
     assert_same_stream(head + take(resumed, 3), want)
 
 
+@pytest.mark.unit
 def test_loader_refuses_a_position_its_source_cannot_reach():
     loader = Loader(rank_coded(3), epochs=1)
     loader.load_state_dict({"kind": "Loader", "epoch": 0, "batch": 5})
@@ -105,6 +109,7 @@ def test_loader_refuses_a_position_its_source_cannot_reach():
         next(iter(one_shot))
 
 
+@pytest.mark.unit
 def test_loader_resumes_a_generator_and_continues_where_it_stopped():
     want = [as_host(b) for b in Loader(iter(rank_coded(6)))]  # a one-shot iterator: one pass
     first = Loader(iter(rank_coded(6)), prefetch=2)
@@ -114,6 +119,7 @@ def test_loader_resumes_a_generator_and_continues_where_it_stopped():
     assert_same_stream(head + [as_host(b) for b in resumed], want)
 
 
+@pytest.mark.unit
 def test_placement_errors_name_the_fix():
     with pytest.raises(PlanError, match=r"batch_spec=\('batch',\) names mesh axes \['batch'\] that the mesh"):
         Loader([], mesh=xtrain.Mesh(data=8), batch_spec=("batch",))
@@ -127,6 +133,7 @@ def test_placement_errors_name_the_fix():
         ShardedLoader(Samples(), batch_size=12, mesh=xtrain.Mesh(data=8))
 
 
+@pytest.mark.unit
 def test_the_step_takes_placed_batches_as_they_are_and_re_places_others():
     from xtrain.data import shard_batch
 
@@ -155,6 +162,7 @@ class Samples:
         return np.full(self.width, i, dtype=np.float32), np.int64(i)
 
 
+@pytest.mark.unit
 def test_sharded_loader_resumes_with_shuffling_by_seed():
     mesh = xtrain.Mesh(data=8)
     want = take(ShardedLoader(Samples(), batch_size=16, step=None, mesh=mesh, seed=3), 7)  # 3 per epoch
@@ -171,6 +179,7 @@ def test_sharded_loader_resumes_with_shuffling_by_seed():
         other.load_state_dict(first.state_dict())
 
 
+@pytest.mark.unit
 def test_sharded_loader_reads_only_the_rows_of_its_devices():
     """One process holds all 8 devices here, so it must read the whole batch; the rows each
     device gets come from the real jax sharding of the batch (checked per device)."""
@@ -185,6 +194,7 @@ def test_sharded_loader_reads_only_the_rows_of_its_devices():
         assert np.asarray(x.addressable_shards[0].data).shape == (2, 3)
 
 
+@pytest.mark.multiprocess
 def test_sharded_loader_across_two_real_processes(tmp_path):
     out = tmp_path / "rows.json"
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
@@ -205,6 +215,7 @@ def test_sharded_loader_across_two_real_processes(tmp_path):
 
 # -- prefetch ---------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_prefetch_keeps_order_and_loads_ahead_of_the_step():
     """While the step works on item i, the loader thread is already producing item i + 1
     (shown by events, not by timing); without prefetch it is not."""
@@ -226,6 +237,7 @@ def test_prefetch_keeps_order_and_loads_ahead_of_the_step():
     assert run(0) == [(i, False) for i in range(7)] + [(7, None)]
 
 
+@pytest.mark.unit
 def test_prefetch_hands_on_the_source_error():
     def broken():
         yield 1
@@ -248,6 +260,7 @@ def ragged_text(lengths, batch=16, vocab=64, seed=0):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
+@pytest.mark.unit
 def test_bucket_padding_and_errors():
     buckets = Buckets(lengths=(8, 16), pad_values=(0, IGNORE_INDEX), mask=True)
     x, y, mask = buckets.pad(([np.arange(3), np.arange(5)], [np.arange(3), np.arange(5)]))
@@ -261,6 +274,7 @@ def test_bucket_padding_and_errors():
         Buckets(lengths=(8,), pad_values=(0,)).pad((np.zeros((2, 3)), np.zeros((2, 3))))
 
 
+@pytest.mark.e2e
 def test_a_varying_stream_compiles_once_per_bucket_and_padding_keeps_the_loss():
     torch.manual_seed(0)
     model = GPT(seq=16)
@@ -281,6 +295,7 @@ def test_a_varying_stream_compiles_once_per_bucket_and_padding_keeps_the_loss():
     assert step.eval(*buckets.pad((x, y)))["loss"] == pytest.approx(step.eval(x, y)["loss"], rel=1e-5)
 
 
+@pytest.mark.unit
 def test_sharded_loader_buckets_variable_length_samples():
     class Ragged:
         lengths = [3 + (i * 7) % 14 for i in range(32)]  # 3..16 tokens

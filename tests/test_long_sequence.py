@@ -11,6 +11,8 @@ from xtrain import plans
 from xtrain.ir import attention as markers
 from xtrain.testing import assert_parity, run_parity, torch_reference
 
+pytestmark = pytest.mark.e2e
+
 VOCAB = 101
 
 

@@ -87,6 +87,7 @@ def per_device_bytes(step, names) -> int:
     return total
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["data8", "fsdp", "megatron"])
 def test_lora_matches_torch_and_keeps_state_for_the_adapters_only(name):
     model, step, result = trained(name)
@@ -103,6 +104,7 @@ def test_lora_matches_torch_and_keeps_state_for_the_adapters_only(name):
         assert xtrain.plans.assert_sharded(step) <= 0.05
 
 
+@pytest.mark.e2e
 def test_megatron_sees_through_peft_wrappers_and_splits_adapters_with_their_base():
     model = lora_llama()
     plan = xtrain.plans.megatron(model, xtrain.Mesh(data=4, tensor=2), example=lm_batches()[0], loss_fn=lm_loss)
@@ -135,6 +137,7 @@ def test_megatron_sees_through_peft_wrappers_and_splits_adapters_with_their_base
     assert synced == step.report().state_memory["gradients"]
 
 
+@pytest.mark.e2e
 def test_trained_adapter_saves_with_peft_and_loads_with_the_same_logits(tmp_path):
     model, step, _ = trained("data8")
     model.load_state_dict(step.state_dict())
@@ -152,6 +155,7 @@ def test_trained_adapter_saves_with_peft_and_loads_with_the_same_logits(tmp_path
         torch.testing.assert_close(got, reference_model.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_finetune_lora_example_trains_saves_and_reloads_its_adapter(tmp_path):
     script = EXAMPLE.parent / "finetune_lora.py"
     args = ["--steps", "12", "--layers", "1", "--d-model", "32", "--seq", "32", "--lr", "1e-2",

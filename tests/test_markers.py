@@ -10,6 +10,8 @@ from xtrain.ir import index_ops, markers
 from xtrain.ir.kernels import blockwise, moe
 from xtrain.ir.attention import Implementation, Site
 
+pytestmark = pytest.mark.unit  # names encoded and decoded; nothing compiled
+
 AWKWARD = "not cuDNN: a/b, 'quoted' \"double\" back\\slash ;|= {x: [1]} é"
 
 VALUES = [

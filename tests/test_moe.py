@@ -221,6 +221,7 @@ def layout_plan(layout, model, mesh, batch, loss_fn):
     return plan
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
                                          ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
                                          ("qwen3_moe", "expert"), ("moe", "fsdp_expert"), ("moe", "megatron"),
@@ -234,6 +235,7 @@ def test_moe_parity(name, layout):
     assert_same_routing(model, result, loss_fn, batches)
 
 
+@pytest.mark.e2e
 def test_expert_parallel_inside_pipeline_stages():
     """Qwen3-MoE (no router loss read after the blocks) on 2 stages x data=2 x expert=2: each
     stage stores its layers' experts split over `expert` and moves tokens by all-to-all."""
@@ -248,6 +250,7 @@ def test_expert_parallel_inside_pipeline_stages():
     assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in step.report().collectives)
 
 
+@pytest.mark.e2e
 def test_moe_layers_run_on_local_tokens():
     model, make_opt, loss_fn, batches, _ = case("mixtral")
     m = copy.deepcopy(model)
@@ -265,6 +268,7 @@ class OwnGateExperts(Experts):
         return self.act_fn(gate) * up
 
 
+@pytest.mark.e2e
 def test_grouped_mm_op_traced_op_by_op_matches_torch():
     torch.manual_seed(1)
     model = MoELM()
@@ -278,6 +282,7 @@ def test_grouped_mm_op_traced_op_by_op_matches_torch():
     assert_same_routing(model, result, moe_loss, batches)
 
 
+@pytest.mark.e2e
 def test_eager_experts_error_names_op_module_and_switch():
     torch.manual_seed(0)
     model = mixtral(experts_implementation="eager")
@@ -287,6 +292,7 @@ def test_eager_experts_error_names_op_module_and_switch():
         step(*lm_batches(n=1)[0])
 
 
+@pytest.mark.e2e
 def test_expert_axis_on_a_model_without_moe_is_an_error():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
     with pytest.raises(PlanError, match=r"mesh axis 'expert' \(size 4\) splits the experts of MoE layers, but "
@@ -295,6 +301,7 @@ def test_expert_axis_on_a_model_without_moe_is_an_error():
                        loss_fn=lambda m, x: m(x).sum())(torch.ones(8, 4))
 
 
+@pytest.mark.e2e
 def test_experts_not_divisible_by_expert_axis_is_an_error():
     model = MoELM()
     with pytest.raises(PlanError, match=r"expert weight 'blocks\.0\.experts\.down_proj' of shape \(4, 32, 48\) "
@@ -303,6 +310,7 @@ def test_experts_not_divisible_by_expert_axis_is_an_error():
                        loss_fn=moe_loss)(*lm_batches(n=1)[0])
 
 
+@pytest.mark.e2e
 def test_top_k_above_the_number_of_experts_is_an_error_naming_the_router():
     model = MoELM(MoEConfig(top_k=5))
     with pytest.raises(TraceError, match=r"torch\.topk in module 'blocks\.0\.gate' of MoELM picks k=5 of 4 .*"
@@ -311,6 +319,7 @@ def test_top_k_above_the_number_of_experts_is_an_error_naming_the_router():
                        loss_fn=moe_loss)(*lm_batches(n=1)[0])
 
 
+@pytest.mark.e2e
 def test_batch_not_divisible_by_data_times_expert_is_an_error():
     model = MoELM()
     with pytest.raises(InputError, match=r"global batch 4 is not divisible by mesh axis data=2 x expert=4; use a "
@@ -319,6 +328,7 @@ def test_batch_not_divisible_by_data_times_expert_is_an_error():
                        loss_fn=moe_loss)(*lm_batches(n=1, batch=4)[0])
 
 
+@pytest.mark.e2e
 def test_bf16_plan_keeps_experts_one_local_call():
     """Under a bf16 policy the grouped matmuls run in bf16 and the routed-experts call stays one
     call (the policy would otherwise inline it and the sort by expert would gather tokens)."""
@@ -332,6 +342,7 @@ def test_bf16_plan_keeps_experts_one_local_call():
     assert_moe_local(step)
 
 
+@pytest.mark.e2e
 def test_expert_parallel_moves_tokens_by_two_all_to_alls_per_layer_each_way():
     """Mesh(data=2, expert=4): experts split over `expert` (assert_sharded), per MoE layer one
     dispatch and one combine all-to-all over `expert` in the forward pass and their two
@@ -361,6 +372,7 @@ def test_expert_parallel_moves_tokens_by_two_all_to_alls_per_layer_each_way():
     assert_moe_local_router(report)
 
 
+@pytest.mark.e2e
 def test_fsdp_with_expert_axis_splits_experts_over_both():
     """plans.fsdp on Mesh(data=2, expert=4): expert weights split over `expert` (experts dim) and
     `data` (FSDP's dim, gathered per use); tokens still move by all-to-all."""
@@ -381,6 +393,7 @@ def assert_moe_local_router(report):
     assert not routed, f"collectives beyond the loss's reductions and the dispatch: {routed}"
 
 
+@pytest.mark.unit
 def test_grouped_matmul_flops_count_active_experts():
     """Model FLOPs (MFU) count each routed row once, through one expert, forward and backward."""
     rows, k, n, experts = 12, 6, 5, 4

@@ -26,6 +26,7 @@ def torch_expert_tokens(model, loss_fn, batch, paths):
     return {p: torch.bincount(idx.reshape(-1), minlength=EXPERTS).tolist() for p, (_, idx) in zip(paths, picks)}
 
 
+@pytest.mark.e2e
 def test_step_returns_tokens_per_expert_and_the_monitor_logs_their_balance(tmp_path):
     """step(...)["expert_tokens"] under expert parallel (each device counts its own tokens,
     summed): per MoE layer, the (token, expert) pairs torch's router sends to each expert on the
@@ -48,6 +49,7 @@ def test_step_returns_tokens_per_expert_and_the_monitor_logs_their_balance(tmp_p
     assert logged["expert_imbalance"] > 1.05, "a balanced batch would not show that the ratio is computed"
 
 
+@pytest.mark.e2e
 def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
     """Mixtral with its layers as one layer scan and 2 micro-batches: the counts leave the scan
     per layer and add up over the micro-batches to torch's on the whole batch."""
@@ -61,6 +63,7 @@ def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
     assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == torch_expert_tokens(model, loss_fn, batch, paths)
 
 
+@pytest.mark.e2e
 def test_expert_tokens_under_the_pipeline_schedules():
     """Qwen3-MoE on 2 stages x 2 microbatches, 1F1B with expert parallel inside the stages and
     GPipe over data=4: each layer's counts come from its stage, only from the ticks that run a
@@ -78,6 +81,7 @@ def test_expert_tokens_under_the_pipeline_schedules():
         assert {p: c.tolist() for p, c in out["expert_tokens"].items()} == expected, schedule
 
 
+@pytest.mark.e2e
 def test_expert_tokens_under_the_interleaved_schedule_with_padding_slots():
     """5 layers in 2 x 2 chunks (one chunk holds 2 layers, the others 1 and a padding slot):
     each layer's counts reach its own module path, the padding slots count nothing."""
@@ -98,6 +102,7 @@ def overflow(idx, devices, capacity):
     return sum(int((torch.bincount(p, minlength=EXPERTS) - capacity).clamp(min=0).sum()) for p in per_device)
 
 
+@pytest.mark.e2e
 def test_capacity_factor_drops_the_pairs_past_each_experts_capacity():
     """Plan(capacity_factor=1.0): each device's 8 tokens x top-2 = 16 pairs, capacity
     ceil(16 / 4 experts x 1.0) = 4 per expert. The first MoE layer (the same input as torch's)
@@ -123,6 +128,7 @@ def test_capacity_factor_drops_the_pairs_past_each_experts_capacity():
     assert losses[2] == pytest.approx(reference_losses[0], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_capacity_shrinks_the_all_to_all_buffers():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)
@@ -135,11 +141,13 @@ def test_capacity_shrinks_the_all_to_all_buffers():
     assert any("a capacity of 4 rows per peer (4 per expert)" in n for n in step.report().notes)
 
 
+@pytest.mark.unit
 def test_capacity_factor_must_be_positive():
     with pytest.raises(PlanError, match=r"Plan\(capacity_factor=0\): give a positive factor"):
         xtrain.Plan(capacity_factor=0)
 
 
+@pytest.mark.e2e
 def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
     """The expert-parallel program on one trn1.32xlarge: every collective conforms (the
     all-to-alls over 'expert' are 4 neighbouring cores; the routers' top-k is one lax.top_k, no
@@ -159,6 +167,7 @@ def test_neuron_checker_applies_its_replica_group_rule_to_the_all_to_alls():
                for f in moved), moved
 
 
+@pytest.mark.unit
 def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
     """Expert degrees dividing the devices and the experts (4) for the MoE model, none for a
     dense one; an expert-parallel candidate lowers with its 8 all-to-alls over 'expert', costed
@@ -187,6 +196,7 @@ def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
     assert across[cost_model.INTRA] == 0 < across[cost_model.INTER]
 
 
+@pytest.mark.e2e
 def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)

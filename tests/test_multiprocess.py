@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import xtrain
@@ -14,6 +15,8 @@ from xtrain.cli import free_port_pair
 from xtrain.runtime.devices import HEARTBEAT_TIMEOUT_S
 
 from models import GPT, token_batches
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS = 4
 TESTS = Path(__file__).resolve().parent

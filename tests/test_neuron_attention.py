@@ -83,6 +83,7 @@ def on_neuron(monkeypatch):
     monkeypatch.setattr(nki, "unavailable", lambda: "")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype,dropout,mask,length,dim,want", [
     (jnp.bfloat16, 0.0, None, 1024, 64, ""),
     (jnp.float16, 0.0, None, 512, 128, ""),
@@ -104,6 +105,7 @@ def test_nki_is_chosen_on_neuron_where_it_applies(monkeypatch, dtype, dropout, m
     assert kind is BLOCKWISE and ("not installed" in why) == (not want), why
 
 
+@pytest.mark.unit
 def test_without_neuronxcc_the_kernels_are_unavailable():
     assert nki.unavailable() == "neuronxcc's NKI kernels are not installed"  # this machine has no Neuron SDK
     q = jax.ShapeDtypeStruct((2, 4, 1024, 64), jnp.bfloat16)
@@ -111,6 +113,7 @@ def test_without_neuronxcc_the_kernels_are_unavailable():
         BLOCKWISE, "not NKI flash attention: neuronxcc's NKI kernels are not installed")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("length,tile", [(512, 512), (1024, 1024), (1536, 1536), (3072, 1536), (4096, 2048),
                                          (2560, 512), (640, 0), (256, 0)])
 def test_sequence_tile_is_the_largest_multiple_of_512_dividing_it(length, tile):
@@ -130,6 +133,7 @@ def _out_and_grads(f, q, k, v):
     return out, vjp(jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape).astype(out.dtype))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("heads", [4, 2, 1])  # multi-head, grouped-query, multi-query
 @pytest.mark.parametrize("causal", [True, False])
 def test_nki_path_equals_softmax_attention(on_neuron, heads, causal):
@@ -167,6 +171,7 @@ def _llama_step(sizes, **compile_kwargs):
                                  plan=plan, loss_fn=lm_loss, **compile_kwargs)
 
 
+@pytest.mark.e2e
 def test_nki_attention_runs_on_each_devices_shard(monkeypatch, on_neuron):
     """A bf16 HF Llama (grouped-query heads, 512 tokens) on data=4 x tensor=2 (Megatron): attention is
     the NKI primitives, each device launches them on its own batch x heads shard (grid (1, 2): one
@@ -205,6 +210,7 @@ def test_nki_attention_runs_on_each_devices_shard(monkeypatch, on_neuron):
         assert float((got[name].float() - p0 - moved).norm()) <= 0.2 * float(moved.norm()) + 1e-6, name
 
 
+@pytest.mark.e2e
 def test_step_lowered_for_neuron_on_cpu_keeps_the_blockwise_kernel():
     """Lowered for Neuron on this CPU host (no plugin), attention is traced for the host's backend:
     the blockwise kernel, and nothing in the program needs the NKI kernels' lowering."""
@@ -218,6 +224,7 @@ def test_step_lowered_for_neuron_on_cpu_keeps_the_blockwise_kernel():
     assert {(s.implementation, s.why) for s in sites.values()} == {(BLOCKWISE, "")}, sites
 
 
+@pytest.mark.e2e
 def test_context_meshes_and_xlas_partitioner_get_the_blockwise_kernel(on_neuron, monkeypatch):
     """xtrain.compile rules the NKI kernels out where they cannot run split: a sequence split over
     `context` (ring attention) and lowering='xla' (the kernel call is opaque to XLA's partitioner).
@@ -238,6 +245,7 @@ def test_context_meshes_and_xlas_partitioner_get_the_blockwise_kernel(on_neuron,
         step.program(*batch)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("causal", [True, False])
 def test_kernel_flops_are_counted(causal):
     """The kernels' matmuls count as model FLOPs (MFU, the cost model): forward q.k and p.v,

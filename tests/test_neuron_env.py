@@ -6,6 +6,8 @@ from neuron_support import topology
 from xtrain.errors import LaunchError, MeshError, OptionsError
 from xtrain.runtime.launch import ProcessEnv, process_env
 
+pytestmark = pytest.mark.unit
+
 
 def torchrun(rank, world, local_rank, local_world, master="10.0.0.5"):
     return process_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),

@@ -29,11 +29,13 @@ def step():
     return step
 
 
+@pytest.mark.e2e
 def test_model_flops_counts_forward_and_backward_matmuls(step):
     # forward x@w1, h@w2; backward dw2 = h^T g, dh = g w2^T, dw1 = x^T dh (no gradient for x)
     assert model_flops(step) == 2 * B * D * H + 2 * B * H * O + 2 * B * H * O + 2 * B * H * O + 2 * B * D * H
 
 
+@pytest.mark.unit
 def test_matmul_flops_multiplies_a_scan_body_by_its_length():
     def layers(w, x):
         return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
@@ -42,6 +44,7 @@ def test_matmul_flops_multiplies_a_scan_body_by_its_length():
     assert matmul_flops(jaxpr) == 5 * 2 * 4 * 8 * 8
 
 
+@pytest.mark.unit
 def test_mfu_arithmetic_and_peaks():
     # 2e12 FLOP in 0.5 s on 8 devices of 1e12 FLOP/s peak: 4 TFLOP/s achieved, half of 8 TFLOP/s
     assert utilisation(2e12, 0.5, 8, 1e12) == {"tflops_s": 4.0, "mfu": 0.5}
@@ -57,6 +60,7 @@ def test_mfu_arithmetic_and_peaks():
     assert "4.000 TFLOP/s" in format_postfix({"loss": 1.0, "step_time_s": 0.5, "tflops_s": 4.0, "mfu": None})
 
 
+@pytest.mark.e2e
 def test_monitor_writes_one_jsonl_record_per_step(step, tmp_path):
     log = tmp_path / "metrics.jsonl"
     monitor = Monitor(step, total_steps=3, metrics=log, progress=False, start=10)
@@ -78,6 +82,7 @@ def test_monitor_writes_one_jsonl_record_per_step(step, tmp_path):
     assert json.loads(log.read_text().splitlines()[0]) == records[0]
 
 
+@pytest.mark.unit
 def test_plot_writes_a_valid_png(tmp_path):
     import matplotlib.image
 
@@ -89,6 +94,7 @@ def test_plot_writes_a_valid_png(tmp_path):
     assert image[..., :3].std() > 0.05  # not a blank canvas
 
 
+@pytest.mark.e2e
 def test_profiler_traces_the_requested_steps(step, tmp_path):
     monitor = Monitor(step, progress=False, profile_steps=(1, 2), profile_dir=tmp_path / "trace")
     x = np.ones((B, D), np.float32)
@@ -103,6 +109,7 @@ def test_profiler_traces_the_requested_steps(step, tmp_path):
         Monitor(step, progress=False, profile_steps=(3, 1))
 
 
+@pytest.mark.e2e
 def test_tensorboard_is_optional_and_asked_for_by_name(step, tmp_path):
     try:
         import tensorboard  # noqa: F401
@@ -117,6 +124,7 @@ def test_tensorboard_is_optional_and_asked_for_by_name(step, tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.e2e
 def test_model_flops_of_a_gpt_are_three_forward_passes():
     """Every matmul of a GPT has two differentiable inputs (weights, or activations that depend
     on them), so forward + backward = 3 x the forward matmuls, which are counted by hand here."""

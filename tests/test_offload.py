@@ -29,6 +29,7 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
+@pytest.mark.e2e
 def test_adam_state_on_the_host_matches_torch_and_the_report_splits_its_bytes(tmp_path):
     torch.manual_seed(0)
     model, batches = GPT(), token_batches(n=4)
@@ -55,6 +56,7 @@ def test_adam_state_on_the_host_matches_torch_and_the_report_splits_its_bytes(tm
     assert [plain(*b)["loss"] for b in batches[2:]] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_search_proposes_offload_when_nothing_else_fits():
     model, wrapped, tx = wrapped_gpt()
     profile = hardware.profile("p4d.24xlarge")
@@ -76,6 +78,7 @@ def test_search_proposes_offload_when_nothing_else_fits():
     assert row.candidate.plan(describe(model)).offload.value == "optimizer"
 
 
+@pytest.mark.unit
 def test_offload_values_name_what_is_supported():
     with pytest.raises(PlanError, match=re.escape("Plan(offload='gradients') must be one of ['none', 'optimizer', "
                                                   "'activations']")):
@@ -83,6 +86,7 @@ def test_offload_values_name_what_is_supported():
     assert "offload=optimizer" in str(OFFLOAD)
 
 
+@pytest.mark.e2e
 def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_their_transfers():
     torch.manual_seed(0)
     layers, batch = 4, 64
@@ -110,6 +114,7 @@ def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_t
     assert compiled.source == "xla" and compiled.activations_host == compiled.host == reported
 
 
+@pytest.mark.unit
 def test_search_picks_activation_offload_when_the_plain_plan_does_not_fit():
     model, wrapped, tx = wrapped_gpt()
     profile = hardware.profile("p4d.24xlarge")

@@ -9,6 +9,8 @@ from xtrain.testing import assert_parity, run_parity, torch_reference
 
 from models import CNN, GPT, MLP, cnn_batches, mlp_batches, token_batches
 
+pytestmark = pytest.mark.e2e
+
 MESHES = {"data8": dict(data=8), "data2": dict(data=2, rest=4), "data1": dict(data=1, rest=8)}
 
 

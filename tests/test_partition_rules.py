@@ -274,6 +274,7 @@ PER_FAMILY = 32
 MORE = {"routing": 96}  # six kinds of op, each wanting several random layouts
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", CASES)
 def test_rule_matches_whole_computation(family):
     cases = []
@@ -284,6 +285,7 @@ def test_rule_matches_whole_computation(family):
     check_many(cases)
 
 
+@pytest.mark.unit
 def test_op_without_rule_runs_replicated_and_is_recorded():
     x = normal(np.random.default_rng(0), (8, 6))
     got, found = run_partitioned(lambda x: lax.bessel_i0e(x) * 2, [x], [Layout((("a",), ()))], mesh())
@@ -291,6 +293,7 @@ def test_op_without_rule_runs_replicated_and_is_recorded():
     assert "bessel_i0e" in found.fallbacks and "bessel_i0e" not in RULES
 
 
+@pytest.mark.unit
 def test_data_parallel_matmul_emits_no_collective_until_output():
     """Batch-split activations times a replicated weight stay local: the only collective is
     the final gather the checker itself asks for."""
@@ -312,6 +315,7 @@ def test_data_parallel_matmul_emits_no_collective_until_output():
     assert not [e for e in program.jaxpr.eqns[0].params["jaxpr"].eqns if "psum" in str(e.primitive) or "gather" in str(e.primitive)]
 
 
+@pytest.mark.unit
 def test_pending_sum_onto_a_split_dim_is_one_reduce_scatter():
     """(m, k) @ (k, n) with k split over `a` leaves a partial sum; a constraint splitting m
     over `a` resolves it with psum_scatter, not psum + slice."""
@@ -335,6 +339,7 @@ def test_pending_sum_onto_a_split_dim_is_one_reduce_scatter():
     assert "psum" not in prims and "all_gather" not in prims, prims
 
 
+@pytest.mark.unit
 def test_a_shift_of_batch_split_rows_is_written_in_place():
     """HF's shift of labels into decoder inputs (a scatter into zeros) keeps the batch split."""
     rng = np.random.default_rng(0)

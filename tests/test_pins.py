@@ -10,8 +10,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.unit
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 

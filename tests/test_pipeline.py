@@ -17,6 +17,8 @@ from xtrain.testing.parity import ParityResult
 from models import GPT, token_batches
 from test_hf_models import adamw, gpt2, llama, lm_batches, lm_loss, sgd as hf_sgd
 
+pytestmark = pytest.mark.e2e
+
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)

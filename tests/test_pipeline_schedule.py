@@ -11,6 +11,8 @@ from xtrain.lowering.pipeline import partition, schedule
 from xtrain.lowering.pipeline.executors import tick_tables
 from xtrain.lowering.pipeline.schedule import Kind
 
+pytestmark = pytest.mark.unit
+
 CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
          ("1f1b", 4, 2, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 8, 3)]
 

@@ -57,6 +57,7 @@ def rejected(candidate) -> list:
     return [f for f in found if f.severity is conformance.Severity.ERROR]
 
 
+@pytest.mark.e2e
 def test_trn1_plan_search_never_picks_a_plan_the_checker_rejects():
     result = trn1_result()
     assert result.best is not None and not result.best.findings
@@ -73,6 +74,7 @@ def test_trn1_plan_search_never_picks_a_plan_the_checker_rejects():
     assert all(r.usable == (not r.findings and r.prediction.fits) for r in result.rows if r.prediction)
 
 
+@pytest.mark.e2e
 def test_pipeline_stages_move_to_neighbouring_cores_when_tensor_innermost_is_rejected():
     default = search.Candidate(data=32, tensor=2, pipe=2, microbatches=2)
     (error, *_) = rejected(default)  # data, pipe, tensor: stage s -> s + 1 is two cores away
@@ -85,6 +87,7 @@ def test_pipeline_stages_move_to_neighbouring_cores_when_tensor_innermost_is_rej
     assert not row.findings and row.usable and rejected(row.candidate) == []
 
 
+@pytest.mark.e2e
 def test_mfu_counts_the_models_flops_the_same_way_for_every_plan():
     model, wrapped, tx = gpt()
     result = trn1_result()
@@ -100,6 +103,7 @@ def test_mfu_counts_the_models_flops_the_same_way_for_every_plan():
     assert observe.utilisation(model_flops, 0.5, 128, peak)["mfu"] == pytest.approx(flops.mfu(model_flops, 0.5, 128, peak))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind, instance, hbm_gib", [
     ("NVIDIA A100-SXM4-40GB", "p4d.24xlarge", 40), ("NVIDIA A100-SXM4-80GB", "p4de.24xlarge", 80),
     ("NVIDIA H100 80GB HBM3", "p5.48xlarge", 80), ("NVIDIA H200", "p5e.48xlarge", 141)])

@@ -49,11 +49,13 @@ def parity(name, mesh, plan, **kwargs):
 
 
 # -- what the presets choose (no compile) ---------------------------------------------------
+@pytest.mark.unit
 def test_ddp_is_the_default_plan():
     assert plans.ddp().params == {} and plans.ddp().batch is None
     assert plans.ddp("replica").batch == ("replica",)
 
 
+@pytest.mark.unit
 def test_megatron_on_test_gpt_splits_attention_mlp_and_vocab():
     plan = tp(GPT(), TP2)
     assert plan.params == {
@@ -68,6 +70,7 @@ def test_megatron_on_test_gpt_splits_attention_mlp_and_vocab():
     assert any(n.startswith("pos.weight (16, 32): a lookup table whose rows are no logits'") for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_megatron_on_gpt2_conv1d_fused_qkv_and_odd_vocab():
     plan = tp(gpt2(), TP2)
     h = "transformer.h.*."
@@ -86,6 +89,7 @@ def test_megatron_on_gpt2_conv1d_fused_qkv_and_odd_vocab():
     assert any("vocab 101 not divisible by tensor=2" in n for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_megatron_on_llama_swiglu_and_gqa():
     plan = tp(llama(), TP2)
     layer = "model.layers.*."
@@ -96,6 +100,7 @@ def test_megatron_on_llama_swiglu_and_gqa():
     assert "lm_head.weight" not in plan.params  # vocab 101
 
 
+@pytest.mark.unit
 def test_megatron_splits_the_queries_when_kv_groups_do_not_divide():
     model = llama()
     tp(model, TP2)  # planned for tensor=2 first (kv heads divisible): the next plan traces for 4
@@ -111,6 +116,7 @@ def test_megatron_splits_the_queries_when_kv_groups_do_not_divide():
             "gradient of model.layers.*.self_attn.k_proj gathers every device's query heads") in plan.notes
 
 
+@pytest.mark.unit
 def test_megatron_keeps_attention_whole_when_heads_do_not_divide():
     plan = tp(GPT(heads=2), TP4)
     assert not any(".attn." in p for p in plan.params)
@@ -129,6 +135,7 @@ class Probe(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.fc(x), y)
 
 
+@pytest.mark.unit
 def test_megatron_errors_name_the_fix():
     with pytest.raises(PlanError, match=r"mesh \(data=8\) has no axis 'tensor'"):
         plans.megatron(GPT(), dict(data=8))
@@ -139,6 +146,7 @@ def test_megatron_errors_name_the_fix():
         plans.assert_sharded(plans.megatron(GPT(), TP2), GPT(), TP2)
 
 
+@pytest.mark.unit
 def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
     plan = plans.fsdp(gpt2(), dict(data=8))
     assert plan.params["transformer.wte.weight"] == (None, "data")  # vocab 101: the width instead
@@ -154,11 +162,13 @@ def test_fsdp_splits_largest_divisible_dim_and_notes_the_rest():
         plans.zero(4)
 
 
+@pytest.mark.unit
 def test_fsdp_accepts_jax_params_pytrees():
     params = {"layers": [{"w": np.zeros((64, 32))}, {"w": np.zeros((64, 32))}], "b": np.zeros(32)}
     assert plans.fsdp(params, dict(data=8)).params == {"layers.*.w": ("data", None)}
 
 
+@pytest.mark.unit
 def test_hybrid_shards_within_a_group_and_batches_over_both():
     plan = plans.hybrid(GPT(), dict(replica=2, data=4))
     assert plan.batch == (("replica", "data"),)
@@ -166,6 +176,7 @@ def test_hybrid_shards_within_a_group_and_batches_over_both():
     assert all("replica" not in str(s) for s in plan.params.values())
 
 
+@pytest.mark.unit
 def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
     model = GPT()
     plan = plans.fsdp(model, TP2, base=tp(model, TP2))
@@ -175,6 +186,7 @@ def test_fsdp_on_top_of_megatron_adds_data_to_every_large_tensor():
     assert any("vocab-parallel" in n for n in plan.notes) and any("FSDP" in n for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_printed_plan_lists_rules_and_notes():
     text = str(tp(llama(), TP4))
     assert text.splitlines()[0] == "Plan(batch=default (the mesh's 'data' axis), zero=0)"
@@ -183,6 +195,7 @@ def test_printed_plan_lists_rules_and_notes():
     assert str(xtrain.Plan()) == "Plan(batch=default (the mesh's 'data' axis), zero=0)\n  (every parameter replicated)"
 
 
+@pytest.mark.unit
 def test_a_preset_plan_is_an_editable_plan():
     plan = tp(GPT(), TP2)
     edited = dataclasses.replace(plan, params={**plan.params, "pos.weight": (None, "tensor")})
@@ -191,6 +204,7 @@ def test_a_preset_plan_is_an_editable_plan():
 
 
 # -- the plan after sharding (STYLE.md point 9) ---------------------------------------------
+@pytest.mark.unit
 def test_assert_sharded_names_the_largest_replicated_tensors():
     model = gpt2()
     derived = tp(model, TP2)
@@ -203,6 +217,7 @@ def test_assert_sharded_names_the_largest_replicated_tensors():
         plans.assert_sharded(plans.ddp(), model, dict(data=8))
 
 
+@pytest.mark.e2e
 def test_largest_replicated_of_a_compiled_step():
     model = GPT()
     step = xtrain.compile(model, xtrain.Mesh(**TP2), optimizer=sgd(model.parameters()),
@@ -212,34 +227,41 @@ def test_largest_replicated_of_a_compiled_step():
 
 
 # -- parity ---------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("mesh", [TP2, TP4], ids=["tp2xdp4", "tp4xdp2"])
 def test_megatron_gpt_parity(mesh):
     parity("gpt", mesh, plans.megatron(case("gpt")[0], mesh))  # vocab-parallel embedding and head
 
 
+@pytest.mark.e2e
 def test_megatron_gpt_vocab_parallel_parity_xla():
     parity("gpt", TP2, tp(case("gpt")[0], TP2), lowering="xla")
 
 
+@pytest.mark.e2e
 def test_megatron_gpt_without_vocab_parallel_parity():
     parity("gpt", TP2, tp(case("gpt")[0], TP2, vocab_parallel=False))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,mesh", [("gpt2", TP2), ("llama", TP2), ("llama", TP4)],
                          ids=["gpt2-tp2", "llama-tp2", "llama-tp4-kv-whole"])
 def test_megatron_hf_parity(name, mesh):
     parity(name, mesh, plans.megatron(case(name)[0], mesh))
 
 
+@pytest.mark.e2e
 def test_fsdp_parity_data8():
     parity("gpt2", dict(data=8), plans.fsdp(case("gpt2")[0], dict(data=8)))
 
 
+@pytest.mark.e2e
 def test_hybrid_parity_replica2_data4():
     mesh = dict(replica=2, data=4)
     parity("gpt", mesh, plans.hybrid(case("gpt")[0], mesh))
 
 
+@pytest.mark.e2e
 def test_tp2_fsdp4_parity_and_lowerings_agree():
     model = case("gpt")[0]
     plan = plans.fsdp(model, TP2, base=tp(model, TP2))  # vocab split over tensor x data
@@ -250,6 +272,7 @@ def test_tp2_fsdp4_parity_and_lowerings_agree():
     np.testing.assert_allclose(unrolled.losses, xla.losses, rtol=1e-5)
 
 
+@pytest.mark.e2e
 def test_vocab_parallel_moves_activations_not_the_table():
     """Embedding lookup and the cross-entropy's target pick run on the local vocab shard (a
     masked lookup whose partial sum is all-reduced); FSDP's data split of the table is gathered
@@ -296,6 +319,7 @@ def random_plan(rng, shapes, sizes):
     return xtrain.Plan(params=rules, batch=batch)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("seed", range(3))
 def test_random_plans_parity(seed):
     rng = np.random.default_rng(seed)
@@ -306,6 +330,7 @@ def test_random_plans_parity(seed):
     parity("gpt", sizes, plan)
 
 
+@pytest.mark.e2e
 def test_a_pending_plan_is_derived_at_the_first_step_and_user_rules_win():
     model, batches, _, _ = case("gpt")
     pending = plans.megatron(model, TP2)

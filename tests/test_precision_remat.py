@@ -55,6 +55,7 @@ def dot_operand_dtypes(program) -> list[str]:
     return [str(e.invars[0].aval.dtype) for e in _eqns(program.jaxpr) if e.primitive.name == "dot_general"]
 
 
+@pytest.mark.e2e
 def test_bf16_trains_the_gpt_close_to_fp32_with_fp32_master_weights():
     step, losses = train_gpt("bf16")
     reference = fp32_losses()
@@ -72,6 +73,7 @@ def test_bf16_trains_the_gpt_close_to_fp32_with_fp32_master_weights():
     assert any("bf16[" in line for line in psums), "gradients must cross the wire in bf16"
 
 
+@pytest.mark.e2e
 def test_fp32_module_override_keeps_those_matmuls_fp32():
     torch.manual_seed(0)
     model = GPT(layers=2)
@@ -85,6 +87,7 @@ def test_fp32_module_override_keeps_those_matmuls_fp32():
     assert 0 < kept_bf16 < plain_bf16, (kept_bf16, plain_bf16)
 
 
+@pytest.mark.e2e
 def test_bf16_with_the_xla_lowering_trains_close_to_fp32():
     losses = {}
     for precision in ("fp32", "bf16"):
@@ -97,6 +100,7 @@ def test_bf16_with_the_xla_lowering_trains_close_to_fp32():
     assert 0 < rel.max() <= BF16_LOSS_RTOL, rel
 
 
+@pytest.mark.unit
 def test_precision_config_errors_name_field_and_value():
     with pytest.raises(PlanError, match=r"Precision.compute='int8' must be one of \['fp32', 'bf16', 'fp16'\]"):
         xtrain.Plan(precision="int8")
@@ -107,6 +111,7 @@ def test_precision_config_errors_name_field_and_value():
 
 
 # -- fp16 dynamic loss scaling ---------------------------------------------------------------
+@pytest.mark.e2e
 def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
     torch.manual_seed(0)
     model = MLP()
@@ -145,6 +150,7 @@ def remat_note(step) -> tuple[int, int]:
     return on, off
 
 
+@pytest.mark.e2e
 def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     torch.manual_seed(0)
     model, batches = GPT(layers=3, d=32, seq=16), token_batches(n=4, batch=32)
@@ -171,6 +177,7 @@ def test_remat_full_and_selective_lower_peak_temporaries_and_keep_parity():
     assert full < saved_dots < off and "dot_general" in asked, (temps, asked)
 
 
+@pytest.mark.e2e
 def test_remat_under_zero3_recomputes_the_layers_and_gathers_their_weights_again():
     """ZeRO-3 checkpoints the whole step to gather weights again in the backward pass; JAX's
     outermost checkpoint policy decides for everything inside it, so that must not override
@@ -190,6 +197,7 @@ def test_remat_under_zero3_recomputes_the_layers_and_gathers_their_weights_again
     assert backward_scan_gathers(step, batches[0]) == [sum(p.numel() for p in model.blocks[0].parameters())]
 
 
+@pytest.mark.e2e
 def test_remat_without_a_layer_scan_is_an_error():
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
@@ -18,6 +19,8 @@ from xtrain.lowering.report import memory_of
 from models import GPT, token_batches
 from test_clip_schedule import MAX_NORM, gpt_clip_case, parity, sgd, xtrain_run
 from xtrain.testing import assert_parity
+
+pytestmark = pytest.mark.e2e
 
 # -- what the optimized HLO hands to XLA's CPU runtime -------------------------------------------
 _COLLECTIVE_OPS = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"}

@@ -42,12 +42,14 @@ def adam_state(param_bytes):
     return 2 * param_bytes  # mu and nu; the step count is a few bytes more
 
 
+@pytest.mark.e2e
 def test_ddp_holds_everything_whole():
     state = report(0).state_memory
     assert state["parameters"] == state["gradients"] == PARAM_BYTES
     assert adam_state(PARAM_BYTES) <= state["optimizer"] <= adam_state(PARAM_BYTES) + 16
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stage, params, grads", [(1, 1, 1), (2, 1, 1 / 8), (3, 1 / 8, 1 / 8)])
 def test_zero_stages_split_what_they_claim(stage, params, grads):
     state = report(stage).state_memory
@@ -56,6 +58,7 @@ def test_zero_stages_split_what_they_claim(stage, params, grads):
     assert adam_state(PARAM_BYTES) / 8 <= state["optimizer"] <= adam_state(PARAM_BYTES) / 8 + 16
 
 
+@pytest.mark.e2e
 def test_report_lists_plan_notes_and_largest_whole_tensors():
     ddp = report(0)
     assert [n for n, _ in ddp.largest_replicated][:2] == ["fc2.weight", "fc1.weight"]
@@ -69,6 +72,7 @@ def test_report_lists_plan_notes_and_largest_whole_tensors():
     assert any(n.startswith("FSDP: parameters split over data=8") for n in fsdp.plan_notes)
 
 
+@pytest.mark.e2e
 def test_memory_analysis_sits_next_to_state_bytes():
     rep = report(3)
     assert {"arguments", "outputs", "temporaries"} <= set(rep.memory)
@@ -76,6 +80,7 @@ def test_memory_analysis_sits_next_to_state_bytes():
     assert rep.memory["arguments"] >= sum(rep.state_memory[k] for k in ("parameters", "optimizer"))
 
 
+@pytest.mark.unit
 def test_hlo_tuple_all_reduce_counts_every_operand():
     from xtrain.lowering.report import collectives_from_hlo
 
@@ -85,6 +90,7 @@ def test_hlo_tuple_all_reduce_counts_every_operand():
     assert (found.kind, found.axes, found.payload_bytes) == ("all-reduce", ("data",), (5 * 4 + 16) * 4)
 
 
+@pytest.mark.unit
 def test_overlap_counts_only_independent_matmuls():
     """A collective overlaps the matmuls that neither feed it nor consume its result."""
     import jax
@@ -109,6 +115,7 @@ def test_overlap_counts_only_independent_matmuls():
     assert found.kind == "all-reduce" and found.overlap_flops == 2 * 8 * 16 * 64
 
 
+@pytest.mark.e2e
 def test_fsdp_gathers_can_hide_behind_other_layers_matmuls():
     rep = report(3)
     assert "overlap MFLOP" in str(rep)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,6 +17,8 @@ from xtrain.cli import free_port_pair
 
 from models import GPT, token_batches
 from test_checkpoint import TESTS, TIMEOUT_S, adamw, worker_env
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS = 6
 

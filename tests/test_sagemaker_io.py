@@ -36,6 +36,7 @@ def fake_job(tmp_path, *, checkpoints: bool = True) -> dict[str, str]:
             "SM_CHANNEL_EVAL": str(tmp_path / "eval")}
 
 
+@pytest.mark.unit
 def test_paths_of_a_job(tmp_path):
     env = fake_job(tmp_path)
     job = sagemaker.paths(env)
@@ -46,6 +47,7 @@ def test_paths_of_a_job(tmp_path):
     assert sagemaker.paths(env, root=str(tmp_path / "ml")).checkpoint_dir == tmp_path / "ml" / "checkpoints"
 
 
+@pytest.mark.unit
 def test_no_checkpoint_config_means_no_checkpoint_directory(tmp_path, monkeypatch):
     env = fake_job(tmp_path, checkpoints=False)
     assert sagemaker.paths(env).checkpoint_dir is None
@@ -57,6 +59,7 @@ def test_no_checkpoint_config_means_no_checkpoint_directory(tmp_path, monkeypatc
         CheckpointManager()
 
 
+@pytest.mark.e2e
 def test_export_without_a_path_goes_to_sm_model_dir(tmp_path, monkeypatch):
     model = MLP()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -74,6 +77,7 @@ def test_export_without_a_path_goes_to_sm_model_dir(tmp_path, monkeypatch):
     assert CheckpointManager().directory == tmp_path / "checkpoints"
 
 
+@pytest.mark.multiprocess
 def test_example_trains_from_the_channel_checkpoints_and_exports(tmp_path):
     env = fake_job(tmp_path)
     text = "SageMaker channel data: the quick brown fox jumps over the lazy dog. " * 400

@@ -45,6 +45,7 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+@pytest.mark.unit
 def test_stored_order_interleaves_the_segments_and_inverts():
     x = np.arange(24)
     stored = to_stored(x, (FUSED,), {"tensor": 2})
@@ -53,6 +54,7 @@ def test_stored_order_interleaves_the_segments_and_inverts():
     assert to_torch(stored, (FUSED,), {"tensor": 2}).tolist() == x.tolist()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("lowering", ["explicit", "xla"])
 def test_a_per_segment_plan_trains_with_parity(lowering):
     torch.manual_seed(0)
@@ -68,6 +70,7 @@ def test_a_per_segment_plan_trains_with_parity(lowering):
         assert all(torch.equal(torch.as_tensor(state[k]), v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sizes,message", [((8, 8), "adds up to 16, but the dimension has size 24"),
                                            ((9, 15), "segments [9, 15] of Segments('tensor', (9, 15)) are not divisible")])
 def test_segments_that_do_not_fit_are_refused(sizes, message):
@@ -77,6 +80,7 @@ def test_segments_that_do_not_fit_are_refused(sizes, message):
         xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=bad)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("change", [dict(offload="optimizer"), dict(zero=2)])
 def test_optimizer_state_follows_the_stored_order(change):
     # the momentum is stored like its parameter: in host memory (reordered on the device), or split

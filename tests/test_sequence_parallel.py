@@ -37,6 +37,7 @@ def case():
     return model, batches, torch_reference(model, sgd, batches)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("lowering", ["explicit", "xla"])
 def test_sequence_parallel_megatron_parity(lowering):
     model, batches, reference = case()
@@ -67,16 +68,19 @@ def per_block(fwd: dict, bwd: dict) -> dict:
             for kind, n in kinds.items()}
 
 
+@pytest.mark.e2e
 def test_megatron_all_reduces_twice_per_block_each_way():
     assert block_collectives(False) == per_block({"all-reduce": 2}, {"all-reduce": 2})
 
 
+@pytest.mark.e2e
 def test_sequence_parallel_replaces_each_all_reduce_by_reduce_scatter_and_all_gather():
     pair = {"reduce-scatter": 2, "all-gather": 2}
     assert block_collectives(True) == per_block(pair, pair)
 
 
 # -- the annotation outside xtrain, in JAX code, and its errors ------------------------------------
+@pytest.mark.unit
 def test_shard_is_the_identity_outside_xtrain():
     t = torch.ones(4, 2, 3)
     assert xtrain.shard(t, SP) is t
@@ -89,6 +93,7 @@ def jax_loss(params, x, y):
     return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
+@pytest.mark.e2e
 def test_shard_in_jax_code_keeps_parity_with_an_unannotated_run():
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(6, 8)).astype(np.float32), "w2": rng.normal(size=(8, 2)).astype(np.float32)}
@@ -126,6 +131,7 @@ class Outer(torch.nn.Module):
         return self.body(x).sum()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("spec,message", [
     (("data", "model"), r"xtrain.shard in module 'body': spec \('data', 'model'\) for tensor of shape \(16, 6\) names axis 'model', which the mesh \(data=4, tensor=2\) "
                         r"does not have; use one of \['data', 'tensor'\]"),

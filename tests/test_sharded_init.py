@@ -18,6 +18,7 @@ from test_checkpoint import TESTS, TIMEOUT_S, worker_env
 from test_hf_models import gpt2, llama, lm_batches, lm_loss
 
 
+@pytest.mark.multiprocess
 def test_meta_model_loads_zero3_shards_within_a_fraction_of_its_size_per_process(tmp_path):
     torch.manual_seed(0)
     model = Stack()
@@ -51,6 +52,7 @@ def meta_model(model, how: str):
         return type(model)(model.config)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,how,mesh,plan", [
     ("gpt2", "meta device", dict(data=8), xtrain.plans.fsdp),
     ("llama", "meta_params", dict(data=4, tensor=2), xtrain.plans.megatron)])
@@ -80,6 +82,7 @@ def test_hf_checkpoint_loads_into_a_meta_model_and_trains_like_torch(tmp_path, n
     assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
+@pytest.mark.e2e
 def test_a_buffer_left_on_the_meta_device_is_named(tmp_path):
     torch.manual_seed(0)
     model = llama()
@@ -92,6 +95,7 @@ def test_a_buffer_left_on_the_meta_device_is_named(tmp_path):
                        loss_fn=lm_loss, init_from=tmp_path)
 
 
+@pytest.mark.e2e
 def test_missing_or_misshapen_tensors_are_named(tmp_path):
     torch.manual_seed(0)
     state = Stack(d=64, layers=2).state_dict()

@@ -56,6 +56,7 @@ def program_size(name: str, layers: int, scan_layers: bool = True) -> int:
     return equations(step.program(*batch))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "hf_llama"])
 def test_program_size_is_flat_in_depth(name):
     """What keeps compile time flat in depth (issue 3; benchmarks/compile_depth.py times it):
@@ -65,6 +66,7 @@ def test_program_size_is_flat_in_depth(name):
         assert program_size(name, 8, scan_layers=False) > program_size(name, 2, scan_layers=False)
 
 
+@pytest.mark.e2e
 def test_state_is_stacked_and_the_user_sees_layers():
     model, step = gpt_step(4)
     q = step.state.params["blocks.*.attn.q.weight"]
@@ -78,6 +80,7 @@ def test_state_is_stacked_and_the_user_sees_layers():
            "of them in place" in str(step.report(*token_batches(1)[0]))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("saved_stacked", [True, False], ids=["stacked->per-layer", "per-layer->stacked"])
 def test_checkpoints_load_across_layouts(tmp_path, saved_stacked):
     batches = token_batches(n=4)
@@ -103,6 +106,7 @@ def test_checkpoints_load_across_layouts(tmp_path, saved_stacked):
     assert max(float((mine[k] - theirs[k]).abs().max()) for k in mine) <= 1e-5
 
 
+@pytest.mark.e2e
 def test_families_split_across_param_groups_stay_per_layer():
     """Layer 0 and layer 1 in different optimizer groups (different lr): they cannot share one
     stacked array; training still matches torch."""
@@ -122,6 +126,7 @@ def test_families_split_across_param_groups_stay_per_layer():
     assert "blocks.0.attn.q.weight" in step.state.params and not any("*" in n for n in step.state.params)
 
 
+@pytest.mark.unit
 def test_stacking_finds_only_complete_agreeing_families():
     names = ["h.0.w", "h.1.w", "h.2.w", "h.0.b", "h.2.b", "x.0.v", "x.1.v", "top.w"]
     agree = lambda n: "odd" if n == "x.1.v" else "same"

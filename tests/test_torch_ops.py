@@ -16,6 +16,7 @@ X = (RNG.standard_normal((3, 5, 8)) * 3).astype(np.float32)
 G = RNG.standard_normal((3, 5, 8)).astype(np.float32)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_value_and_gradient_match_torch(approximate):
     y, vjp = jax.vjp(lambda a: torch_ops._gelu(a, approximate=approximate), jnp.asarray(X))
@@ -26,6 +27,7 @@ def test_gelu_value_and_gradient_match_torch(approximate):
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=2e-5)
 
 
+@pytest.mark.unit
 def test_silu_value_and_gradient_match_torch():
     y, vjp = jax.vjp(torch_ops._silu, jnp.asarray(X))
     xt = torch.tensor(X, requires_grad=True)
@@ -35,6 +37,7 @@ def test_silu_value_and_gradient_match_torch():
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=2e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("masked", [False, True])
 def test_softmax_value_and_gradient_match_torch(masked):
     x = X.copy()
@@ -48,6 +51,7 @@ def test_softmax_value_and_gradient_match_torch(masked):
     np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(G))[0]), xt.grad.numpy(), atol=1e-5)
 
 
+@pytest.mark.unit
 def test_softmax_over_a_leading_dim_and_in_a_given_dtype():
     y = torch_ops._softmax(jnp.asarray(X), 0)
     np.testing.assert_allclose(np.asarray(y), torch.softmax(torch.tensor(X), 0).numpy(), atol=1e-6)
@@ -55,6 +59,7 @@ def test_softmax_over_a_leading_dim_and_in_a_given_dtype():
     assert half.dtype == jnp.float32
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("weighted", [True, False])
 def test_rms_norm_value_and_gradients_match_torch(weighted):
     w = RNG.standard_normal(8).astype(np.float32)
@@ -71,6 +76,7 @@ def test_rms_norm_value_and_gradients_match_torch(weighted):
         np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_rms_norm_in_bfloat16_computes_as_torch():
     """16-bit inputs are normalized in float32 with float32's eps, scaled, then cast back."""
     x, w = torch.tensor(X).bfloat16(), torch.tensor(G[0, 0]).bfloat16()
@@ -81,11 +87,13 @@ def test_rms_norm_in_bfloat16_computes_as_torch():
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
 
 
+@pytest.mark.unit
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(UnsupportedOpError, match="approximate='erf'"):
         torch_ops._gelu(jnp.asarray(X), approximate="erf")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape,affine", [((8,), True), ((5, 8), True), ((8,), False)])
 def test_layer_norm_gradients_match_torch(shape, affine):
     w = RNG.standard_normal(shape).astype(np.float32) if affine else None
@@ -107,6 +115,7 @@ def test_layer_norm_gradients_match_torch(shape, affine):
         np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=2e-5)
 
 
+@pytest.mark.unit
 def test_layer_norm_statistics_outputs_are_differentiable():
     """The mean and 1/std outputs' cotangents count as under autodiff of the plain formula."""
     def ours(x):
@@ -150,6 +159,7 @@ def hidden_residuals(module: torch.nn.Module) -> list[tuple]:
     return [r.shape for r in backward_residuals(module) if r.shape == (4, 6, 32)]
 
 
+@pytest.mark.unit
 def test_gelu_backward_keeps_one_residual():
     """GELU keeps its slope beside the second matmul's input. JAX's autodiff of the erf formula
     kept four 32-wide values."""
@@ -167,6 +177,7 @@ class _SwiGLU(torch.nn.Module):
         return (self.out(torch.nn.functional.silu(self.gate(x))) - y).pow(2).mean()
 
 
+@pytest.mark.unit
 def test_silu_backward_keeps_one_residual():
     """SiLU keeps its slope beside the second matmul's input; JAX's autodiff of x * sigmoid(x)
     kept the input and the sigmoid as well."""
@@ -186,6 +197,7 @@ class _Attention(torch.nn.Module):
         return ((weights @ v) - y).pow(2).mean()
 
 
+@pytest.mark.unit
 def test_softmax_backward_keeps_only_its_output():
     """The attention weights are what the backward pass reads of the softmax: its own
     derivative and the weights @ v product both use them. JAX's autodiff of the formula
@@ -223,6 +235,7 @@ def _norm_residuals(module) -> list[np.ndarray]:
     return distinct
 
 
+@pytest.mark.unit
 def test_hf_rms_norm_modules_get_the_derivative_rule(monkeypatch):
     """HF's RMSNorm (separate torch ops) is traced through F.rms_norm: the backward reads the
     normalized input and the scaled one (the next matmul's input), not the input besides.
@@ -244,6 +257,7 @@ def test_hf_rms_norm_modules_get_the_derivative_rule(monkeypatch):
     assert len(_norm_residuals(_llama_norm_block(LlamaRMSNorm))) == 4  # + the input and 2 x (pow's slope)
 
 
+@pytest.mark.unit
 def test_hf_rms_norm_rule_matches_torch_and_leaves_the_module_as_it_was():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -272,6 +286,7 @@ def _sdpa_case(rng, hq=4, hk=4):
     return q, k, v
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["plain", "causal", "bool-mask", "float-mask", "per-head-mask", "gqa",
                                   "gqa-per-head-mask", "scale"])
 def test_sdpa_matches_torch(kind):
@@ -302,6 +317,7 @@ def test_sdpa_matches_torch(kind):
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5)
 
 
+@pytest.mark.unit
 def test_sdpa_rejects_mismatched_heads_without_gqa():
     rng = np.random.default_rng(1)
     q, k, v = _sdpa_case(rng, hk=2)
@@ -309,6 +325,7 @@ def test_sdpa_rejects_mismatched_heads_without_gqa():
         sdpa.sdpa(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
 
 
+@pytest.mark.e2e
 def test_tensor_parallel_attention_stays_on_local_heads():
     """HF Llama (SDPA, grouped-query) under Megatron TP2 x DP4 trains like torch, with no
     collective over 'tensor' inside attention (torchax's reference SDPA, flattened by torch
@@ -334,6 +351,7 @@ def test_tensor_parallel_attention_stays_on_local_heads():
     assert not pows, pows
 
 
+@pytest.mark.e2e
 def test_a_squaring_pow_in_the_layer_scan_is_integer_pow(monkeypatch):
     """x.pow(2) (here HF Llama's RMSNorm with the module rule off) runs as integer_pow, a
     multiply: as a pow, the layer scan hoisted the cast exponent out of the loop and XLA:CPU

@@ -44,6 +44,7 @@ def case(name):
 
 
 # -- what the graph finds (no compile) ------------------------------------------------------
+@pytest.mark.unit
 def test_gpt_neox_fused_qkv_is_split_by_heads():
     _, _, _, plan = case("gpt_neox")
     layer = "gpt_neox.layers.*."
@@ -58,6 +59,7 @@ def test_gpt_neox_fused_qkv_is_split_by_heads():
     assert not any("segments" in n for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_phi3_fused_gate_up_and_qkv_are_segments():
     _, _, _, plan = case("phi3")
     layer = "model.layers.*."
@@ -68,6 +70,7 @@ def test_phi3_fused_gate_up_and_qkv_are_segments():
                             "per segment over tensor=2") for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_gpt2_c_attn_and_its_bias_are_split_per_segment():
     _, _, _, plan = case("gpt2")
     qkv = xtrain.Segments(("tensor",), (32, 32, 32))  # a Conv1D: (in, out) weight, the fused dim last
@@ -75,6 +78,7 @@ def test_gpt2_c_attn_and_its_bias_are_split_per_segment():
     assert plan.params["transformer.h.*.attn.c_attn.bias"] == (qkv,)
 
 
+@pytest.mark.unit
 def test_bert_sibling_output_modules_pair_by_dataflow():
     _, _, _, plan = case("bert")
     layer = "bert.encoder.layer.*."
@@ -88,6 +92,7 @@ def test_bert_sibling_output_modules_pair_by_dataflow():
     assert plan.params["cls.predictions.bias"] == ("tensor",)
 
 
+@pytest.mark.unit
 def test_a_meaningless_twin_gets_the_same_plan():
     named, _, data, plan = case("dict_llama")
     torch.manual_seed(0)
@@ -100,6 +105,7 @@ def test_a_meaningless_twin_gets_the_same_plan():
     assert ours["layers.0.w2.weight"] == ROW and ours["embed.weight"] == COL and ours["out.weight"] == COL
 
 
+@pytest.mark.unit
 def test_gqa_with_fewer_kv_heads_than_tensor_keeps_kv_whole():
     model, _, _, plan = case("mqa")  # one kv head, tensor=2
     specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, MESH)
@@ -111,6 +117,7 @@ def test_gqa_with_fewer_kv_heads_than_tensor_keeps_kv_whole():
             "every device's query heads") in plan.notes
 
 
+@pytest.mark.unit
 def test_gqa_with_kv_heads_the_axis_does_not_divide_splits_the_queries():
     # HF Llama, 6 query heads over 3 key/value heads on tensor=2: the query heads split 3 per device
     # (sdpa repeats keys and values per query head under this split instead of grouping the queries)
@@ -125,6 +132,7 @@ def test_gqa_with_kv_heads_the_axis_does_not_divide_splits_the_queries():
                "while the query heads that read them split" in n for n in plan.notes)
 
 
+@pytest.mark.unit
 def test_expert_weights_split_on_the_expert_ffn_dimension():
     model, _, _, plan = case("moe")
     specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, MESH)
@@ -134,6 +142,7 @@ def test_expert_weights_split_on_the_expert_ffn_dimension():
 
 
 # -- parity, sharding and communication ------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(MODELS))
 def test_derived_plan_parity_and_sharded(name):
     model, loss_fn, data, plan = case(name)
@@ -159,6 +168,7 @@ def tensor_collectives(name, by_stack=False):
     return dict(counts)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,per_block", [("gpt_neox", 1), ("bert", 2), ("dict_llama", 2), ("mqa", 2),
                                            ("gqa3", 2), ("phi3", 2), ("gpt2", 2)])
 def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
@@ -167,6 +177,7 @@ def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
     assert tensor_collectives(name) == {(0, "all-reduce"): per_block, (1, "all-reduce"): per_block}
 
 
+@pytest.mark.e2e
 def test_t5_cross_attention_is_column_row_and_reduces_once_per_sublayer():
     _, _, _, plan = case("t5")
     cross = "decoder.block.*.layer.1.EncDecAttention."
@@ -180,6 +191,7 @@ def test_t5_cross_attention_is_column_row_and_reduces_once_per_sublayer():
         ("decoder.block.0", "all-reduce"): 4, ("decoder.block.1", "all-reduce"): 3}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("conv1d", [False, True])
 def test_a_row_parallel_bias_gradient_is_not_reduced_over_tensor(conv1d):
     # the bias is added after the row-parallel sum (as Megatron does), so its gradient is whole on
@@ -208,6 +220,7 @@ def sp_case(name, sequence_parallel):
     return model, data, plan, hf_loss
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_sequence_parallel_parity_and_collectives(name):
     model, data, plan, loss_fn = sp_case(name, True)
@@ -236,6 +249,7 @@ def test_sequence_parallel_parity_and_collectives(name):
 
 
 # -- checkpoints keep torch's order under fused splits ------------------------------------------
+@pytest.mark.e2e
 def test_a_fused_split_checkpoint_at_tensor2_loads_at_tensor1_and_4(tmp_path):
     model, loss_fn, data, plan = case("phi3")  # fused qkv_proj and gate_up_proj, split over tensor
     step = xtrain.compile(model, xtrain.Mesh(**MESH), optimizer=sgd(model.parameters()), plan=plan, loss_fn=loss_fn)
@@ -261,6 +275,7 @@ def test_a_fused_split_checkpoint_at_tensor2_loads_at_tensor1_and_4(tmp_path):
             torch.testing.assert_close(torch.as_tensor(state[name]), second[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.e2e
 def test_fused_segments_under_fsdp_on_top():
     # ZeRO-3 splits the fused weights over data on their other dimension (never the per-segment one)
     model, loss_fn, data, plan = case("phi3")

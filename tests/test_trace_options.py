@@ -8,6 +8,7 @@ module traces torch's own attention.
 """
 import dataclasses
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -17,6 +18,8 @@ from xtrain.ir.trace_options import SequenceParallel, TraceOptions
 from xtrain.sharding.plan import Plan
 
 from test_hf_models import VOCAB, lm_batches, lm_loss
+
+pytestmark = pytest.mark.e2e  # compiles and runs steps of an HF Llama
 
 
 def gqa_llama():

@@ -31,6 +31,7 @@ def compile_and_train(model, make_opt, batches, mesh=None, **kwargs):
 
 
 # -- frozen parameters -------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_frozen_parameters_stay_bit_identical():
     model = MLP()
     model.fc1.requires_grad_(False)
@@ -49,6 +50,7 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+@pytest.mark.e2e
 def test_eval_changes_nothing_and_matches_torch_eval():
     model = CNN()
     batches = cnn_batches(n=4)
@@ -80,6 +82,7 @@ def gpt_losses(dropout, mesh):
     return compile_and_train(model, adamw, token_batches(n=4), xtrain.Mesh(**mesh))[1]
 
 
+@pytest.mark.e2e
 def test_dropout_mask_is_independent_of_layout():
     data8 = gpt_losses(0.1, dict(data=8))
     data2 = gpt_losses(0.1, dict(data=2, rest=4))
@@ -100,6 +103,7 @@ def two_groups(optimizer_cls, **options):
     return make
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("make_opt", [
     two_groups(torch.optim.SGD, momentum=0.9),
     two_groups(torch.optim.AdamW, weight_decay=0.01),
@@ -141,6 +145,7 @@ def jax_reference(params, batches, tx):
     return losses, params
 
 
+@pytest.mark.e2e
 def test_jax_function_matches_jax_on_one_device():
     params, batches = jax_problem()
     tx = optax.sgd(0.1, momentum=0.9)
@@ -166,6 +171,7 @@ def traced_gpt():
     return module, trace(model, model.initial_params(), model.initial_buffers(), key, batch)
 
 
+@pytest.mark.unit
 def test_dot_generals_carry_their_module_paths():
     _, graph = traced_gpt()
     found = collections.Counter(path for eqn, path in graph.equations() if eqn.primitive.name == "dot_general")
@@ -196,6 +202,7 @@ def _model_frame(eqn) -> str | None:
     return frames[0].function_name.split(".<locals>")[0] if frames else None
 
 
+@pytest.mark.unit
 def test_every_equation_has_a_module_path_or_is_top_level_code():
     module, graph = traced_gpt()
     top_level = graph.jaxpr.jaxpr.eqns

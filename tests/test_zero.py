@@ -11,6 +11,8 @@ from xtrain.testing import assert_parity, run_parity, torch_reference
 
 from models import GPT, token_batches
 
+pytestmark = pytest.mark.e2e
+
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
