@@ -270,7 +270,9 @@ def test_ring_attention_drops_the_weights_the_whole_call_drops(causal):
     whole = lambda q, k, v: attention.blockwise(q, k, v, None, key, b)
     loss = lambda f: jax.jit(jax.value_and_grad(lambda *x: jnp.sum(jnp.sin(f(*x))), argnums=(0, 1, 2)))
     (want, want_grads), (got, got_grads) = loss(whole)(q, k, v), loss(split)(q, k, v)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    # a sum of 4096 terms near 21.7: reduction order moves it by ~1e-6 relative; a mask that kept
+    # other weights would move it by whole terms
+    np.testing.assert_allclose(got, want, rtol=5e-6)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, atol=1e-5)
     plain = attention.blocking_for(n, n, 16, scale=0.3, causal=causal)
