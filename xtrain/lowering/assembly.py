@@ -136,7 +136,8 @@ class BuiltStep:
     @property
     def bubble(self) -> float:
         """A pipeline schedule's idle share of (tick, stage) slots; 0 without a pipeline."""
-        return self.table.bubble() if self.table is not None else 0.0
+        table = self.table
+        return table.bubble() if table is not None else 0.0
 
 
 def assemble(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = AssemblyOptions(), *,
