@@ -128,17 +128,29 @@ def report_conformance(step, tokens, args, show: bool) -> None:
     x, y = sample_batch(tokens, np.random.default_rng(args.seed), args.batch, args.seq)
     findings = check_step(step, x, y)
     if show:
-        print(f"conformance ({args.emulate}): " + ("the program conforms" if not findings else
+        print(f"conformance ({xtrain.emulated_cluster().instance.name}): " + ("the program conforms" if not findings else
               f"{len(findings)} finding(s)\n" + "\n".join(f"  - {f}" for f in findings)), flush=True)
+
+
+def round_batch(args, devices: int, show: bool) -> None:
+    """Data parallel over every device needs a global batch that the device count divides: round
+    --batch up (an emulated trn1.32xlarge:2 has 64 devices, more than the default 32 sequences)."""
+    if args.batch % devices:
+        rounded = -(-args.batch // devices) * devices
+        if show:
+            print(f"--batch {args.batch} rounded up to {rounded}, a multiple of the {devices} devices", flush=True)
+        args.batch = rounded
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # first: emulated devices (or a virtual cluster), jax.distributed
+    # first: emulated devices (or a virtual cluster: --emulate, or `xtrain run --emulate`), jax.distributed
     xtrain.init(cpu_devices=None if args.emulate else args.cpu_devices, emulate=args.emulate)
     import jax
 
     show = jax.process_index() == 0
+    cluster = xtrain.emulated_cluster()
+    round_batch(args, jax.device_count(), show)
     torch.manual_seed(args.seed)  # identical initial weights in every process
     cfg = GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads,
                     dropout=args.dropout)
@@ -151,12 +163,14 @@ def main(argv=None) -> None:
     tokens, source = corpus(sagemaker)
     train_tokens, val_tokens = split_corpus(tokens)
     if show:
+        if cluster is not None:
+            print(f"emulating {cluster}", flush=True)
         print(f"GPT {model.num_params() / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "
               f"devices in {jax.process_count()} process(es), mesh data={jax.device_count()}, "
               f"global batch {args.batch} x {args.seq} tokens, {len(train_tokens):,} training bytes from {source}",
               flush=True)
 
-    if args.emulate:
+    if cluster is not None:
         report_conformance(step, train_tokens, args, show)
     history = train(step, train_tokens, args, show, sagemaker)
     if sagemaker is not None and sagemaker.model_dir is not None:

@@ -125,11 +125,18 @@ def test_run_launches_torchrun():
 @pytest.mark.multiprocess
 def test_run_emulated_trn1_cluster_across_processes():
     # Two trn1.2xlarge (2 NeuronCores each) as two local processes with 2 CPU devices each.
-    proc = cli("run", "--emulate", "trn1.2xlarge:2", str(TESTS / "_cli_worker.py"), "--jax",
+    # The script asks for 2 CPU devices (as examples/train_gpt.py asks for 8): the launcher's
+    # cluster wins, or 2 devices could not even stand for 2 nodes of whole 2-core chips.
+    proc = cli("run", "--emulate", "trn1.2xlarge:2", str(TESTS / "_cli_worker.py"), "--jax", "--cpu-devices", "2",
                env={"JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu"}, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = {"processes": 2, "devices": 4, "local_devices": 2, "axes": {"node": 2, "chip": 1, "core": 2}}
+    expected = {"processes": 2, "devices": 4, "local_devices": 2, "axes": {"node": 2, "chip": 1, "core": 2},
+                "sum": 4.0}
     assert ranks(proc.stdout) == [{"rank": r, **expected} for r in (0, 1)]
+    assert "connected peer ranks" not in proc.stdout  # Gloo's per-rank lines: shown with --verbose only
+    loud = cli("run", "--verbose", "--emulate", "trn1.2xlarge:2", str(TESTS / "_cli_worker.py"), "--jax",
+               env={"JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu"}, timeout=180)
+    assert loud.returncode == 0 and "connected peer ranks" in loud.stdout, loud.stderr[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -107,6 +107,16 @@ def test_mesh_axes_do_not_multiply_to_device_count():
         compile_mlp(xtrain.Mesh(data=3, tensor=2))
 
 
+def test_a_mesh_larger_than_the_devices_names_xtrain_init():
+    # the likeliest slip: a CPU script without xtrain.init(cpu_devices=...) sees one device
+    with pytest.raises(MeshError) as err:
+        compile_mlp(xtrain.Mesh(data=4, tensor=4))
+    text = str(err.value)
+    assert "needs 16 devices but 8 are available" in text and "xtrain.init(cpu_devices=16)" in text
+    assert "Mesh(data=-1, tensor=4)" in text  # a -1 fix only where it can work (4 divides 8)
+    assert "Mesh(data=-1" not in str(pytest.raises(MeshError, xtrain.Mesh(data=3, tensor=3).resolve, 8).value)
+
+
 @pytest.mark.parametrize("axes", [{"dp": 8}, {"tensor": 8}], ids=["dp", "tensor"])
 def test_the_default_plan_on_a_mesh_without_data_is_refused_with_the_fix(axes):
     name = next(iter(axes))

@@ -50,13 +50,18 @@ def test_train_gpt_runs_and_loss_falls(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_gpt_on_an_emulated_trn1_reports_conformance():
+def test_train_gpt_under_xtrain_run_emulates_two_trn1_nodes_and_checks_conformance():
+    # `xtrain run --emulate` names the cluster for the job: 2 processes x 32 devices, although the
+    # example asks for 8 CPU devices by default; its default batch (32) is rounded up to 64.
     env = child_env(drop=("JAX_NUM_CPU_DEVICES",))
-    args = ["--steps", "2", "--layers", "1", "--d-model", "32", "--batch", "32", "--seq", "16",
-            "--emulate", "trn1.32xlarge", "--metrics", "", "--plot", ""]
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True, timeout=240)
+    args = ["--steps", "2", "--layers", "1", "--d-model", "32", "--seq", "16", "--metrics", "", "--plot", ""]
+    proc = subprocess.run([sys.executable, "-m", "xtrain.cli", "run", "--emulate", "trn1.32xlarge:2", str(EXAMPLE),
+                           *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "32 cpu devices" in proc.stdout and "conformance (trn1.32xlarge): the program conforms" in proc.stdout
+    assert "emulating 2 x trn1.32xlarge on 64 CPU devices" in proc.stdout
+    assert "64 cpu devices in 2 process(es)" in proc.stdout
+    assert "--batch 32 rounded up to 64" in proc.stdout
+    assert "conformance (trn1.32xlarge): the program conforms" in proc.stdout
     assert final_line(proc.stdout)["steps"] == 2
 
 

@@ -20,6 +20,7 @@ _LAZY = {
     "Precision": ("xtrain.sharding.precision", "Precision"),
     "LossScale": ("xtrain.sharding.precision", "LossScale"),
     "init": ("xtrain.runtime.devices", "init"),
+    "emulated_cluster": ("xtrain.runtime.devices", "emulated_cluster"),
     "shard": ("xtrain.sharding.annotate", "shard"),
     "Segments": ("xtrain.sharding.segments", "Segments"),
     "plans": ("xtrain.plans", None),

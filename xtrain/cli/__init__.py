@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--layout", default="process-per-node", choices=LAYOUTS, help="Trainium: processes per node")
     r.add_argument("--emulate", help="fly a cluster on CPU: one process per emulated node, e.g. trn1.32xlarge:2")
     r.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    r.add_argument("--verbose", action="store_true",
+                   help="on CPU, also show the collectives' per-rank connection lines (hidden by default)")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     rep = sub.add_parser("report", help="print the compiled step's report (collectives, memory) for a script "
@@ -76,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plan.plan(ns.script, ns.args, ns.target, ns.global_batch)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
-                          master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate)
+                          master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate,
+                          verbose=ns.verbose)
         return run(opts, dry_run=ns.dry_run)
     except ValueError as err:
         print(f"xtrain {ns.command}: {err}", file=sys.stderr)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
+import signal
 import socket
+import subprocess
 import sys
 
 from xtrain.errors import LaunchError, OptionsError
@@ -30,6 +33,7 @@ class RunOptions:
         nproc_per_node, nnodes, node_rank, master_addr, master_port: as torchrun's flags.
         layout: on Trainium, one process per node or per NeuronCore.
         emulate: a cluster to fly on CPU ("trn1.32xlarge:2"): one process per emulated node.
+        verbose: on CPU, also pass on the collective library's per-rank connection lines.
     """
 
     script: str
@@ -41,6 +45,7 @@ class RunOptions:
     master_port: int | None = None
     layout: str = "process-per-node"
     emulate: str | None = None
+    verbose: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,4 +149,34 @@ def run(opts: RunOptions, *, dry_run: bool = False) -> int:
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items()), shlex.join(cmd), file=sys.stderr)
     if dry_run:
         return 0
+    if backend == "cpu" and not opts.verbose:
+        return _run_filtered(cmd, {**os.environ, **extra})
     os.execve(cmd[0], cmd, {**os.environ, **extra})
+
+
+# JAX's CPU collectives (Gloo) print one line per rank when their connections are up, to the
+# process's stdout, unconditionally: 64 lines for an emulated trn1.32xlarge:2. Workers write from
+# several threads, so a line may also arrive cut ("5 is connected to ...").
+_GLOO_CONNECTED = re.compile(r"(\[Gloo\] Rank )?\d* ?is connected to \d+ peer ranks\. "
+                             r"Expected number of connected peer ranks is : \d+")
+
+
+def without_gloo_lines(line: str) -> str | None:
+    """`line` without Gloo's connection notices; None when nothing else was on it."""
+    kept = _GLOO_CONNECTED.sub("", line)
+    return None if kept != line and not kept.strip() else kept
+
+
+def _run_filtered(cmd: list[str], env: dict[str, str]) -> int:
+    """Runs torchrun as a child (not exec'd) so that the workers' stdout passes through
+    `without_gloo_lines`; SIGTERM and SIGINT go on to torchrun, which stops its workers."""
+    child = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")},
+                             stdout=subprocess.PIPE, text=True, errors="replace")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _frame: child.send_signal(number))
+    for line in child.stdout:
+        kept = without_gloo_lines(line)
+        if kept is not None:
+            sys.stdout.write(kept)
+            sys.stdout.flush()
+    return child.wait()

@@ -117,9 +117,10 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
         cpu_devices: total number of emulated CPU devices in the job (split evenly over the
             processes). Only used when the job runs on CPU; ignored on GPU and Trainium.
         env: the process environment; read from the launcher's variables by default.
-        emulate: a cluster to fly on CPU, e.g. "trn1.32xlarge:2" (also XTRAIN_EMULATE): as
-            many CPU devices as the real cluster has, or `cpu_devices` of them scaled down
-            (see neuron_support.emulate). Ignored off CPU.
+        emulate: a cluster to fly on CPU, e.g. "trn1.32xlarge:2": as many CPU devices as the
+            real cluster has, or `cpu_devices` of them scaled down (see neuron_support.emulate).
+            Without it, XTRAIN_EMULATE (what `xtrain run --emulate` sets) names the cluster and
+            wins over `cpu_devices`. Ignored off CPU.
         heartbeat_timeout_s: in a multi-process job, how long a process may go silent before
             jax.distributed declares it dead and ends every other process with an error (20 s:
             the survivors of a dead process end within 30 s when no launcher stops them).
@@ -139,7 +140,14 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
     env = process_env() if env is None else env
     platform = backends.detect_backend()
     applied = _apply_backend_env(platform, env, precision)
-    cluster = _emulated_cluster(emulate or os.environ.get(EMULATE_ENV), platform, cpu_devices)
+    launched = os.environ.get(EMULATE_ENV)
+    if emulate is None and launched and cpu_devices is not None and platform == "cpu":
+        # `xtrain run --emulate` names the cluster for the whole job: it wins over the script's
+        # own device count (which would shrink the cluster to a scaled-down copy).
+        log.info("%s=%s: emulating the whole cluster, not the script's cpu_devices=%d", EMULATE_ENV, launched,
+                 cpu_devices)
+        cpu_devices = None
+    cluster = _emulated_cluster(emulate or launched, platform, cpu_devices)
     if cluster is not None and cpu_devices is None:
         cpu_devices = cluster.num_devices
     if cpu_devices is not None:

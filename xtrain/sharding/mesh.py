@@ -53,11 +53,25 @@ class Mesh:
                     f"which does not divide {num_devices}")
             return {k: (num_devices // known if v == -1 else v) for k, v in self.axes.items()}
         if known != num_devices:
-            raise MeshError(
-                f"{self} needs {known} devices but {num_devices} are available; make the axis "
-                f"sizes multiply to {num_devices} or use -1 for one axis (e.g. "
-                f"Mesh({', '.join(f'{k}={-1 if i == 0 else v}' for i, (k, v) in enumerate(self.axes.items()))}))")
+            raise MeshError(f"{self} needs {known} devices but {num_devices} are available; "
+                            + self._fixes(known, num_devices))
         return dict(self.axes)
+
+    def _fixes(self, known: int, num_devices: int) -> str:
+        """What to change when the axis sizes ask for `known` devices and there are `num_devices`."""
+        fixes = []
+        if known > num_devices:
+            # the likeliest slip: the script never asked for emulated devices
+            fixes.append(f"on CPU, emulate {known} devices with xtrain.init(cpu_devices={known}) at the start of "
+                         "the script, before any other JAX use")
+        fixes.append(f"make the axis sizes multiply to {num_devices}")
+        for name in self.axes:  # -1 for one axis fits when the others divide the device count
+            rest = known // self.axes[name]
+            if num_devices % rest == 0:
+                fixed = ", ".join(f"{k}={-1 if k == name else v}" for k, v in self.axes.items())
+                fixes.append(f"use -1 for one axis (Mesh({fixed}))")
+                break
+        return "; or ".join(fixes)
 
     def build(self, devices: list | None = None):
         """The jax.sharding.Mesh over `devices` (all devices of the job by default)."""
