@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import tempfile
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "megatron: Mesh(data=4, tensor=2) with plans.megatron")
     p.add_argument("--cpu-devices", type=int, default=8, help="emulated CPU devices (CPU only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    p.add_argument("--out", default=None, help="directory for the adapter (default: a temporary one)")
+    p.add_argument("--out", default="runs/finetune_lora/adapter", help="directory for the adapter")
     return p.parse_args(argv)
 
 
@@ -105,7 +104,7 @@ def main(argv=None) -> None:
     val = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
     eval_loss = step.eval(*val)["loss"]
     model.load_state_dict(step.state_dict())  # the trained adapters back into the peft model
-    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="lora_adapter_"))
+    out = pathlib.Path(args.out)
     model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors, adapters only
     reloaded = PeftModel.from_pretrained(base_model(args), out)
     reloaded_loss = held_out_loss(reloaded, val)

@@ -89,11 +89,10 @@ def test_dots_offloaded_under_megatron_train_like_torch_and_move_more_to_the_hos
 
 @pytest.mark.unit
 def test_activation_offload_errors_name_the_setting_and_the_fix():
-    model = MLP()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), plan=OFFLOAD)
+    model = MLP()  # no numbered sibling modules: refused at compile, before any batch
     with pytest.raises(errors.PlanError, match=re.escape("offload='activations' checkpoints each layer of the model's "
-                                                   "repeated blocks, but MLP has none")):
-        step(torch.randn(16, 12), torch.randint(0, 5, (16,)))
+                                                   "repeated blocks, but MLP has no numbered sibling modules")):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), plan=OFFLOAD)
     gpt = GPT(layers=2)
     with pytest.raises(UnsupportedError, match=re.escape("Plan(offload='activations') checkpoints each layer of the "
                                                          "explicit lowering")):

@@ -164,3 +164,26 @@ def test_env_shows_what_a_bf16_plan_sets_on_emulated_p4d_and_trn1_clusters():
            "--enable-mixed-precision-accumulation" in trn1.stdout
     fp32 = cli("env", "--no-start", "--emulate", "trn1.32xlarge:2")
     assert "--auto-cast none\n" in fp32.stdout and "STOCHASTIC" not in fp32.stdout
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", ["report", "plan"])
+def test_a_missing_script_is_a_one_line_error(command, capsys):
+    from xtrain.cli import main
+
+    extra = ["--target", "p5.48xlarge"] if command == "plan" else []
+    assert main([command, *extra, "no_such_train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"xtrain {command}: no script 'no_such_train.py'") and "Traceback" not in err
+
+
+@pytest.mark.unit
+def test_gloo_connection_lines_are_dropped_and_the_rest_kept():
+    from xtrain.cli.launch import without_gloo_lines
+
+    line = "[Gloo] Rank 3 is connected to 63 peer ranks. Expected number of connected peer ranks is : 63\n"
+    assert without_gloo_lines(line) is None
+    assert without_gloo_lines("5 is connected to 63 peer ranks. Expected number of connected peer ranks is : 63\n") is None
+    assert without_gloo_lines("done: steps=2\n") == "done: steps=2\n"
+    # another worker's record sharing the line survives
+    assert without_gloo_lines('{"rank": 1}' + line) == '{"rank": 1}\n'

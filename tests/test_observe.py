@@ -95,7 +95,7 @@ def test_plot_writes_a_valid_png(tmp_path):
 
 
 @pytest.mark.e2e
-def test_profiler_traces_the_requested_steps(step, tmp_path):
+def test_profiler_traces_the_requested_steps(step, tmp_path, capsys):
     monitor = Monitor(step, progress=False, profile_steps=(1, 2), profile_dir=tmp_path / "trace")
     x = np.ones((B, D), np.float32)
     for i in range(4):
@@ -105,6 +105,7 @@ def test_profiler_traces_the_requested_steps(step, tmp_path):
     monitor.close()
     traces = list((tmp_path / "trace").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert f"profile of steps 1-2 written under {(tmp_path / 'trace').resolve()}" in capsys.readouterr().err
     with pytest.raises(OptionsError, match=r"profile_steps=\(3, 1\): give \(first, last\)"):
         Monitor(step, progress=False, profile_steps=(3, 1))
 

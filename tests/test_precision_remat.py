@@ -199,12 +199,18 @@ def test_remat_under_zero3_recomputes_the_layers_and_gathers_their_weights_again
 
 @pytest.mark.e2e
 def test_remat_without_a_layer_scan_is_an_error():
-    model = MLP()
-    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
-                          plan=xtrain.Plan(remat="full"))
+    model = MLP()  # no numbered sibling modules at all: refused at compile
     with pytest.raises(errors.PlanError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
-                                         r"MLP has none \(no run of identical blocks.0, blocks.1, ...\); use remat='off'"):
-        step(*mlp_batches(n=1)[0])
+                                         r"MLP has no numbered sibling modules \(blocks.0, blocks.1, ...\) to repeat; "
+                                         r"use remat='off'"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), plan=xtrain.Plan(remat="full"))
+    # numbered blocks that are not one family: known only from the trace, at the first step
+    stack = torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12))
+    step = xtrain.compile(stack, xtrain.Mesh(data=8), optimizer=adamw(stack.parameters()),
+                          plan=xtrain.Plan(remat="full"), loss_fn=lambda m, x: m(x).sum())
+    with pytest.raises(errors.PlanError, match=r"remat='full' checkpoints each layer of the model's repeated blocks, but "
+                                         r"Sequential has none \(.*\); use remat='off'"):
+        step(torch.ones(8, 12))
     with pytest.raises(PlanError, match=r"Plan\(remat='some'\) must be one of \['off', 'full', 'dots'"):
         xtrain.Plan(remat="some")
     with pytest.raises(PlanError, match=r"pass the JAX checkpoint policy itself"):

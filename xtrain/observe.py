@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -149,14 +150,25 @@ class Monitor:
 
     def _profile_stop(self) -> None:
         if self._tracing and self.index == self.profile_steps[1]:
-            jax.profiler.stop_trace()
-            self._tracing = False
+            self._end_trace()
+
+    def _end_trace(self) -> None:
+        jax.profiler.stop_trace()
+        self._tracing = False
+        first, last = self.profile_steps
+        # the trace lands in a per-run folder under profile_dir; TensorBoard's profile plugin
+        # (or Perfetto, from the .trace.json.gz) opens it
+        note = (f"profile of steps {first}-{last} written under {self.profile_dir.resolve()} "
+                f"(tensorboard --logdir {self.profile_dir})")
+        if self._bar is not None:
+            self._bar.write(note, file=sys.stderr)  # above the progress bar, not through it
+        else:
+            print(note, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stops an open trace and closes the bar, the log and TensorBoard."""
         if self._tracing:
-            jax.profiler.stop_trace()
-            self._tracing = False
+            self._end_trace()
         for handle in (self._bar, self._log, self._board):
             if handle is not None:
                 handle.close()

@@ -17,6 +17,9 @@ class _Stop(Exception):
 
 def _run_script(script: str, args: Sequence[str]) -> None:
     """Runs `script` in this process as `python script args` would (its __main__ block included)."""
+    if not os.path.isfile(script):
+        raise LaunchError(f"no script {script!r} (from {os.getcwd()}): give the path of a training script, "
+                          "e.g. examples/train_gpt.py")
     argv, path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import optax
 
-from xtrain.errors import NotBuiltError
+from xtrain.errors import NotBuiltError, PlanError
 from xtrain.ir import stacked
 from xtrain.ir.model import Model, Trainable
 from xtrain.lowering import precision
@@ -176,9 +176,25 @@ def check(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = Ass
                    pipeline=plan.pipeline)
 
 
+def check_remat_has_blocks(model: Model, plan: Plan) -> None:
+    """Per-layer activation checkpointing needs repeated blocks (`layers.0`, `layers.1`, ...).
+    Whether they are identical needs the trace; whether the model has numbered sibling modules
+    at all is known from its module paths, so a model without any is refused at compile."""
+    remat, paths = plan.layer_remat(), model.module_paths()
+    if remat is None or not paths:  # a JAX function has no module paths: the trace decides
+        return
+    children = {p.rpartition(".")[0] for p in paths if p.rpartition(".")[2] == "1"}
+    if not any((f"{prefix}.0" if prefix else "0") in paths for prefix in children):
+        raise PlanError(f"{remat.setting} checkpoints each layer of the model's repeated blocks, but "
+                        f"{getattr(model, 'name', 'the model')} has no numbered sibling modules (blocks.0, blocks.1, "
+                        "...) to repeat; use remat='off'" + (" and offload='none'" if remat.offload else ""))
+
+
 def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
               target: Target | None) -> tuple[Plan, Model, StateLayout]:
     """Steps 1-3: the plan with its expert split, the model under the precision policy, the layout."""
+    if options.lowering == "explicit":  # the other lowering refuses per-layer remat outright (lower.check)
+        check_remat_has_blocks(trainable.model, plan)
     target = target or (Target.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else Target())
     sizes = dict(mesh.shape)
     traced = trainable.model.specialised(plan.trace_options(sizes, options.lowering))  # head split, kernels
