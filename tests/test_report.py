@@ -67,6 +67,11 @@ def test_report_lists_plan_notes_and_largest_whole_tensors():
     assert "training state per device (bytes): parameters=" in text
     assert "largest tensors whole on every device: fc2.weight (64, 64)" in text
     assert "plan: DDP: every parameter replicated" in text
+    assert not any("layers)" in n for n in ddp.notes), ddp.notes  # no repeated blocks: no note on them
+    rows = [line for line in text.splitlines() if line.startswith("all-reduce")]
+    # sources clipped on the right: the op or scope that names them stays readable
+    assert any(line.endswith("xtrain.grad_sync.bucket0[head.weight..fc1.bias]") for line in rows), rows
+    assert any("  jvp(aten::nll_loss_forward)" in line for line in rows), rows
     fsdp = report(3)
     assert fsdp.largest_replicated == []
     assert any(n.startswith("FSDP: parameters split over data=8") for n in fsdp.plan_notes)

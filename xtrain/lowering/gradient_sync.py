@@ -204,12 +204,13 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
             # parallel shard must not make a replicated gradient look split)
             key = (axes[name], tuple(sorted(collectives.vma(g))))
             by_axes.setdefault(key, {})[name] = int(np.prod(g.shape)) * g.dtype.itemsize
-    for (group_axes, _), sizes in by_axes.items():
-        for index, bucket in enumerate(buckets(sizes, config.bucket_bytes)):
-            with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
-                reduced, dropped = _all_reduce([grads[n] for n in bucket], group_axes, config)
-            out.update(zip(bucket, reduced))
-            residual.update(zip(bucket, dropped or ()))
+    groups = [(group_axes, bucket) for (group_axes, _), sizes in by_axes.items()
+              for bucket in buckets(sizes, config.bucket_bytes)]
+    for index, (group_axes, bucket) in enumerate(groups):  # one number per bucket of the step: names in a report
+        with jax.named_scope(f"xtrain.grad_sync.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
+            reduced, dropped = _all_reduce([grads[n] for n in bucket], group_axes, config)
+        out.update(zip(bucket, reduced))
+        residual.update(zip(bucket, dropped or ()))
     return out, residual
 
 

@@ -56,6 +56,11 @@ def _axes_of_group(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, .
     return tuple(name for k, name in enumerate(mesh_shape) if len(set(coords[:, k])) > 1)
 
 
+def _clipped(source: str, width: int = 72) -> str:
+    """A source for the table's last column: its start (the module path or scope) kept whole."""
+    return source if len(source) <= width else source[:width - 3] + "..."
+
+
 def collectives_from_hlo(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in an HLO module's text, with the mesh axes it runs over."""
     found = []
@@ -103,7 +108,7 @@ class Report:
         for c in self.collectives:
             overlap = "-" if c.overlap_flops is None else f"{c.overlap_flops / 1e6:.1f}"
             lines.append(f"{c.kind:<20}{'x'.join(c.axes) or '-':<14}{c.payload_bytes:>12}"
-                         f"{c.wire_bytes:>12.0f}{overlap:>15}  {c.source[-60:]}")
+                         f"{c.wire_bytes:>12.0f}{overlap:>15}  {_clipped(c.source)}")
         lines.append("wire bytes per axis: " + ", ".join(f"{k}: {v:.0f}" for k, v in self.bytes_per_axis().items()))
         lines.append("memory per device (bytes): " + ", ".join(f"{k}={v}" for k, v in self.memory.items()))
         if self.state_memory:

@@ -59,13 +59,15 @@ def _offload_note(step, batch: tuple, memory: dict[str, int], compare: bool) -> 
             f"device{how}{where}")
 
 
-def _layers_note(step) -> str:
+def _layers_note(step) -> list[str]:
     layers = layout_mod.depth(step.user_model().param_shapes())
+    if not layers:  # nothing numbered: nothing to say about repeated blocks
+        return []
     if layers and not step.lowered.findings.repeated:  # the traced blocks are not one family
-        return (f"the {layers} numbered layers run as traced, one after another: the program has no family of "
-                "repeated blocks to scan")
+        return [f"the {layers} numbered layers run as traced, one after another: the program has no family of "
+                "repeated blocks to scan"]
     how = "as one layer scan" if step.layout.scan_layers else "unrolled, one after another"
-    return f"repeated blocks ({layers} layers) run {how} (scan_layers={step.options.scan_layers!r})"
+    return [f"repeated blocks ({layers} layers) run {how} (scan_layers={step.options.scan_layers!r})"]
 
 
 def _attention_notes(step, batch) -> list[str]:
@@ -115,7 +117,7 @@ def report(step, *batch, compare: bool = False) -> report_mod.Report:
         notes.append(_remat_note(step, batch, memory, compare))
     found = collectives(step, *batch, compiled=compiled)
     if step.options.lowering == "explicit":
-        notes += [_layers_note(step)] if step.plan.pipeline is None else []
+        notes += _layers_note(step) if step.plan.pipeline is None else []
         notes += step.lowered.notes() + _attention_notes(step, batch)
     else:
         notes += step.lowered.inputs.notes()
