@@ -55,6 +55,14 @@ def test_installed_torch_satisfies_its_constraint():
     assert pin.specifier.contains(installed, prereleases=True), f"installed torch {installed} is outside {pin}"
 
 
+def test_installed_torch_is_the_cpu_build():
+    # xtrain only traces with torch; the CUDA build brings several GB of nvidia-* wheels that no
+    # backend uses (README, "Set-up": where the CPU build comes from)
+    gpu = [r for r in importlib.metadata.requires("torch") or []
+           if re.match(r"(nvidia-|cuda-|triton\b)", Requirement(r).name)]
+    assert not gpu, f"the installed torch {importlib.metadata.version('torch')} is a CUDA build: it requires {gpu}"
+
+
 class Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()
