@@ -29,7 +29,7 @@ import os
 
 from neuron_support import emulate as emulation
 from xtrain.errors import LaunchError, OptionsError
-from xtrain.runtime import backends, cache
+from xtrain.runtime import allocator, backends, cache
 from xtrain.runtime.launch import ProcessEnv, process_env
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ EMULATE_ENV = "XTRAIN_EMULATE"
 # the others (JAX's own default is 100: a survivor would wait that long).
 HEARTBEAT_TIMEOUT_S = 20
 
-_state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}, "precision": "fp32"}
+_state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}, "precision": "fp32",
+                "allocator": {}}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -89,6 +90,8 @@ def _apply_backend_env(platform: str, env: ProcessEnv, precision: str = "fp32") 
     if platform == "cpu" and not _backends_started():
         flags = backends.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = flags
+        # before XLA's threads start: their arenas are made under these settings
+        _state["allocator"] = allocator.retain_freed_memory()
         return {"XLA_FLAGS": flags}
     if platform == "cuda" and not _backends_started():
         # Only flags this XLA knows: an unknown one would abort the process (probed in a child).
@@ -230,6 +233,12 @@ def backend() -> str:
 
     platform = jax.devices()[0].platform
     return "cuda" if platform == "gpu" else platform
+
+
+def allocator_settings() -> dict[str, int]:
+    """The malloc settings `init` made on CPU (xtrain.runtime.allocator): variable name -> value,
+    empty when it made none (not CPU, XTRAIN_CPU_MALLOC=default, or the user's own MALLOC_*)."""
+    return dict(_state["allocator"])
 
 
 def emulated_cluster():
