@@ -301,7 +301,9 @@ class _Analysis:
                 if reshapes.one_head(in_shape, out_shape, first):
                     self.brk([lab[d]], "heads", prim, f"{path}: 1 ({in_shape} -> {out_shape})")
                     continue
-                if out_shape[first] % self.tp:
+                if out_shape[first] % self.tp and self.fused_heads(lab[d], in_shape[d], big_out, out_shape):
+                    first = big_out[1]  # (q | k | v) -> (3, heads, head_dim): each segment's heads split
+                elif out_shape[first] % self.tp:
                     self.brk([lab[d]], "heads", prim, f"{path}: {out_shape[first]} ({in_shape} -> {out_shape})")
                     continue
                 same = len(big_in) == 1 and len(big_out) == 1
@@ -311,6 +313,18 @@ class _Analysis:
                     for use in group.columns:
                         group.heads.setdefault(use.name, out_shape[first])
         return tuple(out)
+
+    def fused_heads(self, label: _Label, size: int, big_out: list[int], out_shape) -> bool:
+        """A fused output (a source's output itself) reshaped into (segments, heads, ...), the
+        segment count not divisible by the axis, the heads divisible (ModernBERT's Wqkv into
+        (3, heads, head_dim)): the equal segments are recorded and the heads carry the split."""
+        if not label.identity or len(big_out) < 3 or out_shape[big_out[1]] % self.tp:
+            return False
+        group, count = self.group(label), out_shape[big_out[0]]
+        key = group.columns[0].name if len(group.columns) == 1 else str(label.source)
+        group.segments.setdefault(key, set()).update((i * size // count, (i + 1) * size // count)
+                                                     for i in range(count))
+        return True
 
     def dot(self, eqn, ins, vws, shapes, path):
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
