@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,33 @@ def traced_under(options: TraceOptions):
     """Attention traced inside follows `options` (the front end's trace of one model)."""
     token = _OPTIONS.set(options)
     try:
-        yield
+        with _grouped_kv():
+            yield
     finally:
         _OPTIONS.reset(token)
+
+
+# transformers' switch (read at each call) for passing grouped keys and values with enable_gqa
+_HF_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextlib.contextmanager
+def _grouped_kv():
+    """HF's sdpa integration passes grouped keys and values (enable_gqa) to a layer without a mask
+    and repeats them per query head (repeat_kv) for a layer with one: Gemma-3's sliding layers
+    (masked) and full layers (causal, no mask) would trace as different blocks, and no pipeline
+    or layer scan could run them as one family. Traced by xtrain every layer takes the grouped
+    call (this sdpa takes a mask with grouped heads; the result is the same); torch's own runs,
+    outside the trace, are untouched."""
+    before = os.environ.get(_HF_GQA)
+    os.environ[_HF_GQA] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_HF_GQA, None)
+        else:
+            os.environ[_HF_GQA] = before
 
 
 def _for_split(query, key, value):

@@ -101,3 +101,20 @@ def bind_eqn(eqn, values: list, params: Mapping | None = None) -> list:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*values, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# Bodies that run inline, their inputs the caller's operands (custom_jvp, custom_vjp, remat).
+_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def inline_body(eqn):
+    """The inline body of a call-like equation (pjit, custom_jvp/vjp, remat), else None."""
+    if eqn.primitive.name in CALLS:
+        return call_body(eqn)[0]
+    for key in _BODIES:
+        body = eqn.params.get(key)
+        if body is not None:
+            body = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+            if hasattr(body, "invars") and len(body.invars) == len(eqn.invars):
+                return body
+    return None

@@ -29,8 +29,6 @@ from xtrain.ir.analysis import detour, per_head, provenance, reshapes
 from xtrain.ir.kernels import moe
 from xtrain.ir.model import Model
 
-# Bodies the analysis enters: they run inline, their inputs are the caller's operands.
-_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and",
                      "reduce_or", "reduce_logsumexp"})
 _LOOKUP = frozenset({"gather", "dynamic_slice", "take_along_axis"})
@@ -139,7 +137,7 @@ class _Analysis:
             if (spec := markers.outermost(moe.ExpertsSpec, eqn.params.get("name", ""))) is not None:
                 self.experts(spec, eqn, ins, vws, path)
                 continue
-            body = _body(eqn)
+            body = walk.inline_body(eqn)
             if body is not None:
                 self.call(body, eqn, ins, vws, labels, views, path)
                 continue
@@ -268,13 +266,16 @@ class _Analysis:
                 self.brk([x], "op", "slice", f"{path}: a strided or nested slice of the split dimension")
                 out[d] = None
                 continue
-            group = self.group(x)
-            group.segments.setdefault(group.columns[0].name if len(group.columns) == 1 else str(x.source),
-                                      set()).add((starts[d], limits[d]))
+            self.segment(x, [(starts[d], limits[d])])
             if (limits[d] - starts[d]) % self.tp:
                 self.brk([x], "indivisible", "slice", f"{path}: a segment of {limits[d] - starts[d]}")
             out[d] = _Label(x.source, False)
         return tuple(out)
+
+    def segment(self, label: _Label, bounds) -> None:
+        group = self.group(label)
+        group.segments.setdefault(group.columns[0].name if len(group.columns) == 1 else str(label.source),
+                                  set()).update(bounds)
 
     def split(self, eqn, lab, shape, path) -> list:
         axis, outs, start = eqn.params["axis"], [], 0
@@ -301,7 +302,11 @@ class _Analysis:
                 if reshapes.one_head(in_shape, out_shape, first):
                     self.brk([lab[d]], "heads", prim, f"{path}: 1 ({in_shape} -> {out_shape})")
                     continue
-                if out_shape[first] % self.tp:
+                fused = lab[d].identity and reshapes.fused_heads(in_shape[d], [out_shape[o] for o in big_out], self.tp)
+                if out_shape[first] % self.tp and fused:
+                    self.segment(lab[d], fused)  # (q | k | v) -> (3, heads, head_dim): each segment's heads split
+                    first = big_out[1]
+                elif out_shape[first] % self.tp:
                     self.brk([lab[d]], "heads", prim, f"{path}: {out_shape[first]} ({in_shape} -> {out_shape})")
                     continue
                 same = len(big_in) == 1 and len(big_out) == 1
@@ -359,19 +364,6 @@ class _Analysis:
         if any(g is not None for g in ghosts):
             self.row_out = (None,) * len(batch) + tuple(ghosts)
         return tuple(batch + free)
-
-
-def _body(eqn):
-    """The inline body of a call-like equation (pjit, custom_jvp/vjp, remat), else None."""
-    if eqn.primitive.name in walk.CALLS:
-        return walk.call_body(eqn)[0]
-    for key in _BODIES:
-        body = eqn.params.get(key)
-        if body is not None:
-            body = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
-            if hasattr(body, "invars") and len(body.invars) == len(eqn.invars):
-                return body
-    return None
 
 
 def analyze(closed, names: list[str], tp: int, module_paths: frozenset[str] = frozenset()) -> Flow:

@@ -23,3 +23,13 @@ def blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list
         for d, p in enumerate(running):
             blocks[min(bisect.bisect_left(common, p), len(common) - 1)][side].append(d)
     return blocks
+
+
+def fused_heads(size: int, big_out: list[int], tp: int) -> list[tuple[int, int]] | None:
+    """The equal segments of a fused output of `size` reshaped into (segments, heads, ...) (the
+    output's dims larger than 1: `big_out`) when the axis `tp` does not divide the segment count
+    and divides the heads (ModernBERT's Wqkv into (3, heads, head_dim)), else None."""
+    if len(big_out) < 3 or big_out[1] % tp or not big_out[0] % tp:
+        return None
+    count = big_out[0]
+    return [(i * size // count, (i + 1) * size // count) for i in range(count)]

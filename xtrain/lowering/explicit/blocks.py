@@ -68,6 +68,14 @@ class RepeatedBlocks:
     #                            whose layer k block k reads (stacked storage), or None
     variants: Variants = Variants()  # per-layer constants and selections (explicit/variants.py)
     collected: tuple[LayerOutput, ...] = ()  # per-layer outputs read after the blocks, in body outvar order
+    first: int = 0             # the number of the family's first block (1 when block 0 is unlike the rest)
+
+    def path(self, k: int) -> str:
+        """The module path of the family's k-th block."""
+        return f"{self.prefix}.{self.first + k}"
+
+    def span(self) -> str:
+        return f"{self.path(0)} .. {self.path(self.length - 1)}"
 
     def stacked_input(self, position: int):
         return self.stacked[position] if self.stacked else None
@@ -267,7 +275,7 @@ def _describe(jaxpr, run, param_vars: set, live: set[int], paths) -> RepeatedBlo
         init=[ins[0][p] for p in carry_in], shared=[ins[0][p] for p in positions("shared")],
         per_layer=[[i[p] for p in positions("param")] for i in ins],
         outputs=[blocks[-1][i].outvars[j] for _, (i, j) in carry_src], variants=variants,
-        collected=_collected(blocks, escape, paths))
+        collected=_collected(blocks, escape, paths), first=run[0][0][1])
 
 
 def layer_views(jaxpr, param_vars) -> dict:
@@ -319,6 +327,14 @@ def examine(jaxpr, module_paths: frozenset[str], param_vars) -> Examined:
     found, notes = [], []
     for run in _runs(segments(jaxpr, module_paths)):
         blocks = _describe(jaxpr, run, set(param_vars) | set(views), live, module_paths)
+        if isinstance(blocks, str) and len(run) > 2:
+            # a first layer unlike the rest (ModernBERT's layer 0 has no attention norm, T5's
+            # layer 0 computes the position bias the others read): the rest are the family
+            rest = _describe(jaxpr, run[1:], set(param_vars) | set(views), live, module_paths)
+            if not isinstance(rest, str):
+                notes.append(f"{run[0][0][0]}.0 runs before the family {run[0][0][0]}.1 .. {run[0][0][0]}."
+                             f"{len(run) - 1} (unrolled, with the equations before them): {blocks}")
+                blocks = rest
         if isinstance(blocks, str):
             notes.append(f"{run[0][0][0]}.0 .. {run[0][0][0]}.{len(run) - 1} are not one family of repeated blocks, "
                          f"so they run unrolled (no layer scan, no pipeline stages over them): {blocks}")

@@ -151,9 +151,9 @@ class Program:
     def _repeated_blocks(self, jaxpr, num_params: int) -> tuple[list, list[str]]:
         """The families of repeated blocks, and the report's notes on them."""
         examined = examine(jaxpr, self.model.module_paths(), jaxpr.invars[:num_params])
-        notes = [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: one family of repeated blocks; "
+        notes = [f"{b.span()}: one family of repeated blocks; "
                  f"{b.variants.describe()}" for b in examined.found if b.variants]
-        notes += [f"{b.prefix}.0 .. {b.prefix}.{b.length - 1}: {len(b.collected)} value(s) each layer "
+        notes += [f"{b.span()}: {len(b.collected)} value(s) each layer "
                   f"computes are read after the blocks and leave them per layer (stacked along a layer "
                   f"dim in the layer scan), e.g. {b.collected[0].what}" for b in examined.found if b.collected]
         notes += examined.notes

@@ -114,7 +114,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
 
     def body(carry, xs, index=None):
-        layer = None if index is None else (f"{blocks.prefix}.0", f"{blocks.prefix}.{index}")
+        layer = None if index is None else (blocks.path(0), blocks.path(index))
         with ctx.cursor.at(path), ctx.cursor.in_layer(layer):
             return _layer(carry, xs, index)
 
@@ -143,7 +143,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], xs_of)
     env = {}
     for k, (counts, values) in enumerate(rows):
-        _record_counts(ctx, blocks.prefix, k, counts)
+        _record_counts(ctx, blocks.prefix, k, counts, blocks.first)
         env.update({out.per_layer[k]: dataclasses.replace(x, value=v)
                     for out, x, v in zip(blocks.collected, collected, values)})
     env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
@@ -226,16 +226,18 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
     return final, rows
 
 
-def _record_counts(ctx: Context, prefix: str, k: int, counts: dict) -> None:
+def _record_counts(ctx: Context, prefix: str, k: int, counts: dict, first: int = 0) -> None:
     """Layer k's counts (recorded under block 0's module path inside the body), whole."""
     for (name, path), count in counts.items():
-        at = layer_path(prefix, k, path)
+        at = layer_path(prefix, k, path, first)
         ctx.record.count(name, at, Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype))
 
 
-def layer_path(prefix: str, k: int, path: str) -> str:
-    """The module path in layer k of what the layer body records under block 0's `path`."""
-    return f"{prefix}.{k}" + path[len(f"{prefix}.0"):] if path.startswith(f"{prefix}.0") else f"{path}[{k}]"
+def layer_path(prefix: str, k: int, path: str, first: int = 0) -> str:
+    """The module path in layer k of what the layer body records under the family's first block's
+    `path` (blocks numbered from `first`)."""
+    base = f"{prefix}.{first}"
+    return f"{prefix}.{first + k}" + path[len(base):] if path.startswith(base) else f"{path}[{k}]"
 
 
 def _live(jaxpr, repeated) -> set[int]:

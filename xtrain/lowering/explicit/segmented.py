@@ -8,8 +8,10 @@ collective where a contiguous split would gather.
 
     positional ops   elementwise (all operands split per the same segments on the dim, or
                      broadcast along it), broadcast_in_dim, transpose, dot_general (a free dim),
-                     reshape (the dim kept as it is): the rule runs on the plain split and the
-                     segments follow the dim to the output
+                     reshape (the dim kept as it is), squeeze (a stacked parameter's layer row):
+                     the rule runs on the plain split and the segments follow the dim
+    into segments    a reshape of the dim into (segments, heads, ...) (a fused q | k | v into
+                     (3, heads, head_dim)): the segments become a whole dim, the heads split
     slice, split     one whole segment cut out: this device's slice of it, local
     anything else    the value is gathered and put back in torch's order first (`unsegment`,
                      named in the report's notes), then the op's own rule runs: correct, never silent
@@ -123,13 +125,41 @@ def _dot(ctx, eqn, args, rule):
     return _positional(ctx, eqn, args, rule, where)
 
 
+def _into_segments(ctx, eqn, x, rule):
+    """A reshape of the one per-segment dim into (segments, each segment's shape...) with equal
+    segments (a fused q | k | v into (3, heads, head_dim)): locally this device's slice of every
+    segment is one row each, so the value is read as (segments, whole; the segment split
+    contiguously) and the plain rule reshapes the rest (the heads keep the split)."""
+    new, old = tuple(eqn.params["new_sizes"]), x.shape
+    if len(x.layout.segments) != 1:
+        return None
+    ((dim, sizes),) = x.layout.segments
+    at = next((t for t in range(len(new)) if math.prod(new[:t]) == math.prod(old[:dim])), None)
+    if at is None or len(set(sizes)) != 1 or new[at] != len(sizes) or at + 1 >= len(new) or \
+            math.prod(new[at + 1:]) * math.prod(old[:dim]) * len(sizes) != math.prod(new) or \
+            math.prod(new[:at + 1]) * sizes[0] != math.prod(old[:dim + 1]):
+        return None
+    local = x.value.shape[:dim] + (len(sizes), x.value.shape[dim] // len(sizes)) + x.value.shape[dim + 1:]
+    dims = x.layout.dims[:dim] + ((), x.layout.dims[dim]) + x.layout.dims[dim + 1:]
+    rows = Sharded(jnp.reshape(x.value, local), Layout(dims, x.layout.partial), old[:dim] + (len(sizes), sizes[0])
+                   + old[dim + 1:], x.dtype, x.zero)
+    return rule(ctx, eqn, [rows])
+
+
 def _reshape(ctx, eqn, args, rule):
     new, old = tuple(eqn.params["new_sizes"]), args[0].shape
+    if (rows := _into_segments(ctx, eqn, args[0], rule)) is not None:
+        return rows
 
     def where(i, dim):  # the dim kept as one output dim, the same elements before it
         hits = [t for t, s in enumerate(new) if s == old[dim] and math.prod(new[:t]) == math.prod(old[:dim])]
         return hits[0] if hits else None
     return _positional(ctx, eqn, args, rule, where)
+
+
+def _squeeze(ctx, eqn, args, rule):
+    gone = eqn.params["dimensions"]  # (a stacked parameter's layer row: slice, then squeeze)
+    return _positional(ctx, eqn, args, rule, lambda i, d: None if d in gone else d - sum(g < d for g in gone))
 
 
 def _cut(ctx, eqn, x, dim, pieces):
@@ -168,7 +198,7 @@ def _split(ctx, eqn, args, rule):
 
 
 HANDLERS = {"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_general": _dot, "reshape": _reshape,
-            "slice": _slice, "split": _split}
+            "slice": _slice, "split": _split, "squeeze": _squeeze}
 
 
 def apply(ctx: Context, eqn, args, rule) -> list:

@@ -70,8 +70,7 @@ def _pick_blocks(examined: Examined, where: str) -> RepeatedBlocks:
     if blocks.collected:
         out = blocks.collected[0]
         raise UnsupportedError(
-            f"pipeline parallelism of {where}: {out.what} is read after the blocks {blocks.prefix}.0 .. "
-            f"{blocks.prefix}.{blocks.length - 1}, once per layer (e.g. router logits for a load-balancing loss, "
+            f"pipeline parallelism of {where}: {out.what} is read after the blocks {blocks.span()}, once per layer (e.g. router logits for a load-balancing loss, "
             "every layer's hidden states); pipeline stages pass on only the residual stream between layers, so "
             "per-layer outputs are not supported: compute that term inside the blocks or leave it out (e.g. "
             "HF's output_router_logits=False), or train without a pipeline (the layer scan supports them)")

@@ -87,7 +87,7 @@ class PipelineProgram:
         jaxpr = closed.jaxpr
         params = set(jaxpr.invars[:num_params])
         costs = dict(partition.layer_costs(jaxpr, self.model.module_paths(), params))
-        paths = [f"{blocks.prefix}.{k}" for k in range(blocks.length)]
+        paths = [blocks.path(k) for k in range(blocks.length)]
         self.prologue_cost = partition.cost_of(jaxpr.eqns[:blocks.start], params)
         self.epilogue_cost = partition.cost_of(jaxpr.eqns[blocks.stop:], params)
         self.costs = [costs[p] for p in paths]

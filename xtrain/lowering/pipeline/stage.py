@@ -142,7 +142,7 @@ def stage_rows(stacked: list, layers: Layers, stage) -> list:
     return [jnp.take(s, index, axis=0) for s in stacked]
 
 
-def layer_counts(counts: dict, layers: Layers, stage, prefix: str, num_layers: int, axis: str) -> dict:
+def layer_counts(counts: dict, layers: Layers, stage, prefix: str, num_layers: int, axis: str, first: int = 0) -> dict:
     """{name: {module path: count}} of every layer, summed over the stages: `counts` holds this
     stage's {(name, block 0's path): (v, Lc, ...)} per chunk and slot (zero in padding slots)."""
     index = take(layers.index, stage).reshape(-1)  # (v * Lc,) layer of each slot
@@ -151,5 +151,5 @@ def layer_counts(counts: dict, layers: Layers, stage, prefix: str, num_layers: i
         per_layer = jnp.zeros((num_layers,) + c.shape[2:], c.dtype).at[index].add(c.reshape((-1,) + c.shape[2:]))
         per_layer = collectives.all_reduce(per_layer, (axis,))
         for k in range(num_layers):
-            out.setdefault(name, {})[layer_path(prefix, k, path)] = per_layer[k]
+            out.setdefault(name, {})[layer_path(prefix, k, path, first)] = per_layer[k]
     return out

@@ -252,7 +252,8 @@ class PipelineStrategy:
             loss, g_block, g_other, counts = grads_of(run, rows, block, other, x0, mbs)
             grads = {n: g for n, g in {**g_block, **g_other}.items() if n in state.params}
             blocks = runner.cut.blocks  # each MoE layer's tokens per expert, under its own module path
-            counts = layer_counts(counts, self.program.layers, index, blocks.prefix, blocks.length, self.pipeline.axis)
+            counts = layer_counts(counts, self.program.layers, index, blocks.prefix, blocks.length, self.pipeline.axis,
+                                  blocks.first)
             return Gradients(loss, {}, grads, self.pending, counts, findings=self._findings(stage))
 
         return compute
