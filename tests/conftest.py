@@ -1,5 +1,5 @@
 """Every test run emulates an 8-device cluster on the CPU (set before JAX starts), and every test
-belongs to one tier (README, "Tests"):
+belongs to one tier (docs/testing.md, "Tiers"):
 
   unit          compiles no full training step (small jax functions are fine): the fast loop,
                 `python -m pytest -m unit`

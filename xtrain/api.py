@@ -61,8 +61,11 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
             exist. "auto" (default): unrolled up to 3 layers, scanned beyond, and scanned on a
             host emulating several CPU devices in one process (measured reasons and figures:
             `xtrain.sharding.layout.scan_layers_for`). `step.scan_layers` says which was used.
-        clip_grad_norm, accumulate, detect_nan, check_inputs, allow_recompile: see
-            `xtrain.lowering.options.StepOptions`. The torch optimizer's lr (per param group) is read
+        clip_grad_norm: see `xtrain.lowering.options.StepOptions`, as for the four below.
+        accumulate: micro-batches per optimizer step.
+        detect_nan: skip a step whose loss or gradient norm is not finite, naming the module.
+        check_inputs: hold the batch's integer indices to torch's rules inside the step.
+        allow_recompile: admit batches of new shapes (True, or at most N shapes). The torch optimizer's lr (per param group) is read
             before every step, so a torch LR scheduler stepped by the caller takes effect
             without recompiling. Precision and activation checkpointing are the plan's
             (`Plan(precision="bf16", remat="full")`).

@@ -217,12 +217,15 @@ class ShardedLoader(_Resumable):
         dataset: map-style: `len(dataset)` and `dataset[i]` -> one sample (a tuple of arrays
             without the batch axis, or one array).
         batch_size: the global batch (all processes), a multiple of the batch's mesh axes.
-        step / mesh / batch_spec: where batches go (as in Loader; a mesh is required here).
+        step: where batches go (as in Loader; a mesh, given or the step's, is required here).
+        mesh: the mesh, when no step is given.
+        batch_spec: the batch's layout over the mesh (as in Loader).
         buckets: pad variable-length samples (xtrain.buckets.Buckets). Every process must pad to
             the same length: with several processes give `lengths` (each sample's length, read
             without loading it), else batches are padded to the largest bucket.
         lengths: per-sample sequence lengths, for bucketing across processes.
-        seed, shuffle: the sample order.
+        seed: seeds the sample order.
+        shuffle: False keeps the dataset's order.
         prefetch: batches prepared ahead by a background thread (0: none).
     """
 

@@ -188,7 +188,9 @@ def largest_replicated(step_or_plan, model: Any = None, mesh: Mesh | Mapping[str
 
     Args:
         step_or_plan: a compiled step (`xtrain.compile(...)`) or a Plan.
-        model, mesh: for a Plan: the model (or {name: shape}) and mesh it is meant for.
+        model: for a Plan: the model (or {name: shape}) it is meant for.
+        mesh: for a Plan: the mesh it is meant for.
+        top: how many parameters to list.
     """
     return presets.largest_replicated(*_specs_and_shapes(step_or_plan, model, mesh), top=top)
 

@@ -1,6 +1,6 @@
 """The correctness oracle: xtrain on a mesh vs plain torch eager on one device.
 
-The parity standard (the README's Correctness section): same model, initial weights and batches, dropout off,
+The parity standard (docs/testing.md, "Correctness"): same model, initial weights and batches, dropout off,
 fp32, >= 4 optimizer steps; per-step loss relative difference <= 1e-5 and every parameter's
 max absolute difference <= 5e-5 with AdamW/Adam (<= 1e-5 with SGD).
 """
