@@ -15,7 +15,7 @@ from xtrain.ir.kernels import moe
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.rules import experts
+from xtrain.lowering.explicit.rules import experts, indexing
 from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
                                                whole_dims_where, wrap)
 from xtrain.lowering.context import Context
@@ -60,8 +60,10 @@ def scatter_add(ctx: Context, eqn, args):
     each device adds its own updates, the result a pending sum over the axes that split them
     (the operand itself counted once, on the first device). Updates split elsewhere than
     along the index rows are gathered; so is an operand split at all."""
-    operand, indices, updates = (C.resolve(ctx, a) for a in args)
     dn = eqn.params["dimension_numbers"]
+    if not dn.operand_batching_dims and len(args) == 3 and indexing.splits_scattered_rows(eqn, args):
+        return indexing.scatter(ctx, eqn, args)  # an embedding gradient into a split table
+    operand, indices, updates = (C.resolve(ctx, a) for a in args)
     if dn.operand_batching_dims:
         return fallback(ctx, eqn, args)
     rows = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
