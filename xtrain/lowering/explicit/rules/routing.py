@@ -24,7 +24,7 @@ from xtrain.lowering.context import Context
 def top_k(ctx: Context, eqn, args):
     """Top-k along one dim (the experts): that dim whole, rows keep their split."""
     x = C.resolve(ctx, args[0])
-    axis = eqn.params.get("axis", x.ndim - 1) % x.ndim
+    axis = eqn.params.get("axis", eqn.params.get("reduction_dimension", x.ndim - 1)) % x.ndim
     x = whole_dims_where(ctx, x, lambda d: d == axis)
     return wrap(eqn, bind(ctx, eqn, [x.value]), [x.layout] * 2)
 
@@ -151,7 +151,7 @@ def routed_experts(ctx: Context, eqn, args):
     return wrap(eqn, [moe.routed_experts(*values, spec=spec, capacity=per_expert)], [Layout(tokens.dims, ffn)])
 
 
-register(top_k, "top_k")
+register(top_k, "top_k", "approx_top_k")
 register(sort, "sort")
 register(ragged_dot, "ragged_dot_general")
 register(scatter_add, "scatter-add", "scatter_add")
