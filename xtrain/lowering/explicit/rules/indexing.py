@@ -161,7 +161,10 @@ def scatter(ctx: Context, eqn, args):
     update_dims = [()] * updates.ndim
     for od, ud in _passthrough(eqn, operand, updates).items():
         update_dims[ud] = operand.layout.dims[od]
-    updates = C.relayout(ctx, updates, Layout(tuple(update_dims), operand.layout.partial))
+    # its splits first: a pending sum it takes on (addends) may be over an axis it is split on now
+    kept = tuple(p for p in updates.layout.partial if p in operand.layout.partial)
+    updates = C.relayout(ctx, C.relayout(ctx, updates, Layout(tuple(update_dims), kept)),
+                         Layout(tuple(update_dims), operand.layout.partial))
     rows = _row_splits(eqn, operand)
     index = C.replicate(ctx, C.resolve(ctx, indices)).value
     mode = eqn.params["mode"]
