@@ -154,6 +154,8 @@ def scatter(ctx: Context, eqn, args):
     if len(args) != 3 or dn.operand_batching_dims:
         return fallback(ctx, eqn, args)
     operand, indices, updates = args
+    if operand.zero:  # a ZeRO-3/FSDP parameter (torch's padding row kept out of the gradient): its use starts here
+        operand = whole_dims_where(ctx, operand, lambda d: bool(set(operand.layout.dims[d]) & set(operand.zero)))
     if str(eqn.primitive) not in LINEAR_SCATTERS:
         operand, updates = C.resolve(ctx, operand), C.resolve(ctx, updates)
     dims = _through_dims(eqn, operand, updates)
