@@ -99,26 +99,41 @@ def test_wire_bytes_follow_ring_algorithms():
     assert "all-reduce" in text and "wire bytes per axis: data:" in text
 
 
-class UsesBessel(nn.Module):
-    """Uses torch.special.i0e, whose primitive (bessel_i0e) has no partition rule (sort has one
-    since the MoE routing rules)."""
+class UsesCholesky(nn.Module):
+    """A Cholesky factorization of per-sample matrices: a factorization xtrain keeps whole (no
+    partition rule), reached by the batch-split activations under data parallelism."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(12, 12)
-        self.head = nn.Linear(12, 5)
+        self.head = nn.Linear(9, 5)
 
     def forward(self, x, y):
-        h = torch.special.i0e(torch.tanh(self.fc(x)))
-        return nn.functional.cross_entropy(self.head(h), y)
+        m = torch.tanh(self.fc(x)).reshape(-1, 3, 4)
+        spd = m @ m.transpose(1, 2) + torch.diag_embed(torch.full_like(m[..., 0], 4.0))
+        return nn.functional.cross_entropy(self.head(torch.linalg.cholesky(spd).reshape(-1, 9)), y)
 
 
-def test_op_without_rule_trains_with_parity_and_is_reported():
+def test_op_without_rule_raises_by_default_and_replicates_when_the_plan_says():
+    """The first step raises UnsupportedOpError (op, module, split, bytes, the fix); with
+    Plan(fallback="replicate") it trains with parity, and the report's collectives table and
+    the cost model's collectives mark the fallback's gathers."""
+    from xtrain.cost import program as program_mod, search
+    from xtrain.errors import UnsupportedOpError
+
     torch.manual_seed(0)
-    model, batches = UsesBessel(), mlp_batches()
+    model, batches = UsesCholesky(), mlp_batches()
     make_opt = lambda p: torch.optim.SGD(p, lr=0.1)
-    assert_parity(run_parity(model, make_opt, batches, xtrain.Mesh(data=8)))
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=make_opt(model.parameters()))
-    step(*batches[0])
-    notes = step.report().notes
-    assert any("no partition rule for bessel_i0e" in n and "<top level>" in n for n in notes), notes
+    with pytest.raises(UnsupportedOpError, match=r"no partition rule for cholesky .*split \[data, -, -\].*fallback='replicate'"):
+        step(*batches[0])
+    plan = xtrain.Plan(fallback="replicate")
+    assert_parity(run_parity(model, make_opt, batches, xtrain.Mesh(data=8), plan=plan))
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=make_opt(model.parameters()), plan=plan)
+    report = step.report(*batches[0])
+    assert any("no partition rule for cholesky" in n and "<top level>" in n for n in report.notes), report.notes
+    marked = [c for c in report.collectives if c.fallback]
+    assert marked and {c.kind for c in marked} == {"all-gather"} and "FALLBACK cholesky" in str(report)
+    traced = program_mod.abstract_step(step.trainable, {"data": 8}, plan, tuple(b.numpy() for b in batches[0]))
+    charged = [c for c in search.step_cost(traced, {"data": 8}, 8).collectives if c.fallback == "cholesky"]
+    assert sum(c.payload_bytes for c in charged) == sum(c.payload_bytes for c in marked)

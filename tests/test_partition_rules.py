@@ -12,9 +12,14 @@ import pytest
 from jax import lax
 
 from xtrain.ir.kernels import moe
+from xtrain.lowering import accounting
+from xtrain.sharding.fallback import FallbackPolicy
 from xtrain.lowering.explicit.check import run_partitioned
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import RULES
+
+import rule_cases
+from xtrain import errors
 
 SIZES = {"a": 2, "b": 4}
 DIMS = (2, 4, 8, 6, 12)
@@ -269,9 +274,10 @@ def case_routing(rng):
 CASES = {"routing": case_routing, "custom_vjp": case_custom_vjp, "loop": case_loop, "unary": case_unary, "binary": case_binary, "reduce": case_reduce, "reshape": case_reshape,
          "transpose": case_transpose, "broadcast": case_broadcast, "dot_general": case_dot,
          "conv": case_conv, "gather": case_gather, "scatter": case_scatter, "structural": case_structural, "call": case_call,
-         "sharding_constraint": case_sharding_constraint}
+         "sharding_constraint": case_sharding_constraint, **rule_cases.CASES}
 PER_FAMILY = 32
 MORE = {"routing": 96}  # six kinds of op, each wanting several random layouts
+MORE.update({family: 8 for family in rule_cases.CASES})  # few kinds each; UNTOUCHED checks their splits
 
 
 @pytest.mark.e2e
@@ -285,12 +291,68 @@ def test_rule_matches_whole_computation(family):
     check_many(cases)
 
 
+def _spd(x):
+    """A batch of symmetric positive definite matrices (cholesky's operand)."""
+    return x @ jnp.swapaxes(x, -1, -2) + 4 * jnp.eye(x.shape[-1])
+
+
 @pytest.mark.unit
 def test_op_without_rule_runs_replicated_and_is_recorded():
-    x = normal(np.random.default_rng(0), (8, 6))
-    got, found = run_partitioned(lambda x: lax.bessel_i0e(x) * 2, [x], [Layout((("a",), ()))], mesh())
-    np.testing.assert_allclose(got[0], np.asarray(lax.bessel_i0e(x)) * 2, rtol=1e-6)
-    assert "bessel_i0e" in found.fallbacks and "bessel_i0e" not in RULES
+    """cholesky (a factorization kept whole: no rule) on a batch-split operand: replicated when
+    the policy allows it, an UnsupportedOpError naming it, its split and bytes otherwise."""
+    x = normal(np.random.default_rng(0), (8, 3, 3))
+    fn = lambda x: jnp.linalg.cholesky(_spd(x)) * 2
+    split = Layout((("a",), (), ()))
+    got, found = run_partitioned(fn, [x], [split], mesh())
+    np.testing.assert_allclose(got[0], np.asarray(fn(x)), rtol=1e-5)
+    assert "cholesky" in found.fallbacks and "cholesky" not in RULES and found.fallback_bytes["cholesky"] == 8 * 9 * 4
+    with pytest.raises(errors.UnsupportedOpError, match=r"no partition rule for cholesky .*split \[a, -, -\].*288 bytes") as err:
+        run_partitioned(fn, [x], [split], mesh(), fallback=FallbackPolicy())
+    assert (err.value.primitive, err.value.splits, err.value.gathered_bytes) == ("cholesky", ((("a",), (), ()),), 288)
+    assert isinstance(err.value, ValueError)
+
+
+def _collectives_of(fn, args, dim: int, out_dim: int, axis: str = "a") -> list:
+    """The collectives (lowering.report.Collective) the lowering emits for `fn` with args[0]
+    split on `dim` over `axis` (the rest whole); checks the output keeps that split on `out_dim`."""
+    from xtrain.lowering.context import Context
+    from xtrain.lowering.sharded import Sharded
+    from xtrain.lowering.explicit.interpreter import interpret
+
+    closed = jax.make_jaxpr(fn)(*args)
+    entry = lambda i, d: axis if i == 0 and d == dim else None
+    layouts = [Layout(tuple((entry(i, d),) if entry(i, d) else () for d in range(np.ndim(a)))) for i, a in enumerate(args)]
+
+    def per_device(*local):
+        ins = [Sharded(v, l, np.shape(a), np.asarray(a).dtype) for v, l, a in zip(local, layouts, args)]
+        (out,) = interpret(Context.of(SIZES, fallback=FallbackPolicy()), closed.jaxpr, closed.consts, ins)
+        want = tuple((axis,) if d == out_dim else () for d in range(out.ndim))
+        assert out.layout == Layout(want), (out.layout, want)
+        return out.value
+
+    in_specs = tuple(jax.P(*[entry(i, d) for d in range(np.ndim(a))]) for i, a in enumerate(args))
+    program = jax.make_jaxpr(jax.shard_map(per_device, mesh=mesh(), in_specs=in_specs,
+                                           out_specs=jax.P(*[None] * out_dim, axis), check_vma=False))(*args)
+    return accounting.collectives(program, SIZES)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", rule_cases.UNTOUCHED)
+def test_split_on_an_untouched_dim_moves_nothing(family):
+    """An operand split on a dimension the op does not touch keeps its split and moves nothing
+    (a rule that gathered it would be a fallback in disguise); no fallback is taken either."""
+    for index, (fn, args, dim, out_dim) in enumerate(rule_cases.UNTOUCHED[family]):
+        assert [c.kind for c in _collectives_of(fn, args, dim, out_dim)] == [], f"{family} case {index}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("op", rule_cases.CUMULATIVE, ids=lambda op: op.__name__)
+def test_cumulative_op_over_a_split_dim_gathers_only_block_totals(op):
+    """A scan along the split dim: one all-gather of each block's totals (one row per shard:
+    4 x 6 float32 = 96 bytes), not of the operand (192 bytes)."""
+    x = normal(np.random.default_rng(0), (6, 8))
+    found = _collectives_of(lambda x: op(x, axis=1), [x], 1, 1, axis="b")
+    assert [(c.kind, c.payload_bytes) for c in found] == [("all-gather", 96)]
 
 
 @pytest.mark.unit

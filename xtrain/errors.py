@@ -71,7 +71,16 @@ class UnsupportedError(XtrainError, ValueError):
 
 
 class UnsupportedOpError(UnsupportedError):
-    """An op, or a form of an op (an argument value, a layout), xtrain cannot lower."""
+    """An op, or a form of an op (an argument value, a layout), xtrain cannot lower.
+
+    Raised for a primitive without a partition rule reached by a split operand, it also carries
+    `primitive`, `module` (path), `splits` (each split operand's mesh axes per dimension) and
+    `gathered_bytes` (what running it replicated would all-gather per call); else those are None/()."""
+
+    def __init__(self, message: str, *, primitive: str | None = None, module: str | None = None,
+                 splits: tuple = (), gathered_bytes: int | None = None):
+        super().__init__(message)
+        self.primitive, self.module, self.splits, self.gathered_bytes = primitive, module, splits, gathered_bytes
 
 
 class TraceError(XtrainError, ValueError):

@@ -45,6 +45,8 @@ class AbstractStep:
     state_bytes: dict[str, int]     # parameters / gradients / optimizer (/ grad_residual) bytes per device
     bubble: float = 0.0             # a pipeline schedule table's idle share of (tick, stage) slots
     hlo: str | None = None          # the program lowered for `platform` (HLO text), when one was asked for
+    # primitive -> module paths run replicated for lack of a partition rule (Plan(fallback="replicate"))
+    fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _local_bytes(shape, dtype, spec: Spec, sizes: Mapping[str, int]) -> int:
@@ -125,7 +127,7 @@ def abstract_step(trainable: Trainable, sizes: Mapping[str, int], plan: Plan, ba
         state_bytes["grad_residual"] = sum(_local_bytes(r.shape, r.dtype, specs[n], sizes)
                                            for n, r in state.grad_residual.items())
     return AbstractStep(traced.jaxpr, dict(layout.param_specs), dict(layout.optimizer_specs), layout.batch_axes,
-                        state_bytes, built.bubble, hlo)
+                        state_bytes, built.bubble, hlo, dict(built.program.findings.fallbacks))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,9 @@ class Row:
     cost: cost_model.StepCost | None = None
     reason: str = ""
     findings: tuple[str, ...] = ()  # why the target's compiler would reject its program (Neuron)
+    # ops without a partition rule this candidate runs replicated (primitive -> module paths); their
+    # gathers are in its program, so its cost charges them; picked only when no clean candidate fits
+    fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def usable(self) -> bool:
@@ -225,6 +228,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         profile.check_precision(candidate.precision)
         plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None,
                               expert_plan(model, experts) if experts else None)
+        plan = dataclasses.replace(plan, fallback="replicate")  # costed and marked, not refused
         traced = program_mod.abstract_step(program_mod.trainable_of(model, tx, experts), candidate.mesh, plan, batch,
                                            options=AssemblyOptions(scan_layers=True, regather=regather),
                                            platform="neuron" if target else None)
@@ -240,13 +244,21 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     prediction, candidate, cost = min(predicted, key=lambda p: p[0].step_s)
     reason = "" if prediction.fits else f"needs {_bytes(prediction.memory_bytes)} > {_bytes(profile.hbm_bytes)}"
     reason = placement.rejection(target, errors) if not placed else reason
+    if traced.fallbacks:
+        reason = "; ".join([reason] * bool(reason) + [_fallback_note(traced.fallbacks)])
     return Row(candidate=candidate, prediction=prediction, cost=cost, reason=reason,
-               findings=tuple(str(f) for f in errors) if not placed else ())
+               findings=tuple(str(f) for f in errors) if not placed else (), fallbacks=traced.fallbacks)
+
+
+def _fallback_note(fallbacks) -> str:
+    return "replicated fallback (gathers charged): " + ", ".join(
+        f"{prim} in {', '.join(paths)}" for prim, paths in sorted(fallbacks.items()))
 
 
 def pick(rows: Sequence[Row]) -> Row | None:
     """The fastest candidate that fits; among those within TIE of it, the simplest."""
     usable = [r for r in rows if r.usable]
+    usable = [r for r in usable if not r.fallbacks] or usable  # a plan without replicated fallbacks first
     if not usable:
         return None
     fastest = min(r.prediction.step_s for r in usable)

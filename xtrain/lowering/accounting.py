@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from xtrain.ir.analysis import flops
+from xtrain.lowering.explicit.registry import FALLBACK_SCOPE
 from xtrain.lowering.report import Collective
 
 _KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",
@@ -41,6 +42,15 @@ def _source(eqn, module_paths) -> str:
     return f"{path.split('(')[-1].rstrip(')')} [{stack}]" if path else stack
 
 
+def _fallback(eqn) -> str:
+    """The primitive whose replicated fallback emitted this collective (its name scope,
+    explicit.registry.fallback; a transpose keeps the scope), else ""."""
+    for part in reversed(str(eqn.source_info.name_stack).split("/")):
+        if FALLBACK_SCOPE in part:
+            return part.split(FALLBACK_SCOPE, 1)[1].rstrip(")")
+    return ""
+
+
 def collectives(closed, sizes: dict[str, int], module_paths=frozenset()) -> list[Collective]:
     """Every collective in a (nested) jaxpr, in program order; a scan body's once per iteration."""
     return _walk(closed.jaxpr, sizes, module_paths)
@@ -59,7 +69,8 @@ def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collec
             payload = _bytes([v.aval for v in eqn.invars])
             if _KIND[name] == "all-gather":
                 payload *= n
-            found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, region.overlap(i)))
+            found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, region.overlap(i),
+                                    _fallback(eqn)))
         for sub in jcore.jaxprs_in_params(eqn.params):
             if name == "scan":  # iteration by iteration
                 found += _walk(sub, sizes, module_paths, eqn.params["num_carry"]) * eqn.params["length"]

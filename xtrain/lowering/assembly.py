@@ -241,6 +241,7 @@ def _config(trainable: Trainable, plan: Plan, options: AssemblyOptions, layout: 
     return StepConfig(tx=trainable.tx, options=options.step, grad_tx=grad_tx,
                       sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                       remat=plan.layer_remat(), capacity_factor=plan.capacity_factor, regather=options.regather,
+                      fallback=plan.fallback_policy(),
                       offload_optimizer=layout.offload_optimizer)
 
 

@@ -17,6 +17,7 @@ import types
 from typing import Any, Callable, Iterator, Mapping
 
 from xtrain.lowering.findings import Record
+from xtrain.sharding.fallback import FallbackPolicy
 from xtrain.sharding.remat import LayerRemat
 
 
@@ -36,6 +37,8 @@ class LoweringOptions:
         regather: ZeRO-3's re-gather policy in each layer (zero.RegatherPolicy), or None.
         unroll: repeated blocks emitted one after another instead of as a layer scan.
         capacity_factor: MoE layers drop the pairs past each expert's capacity (Plan); None: drop-free.
+        fallback: where a split operand may reach a primitive without a rule and run replicated
+            (Plan.fallback_policy(); elsewhere registry.fallback raises UnsupportedOpError).
         synced: parameters whose gradients the layer scan all-reduces inside the backward pass:
             jaxpr var -> mesh axes (xtrain.lowering.gradient_sync.in_layer), with `sync`.
         sync: the GradSync of those all-reduces.
@@ -51,6 +54,7 @@ class LoweringOptions:
     regather: Callable | None = None
     unroll: bool = False
     capacity_factor: float | None = None
+    fallback: FallbackPolicy = FallbackPolicy()
     synced: Mapping = dataclasses.field(default_factory=dict)
     sync: Any = None
     scattered: Mapping = dataclasses.field(default_factory=dict)
@@ -161,6 +165,10 @@ class Context:
         return self.options.capacity_factor
 
     @property
+    def fallback(self) -> FallbackPolicy:
+        return self.options.fallback
+
+    @property
     def synced(self):
         return self.options.synced
 
@@ -188,9 +196,10 @@ class Context:
         """Tells the report `text` (once, in order)."""
         self.record.note(text)
 
-    def note_fallback(self, primitive: str) -> None:
-        """`primitive` ran replicated at the current module path (no partition rule)."""
-        self.record.fallback(primitive, self.path)
+    def note_fallback(self, primitive: str, gathered_bytes: int = 0) -> None:
+        """`primitive` ran replicated at the current module path (no partition rule), gathering
+        `gathered_bytes` (its split operands, whole)."""
+        self.record.fallback(primitive, self.path, gathered_bytes)
 
     def count(self, name: str, value) -> None:
         """A per-step count (a Sharded value) of the current module, e.g. an MoE layer's tokens per expert."""

@@ -26,6 +26,8 @@ class Findings:
     Attributes:
         notes: what the rules told the report (ring attention, expert parallel, capacity), in order.
         fallbacks: primitive -> module paths where it ran replicated (no partition rule).
+        fallback_bytes: primitive -> bytes of split operands its replicated runs all-gathered
+            (per traced call; a layer scan's body counts once).
         counts: (name, module path) of each per-step count the step outputs, e.g.
             ("expert_tokens", "model.layers.0.mlp"); their values are the step's outputs.
         repeated: the families of repeated blocks the layer scan runs (explicit/blocks.py
@@ -37,6 +39,7 @@ class Findings:
 
     notes: tuple[str, ...] = ()
     fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: _frozen_map({}))
+    fallback_bytes: Mapping[str, int] = dataclasses.field(default_factory=lambda: _frozen_map({}))
     counts: tuple[tuple[str, str], ...] = ()
     repeated: tuple[Any, ...] = ()
     block_notes: tuple[str, ...] = ()
@@ -45,6 +48,7 @@ class Findings:
 
     def __post_init__(self):
         object.__setattr__(self, "fallbacks", _frozen_map(self.fallbacks))
+        object.__setattr__(self, "fallback_bytes", _frozen_map(self.fallback_bytes))
 
     def report_notes(self) -> list[str]:
         """The report's lines: the fallbacks, the block families, then the rules' notes."""
@@ -60,13 +64,15 @@ class Record:
     def __init__(self):
         self._notes: dict[str, None] = {}  # a dict: ordered, each note once
         self._fallbacks: dict[str, set[str]] = {}
+        self._fallback_bytes: dict[str, int] = {}
         self.counts: dict[tuple[str, str], Any] = {}  # (name, module path) -> Sharded count
 
     def note(self, text: str) -> None:
         self._notes[text] = None
 
-    def fallback(self, primitive: str, path: str) -> None:
+    def fallback(self, primitive: str, path: str, gathered_bytes: int = 0) -> None:
         self._fallbacks.setdefault(primitive, set()).add(path or TOP_LEVEL)
+        self._fallback_bytes[primitive] = self._fallback_bytes.get(primitive, 0) + gathered_bytes
 
     def count(self, name: str, path: str, value) -> None:
         self.counts[name, path or TOP_LEVEL] = value
@@ -82,11 +88,15 @@ def collected(records: Iterable[Record], **found) -> Findings:
     fields (what the strategy found besides the rules: repeated blocks, stage layers, ...)."""
     notes: dict[str, None] = {}
     fallbacks: dict[str, set[str]] = {}
+    gathered: dict[str, int] = {}
     counts: dict[tuple[str, str], None] = {}
     for record in records:
         notes.update(record._notes)
         for prim, paths in record._fallbacks.items():
             fallbacks.setdefault(prim, set()).update(paths)
+        for prim, n in record._fallback_bytes.items():  # the forward's trace and the backward's see one op
+            gathered[prim] = max(gathered.get(prim, 0), n)
         counts.update(dict.fromkeys(sorted(record.counts)))
     return Findings(notes=tuple(notes), fallbacks={p: tuple(sorted(s)) for p, s in fallbacks.items()},
+                    fallback_bytes=gathered,
                     counts=tuple(counts), **found)

@@ -44,6 +44,8 @@ class Collective:
     # matmul FLOPs (per device) of the compute in its program region that neither feeds nor
     # consumes it: what a scheduler can hide it behind (explicit lowering; None for XLA's HLO)
     overlap_flops: float | None = None
+    # the primitive without a partition rule this gather serves (Plan(fallback="replicate")), else ""
+    fallback: str = ""
 
 
 def _bytes_of(shape_text: str) -> int:
@@ -108,7 +110,11 @@ class Report:
         for c in self.collectives:
             overlap = "-" if c.overlap_flops is None else f"{c.overlap_flops / 1e6:.1f}"
             lines.append(f"{c.kind:<20}{'x'.join(c.axes) or '-':<14}{c.payload_bytes:>12}"
-                         f"{c.wire_bytes:>12.0f}{overlap:>15}  {_clipped(c.source)}")
+                         f"{c.wire_bytes:>12.0f}{overlap:>15}  "
+                         + _clipped((f"FALLBACK {c.fallback}: " if c.fallback else "") + c.source))
+        fallback = sum(c.wire_bytes for c in self.collectives if c.fallback)
+        if fallback:
+            lines.append(f"wire bytes of replicated fallbacks (ops without a partition rule): {fallback:.0f}")
         lines.append("wire bytes per axis: " + ", ".join(f"{k}: {v:.0f}" for k, v in self.bytes_per_axis().items()))
         lines.append("memory per device (bytes): " + ", ".join(f"{k}={v}" for k, v in self.memory.items()))
         if self.state_memory:

@@ -34,6 +34,7 @@ from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.zero import Update
+from xtrain.sharding.fallback import FallbackPolicy
 from xtrain.sharding.plan import Spec
 from xtrain.sharding.remat import LayerRemat
 
@@ -56,6 +57,7 @@ class StepConfig:
         offload_optimizer: the optimizer state arrives in host memory and goes back there
             (xtrain.lowering.offload).
         capacity_factor: MoE layers' expert capacity (Plan.capacity_factor); None: drop-free.
+        fallback: where an op without a partition rule may run replicated (Plan.fallback_policy()).
     """
 
     tx: optax.GradientTransformation
@@ -66,6 +68,7 @@ class StepConfig:
     regather: bool = True
     offload_optimizer: bool = False
     capacity_factor: float | None = None
+    fallback: FallbackPolicy = FallbackPolicy()
 
     def __post_init__(self):
         if self.grad_tx is None:  # a skip the options need (input checks) is never left out

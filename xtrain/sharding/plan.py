@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from xtrain.errors import PlanError
 from xtrain.ir.trace_options import TraceOptions
+from xtrain.sharding.fallback import Fallback, FallbackPolicy
 from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.pipeline import Pipeline, pipeline
@@ -86,6 +87,13 @@ class Plan:
             the rest are dropped (their expert output is zero; `step(...)["expert_dropped"]`
             counts them) and expert parallel's all-to-all buffers shrink to that capacity.
             None (default): drop-free, as torch computes.
+        fallback: what a split operand reaching a primitive without a partition rule does
+            (xtrain.sharding.fallback): "error" (default: the first step raises
+            UnsupportedOpError naming the op, module, split and the bytes a replicated run
+            gathers) or "replicate" (gathered and run whole on every device; the report and the
+            cost model show and charge the gathers).
+        fallback_modules: fnmatch patterns over module paths where "replicate" is allowed while
+            the plan's `fallback` stays "error", e.g. ("model.fft_mixer",).
         trace: how the front end traces the model for this plan (xtrain.ir.trace_options):
             Megatron's head split and sequence-parallel blocks (`xtrain.plans.megatron` sets
             them). Default: as torch computes it.
@@ -103,6 +111,8 @@ class Plan:
     pipeline: Pipeline | None = None
     offload: Offload | str = "none"
     capacity_factor: float | None = None
+    fallback: Fallback | str = "error"
+    fallback_modules: tuple[str, ...] = ()
     trace: TraceOptions = TraceOptions()
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
@@ -116,6 +126,7 @@ class Plan:
         object.__setattr__(self, "precision", Precision.of(self.precision))
         object.__setattr__(self, "offload", Offload.of(self.offload))
         self._check_remat()
+        self._check_fallback()
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan(zero={self.zero!r}): the ZeRO stage must be 0, 1, 2 or 3")
         object.__setattr__(self, "params", {k: _normalize(v) for k, v in self.params.items()})
@@ -151,6 +162,18 @@ class Plan:
             raise PlanError(f"Plan(remat={self.remat.value!r}, remat_keep={keep!r}): remat='selective' needs "
                             "remat_keep=(module-path patterns, e.g. 'blocks.*.attn'), and only it uses them")
 
+    def _check_fallback(self) -> None:
+        try:
+            object.__setattr__(self, "fallback", Fallback(self.fallback))
+        except ValueError:
+            raise PlanError(f"Plan(fallback={self.fallback!r}) must be one of {[f.value for f in Fallback]}") from None
+        modules = self.fallback_modules
+        object.__setattr__(self, "fallback_modules", (modules,) if isinstance(modules, str) else tuple(modules))
+
+    def fallback_policy(self) -> FallbackPolicy:
+        """Where a primitive without a rule may run replicated (xtrain.sharding.fallback)."""
+        return FallbackPolicy(self.fallback, self.fallback_modules)
+
     def layer_remat(self) -> LayerRemat | None:
         """What the layer scan checkpoints, or None. Offloaded activations checkpoint each
         layer (remat='off' then means 'full': only the layer's input is saved, on the host)."""
@@ -165,7 +188,8 @@ class Plan:
         mixed = "" if self.precision.compute.value == "fp32" else f", precision={self.precision.compute.value}"
         remat = "" if self.remat.value == "off" else f", remat={self.remat.value}"
         offload = "" if self.offload is Offload.NONE else f", offload={self.offload.value}"
-        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat}{offload})"]
+        fallback = "" if self.fallback_policy() == FallbackPolicy() else ", " + self.fallback_policy().setting
+        lines = [f"Plan(batch={batch}, zero={self.zero}{mixed}{remat}{offload}{fallback})"]
         if self.pipeline is not None:
             lines.append(f"  {self.pipeline}")
         width = max((len(p) for p in self.params), default=0)

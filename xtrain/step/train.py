@@ -168,7 +168,10 @@ class TrainStep:
         best = autoplan.agreed_pick(self.search)
         tensor = autoplan.search.tensor_plan(self.trainable.model, host_batch(batch)) \
             if self.trainable.structure is not None else None
-        self._build(Mesh(**best.mesh).build(), best.plan(tensor), host_batch(batch))
+        plan = best.plan(tensor)
+        if any(r.fallbacks for r in self.search.rows if r.candidate is best):  # costed with its gathers
+            plan = dataclasses.replace(plan, fallback="replicate")
+        self._build(Mesh(**best.mesh).build(), plan, host_batch(batch))
 
     @property
     def _searches_pipelines(self) -> bool:

@@ -18,6 +18,7 @@ from xtrain.lowering.findings import Findings, collected
 from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.sharded import Layout
+from xtrain.sharding.fallback import REPLICATE, FallbackPolicy
 
 
 def _spec(layout: Layout) -> PartitionSpec:
@@ -32,10 +33,12 @@ def _partialize(ctx: Context, value, layout: Layout):
 
 
 def run_partitioned(fn: Callable, args: Sequence[np.ndarray], layouts: Sequence[Layout],
-                    mesh: jax.sharding.Mesh) -> tuple[list, Findings]:
-    """Evaluates `fn(*args)` through the explicit lowering; returns (outputs, what it found)."""
+                    mesh: jax.sharding.Mesh, fallback: FallbackPolicy = REPLICATE) -> tuple[list, Findings]:
+    """Evaluates `fn(*args)` through the explicit lowering; returns (outputs, what it found).
+    `fallback`: an op without a rule runs replicated (the default; Findings.fallbacks names it),
+    or raises (FallbackPolicy())."""
     closed = jax.make_jaxpr(fn)(*args)
-    ctx = Context.of(dict(mesh.shape))
+    ctx = Context.of(dict(mesh.shape), fallback=fallback)
     axes = tuple(mesh.axis_names)
 
     def per_device(*local):

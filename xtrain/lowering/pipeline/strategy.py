@@ -152,6 +152,7 @@ class PipelineStrategy:
                  pipeline: Pipeline):
         check(config, layout)
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
+        self.fallback = config.fallback
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
         self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
@@ -178,7 +179,8 @@ class PipelineStrategy:
     def _setup(self, training: bool, shapes):
         program = self.program
         closed, cut, args = program.trace(training, shapes)
-        ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes)
+        ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes,
+                         fallback=self.fallback)
         return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):

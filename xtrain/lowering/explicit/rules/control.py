@@ -1,6 +1,7 @@
 """Partition rules of control flow: calls (interpreted inline), the user's derivative rules
 (custom_jvp / custom_vjp: primal and rule both interpreted on shards), scan and while loops
-(carries keep one layout across iterations), and the ops that always run replicated."""
+(carries keep one layout across iterations), conditionals (branches on shards, one output
+layout), and the ops that always run replicated."""
 from __future__ import annotations
 
 import dataclasses
@@ -249,10 +250,31 @@ def while_rule(ctx: Context, eqn, args):
     return as_sharded(final)
 
 
+def cond_rule(ctx: Context, eqn, args):
+    """lax.cond / lax.switch / torch.cond: the branch index computed replicated; each branch
+    interpreted on the operands' shards, its outputs moved to the layouts of the branch traced
+    first (so every branch returns one layout; JAX joins what the outputs vary over)."""
+    index, ops = C.replicate(ctx, args[0]), args[1:]
+    path, want = ctx.path, []
+
+    def branch(closed):
+        def run(*vals):
+            with ctx.cursor.at(path):
+                outs = interpret(ctx, closed.jaxpr, closed.consts, _with_values(ops, vals))
+                if not want:
+                    want.extend(o.layout for o in outs)
+                return [C.relayout(ctx, o, l).value for o, l in zip(outs, want)]
+        return run
+
+    outs = lax.switch(index.value, [branch(b) for b in eqn.params["branches"]], *[o.value for o in ops])
+    return wrap(eqn, outs, want)
+
+
 register(call, "pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
 register(custom_jvp, "custom_jvp_call")
 register(custom_vjp, "custom_vjp_call")
 register(scan_rule, "scan")
 register(while_rule, "while")
+register(cond_rule, "cond")
 register(replicated, "iota", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
          "random_unwrap", "threefry2x32", "rng_bit_generator")

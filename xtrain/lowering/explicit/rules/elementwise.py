@@ -58,7 +58,7 @@ def _partial_after(prim: str, args) -> tuple | None:
         return ()
     if prim in LINEAR_UNARY or (prim == "convert_element_type" and args[0].dtype.kind == "f"):
         return partials[0]
-    if prim in ADDITIVE and len(set(partials)) == 1:
+    if (prim in ADDITIVE or prim == "complex") and len(set(partials)) == 1:
         return partials[0]
     if prim in ADDITIVE and _bias(args):
         return next(p for p in partials if p)
@@ -160,4 +160,8 @@ register(elementwise, "add", "sub", "mul", "div", "max", "min", "integer_pow", "
          "rem", "atan2", "nextafter", "convert_element_type", "copy", "copy_p", "stop_gradient",
          "add_any", "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
          "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
-         "eq_to", "lt_to", "le_to")  # the total-order comparisons (sorts, histograms)
+         "eq_to", "lt_to", "le_to",  # the total-order comparisons (sorts, histograms)
+         "complex", "real", "imag", "conj",  # complex arithmetic (complex rotary embeddings, FFT mixers)
+         "clz", "mulhi",  # integer bit tricks (hashing)
+         "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
+         "regularized_incomplete_beta")  # special functions (distributions' log-densities)

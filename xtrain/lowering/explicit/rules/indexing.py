@@ -106,26 +106,82 @@ def _passthrough(eqn, operand: Sharded, updates: Sharded) -> dict[int, int]:
             if od not in dn.scatter_dims_to_operand_dims and updates.shape[ud] == operand.shape[od]}
 
 
-def scatter(ctx: Context, eqn, args):
-    """A scatter whose split dims are all pass-through windows (`_passthrough`): the operand and
-    updates split alike on them, indices whole, each device writes its own rows. Else no rule."""
-    if len(args) != 3 or eqn.params.get("update_jaxpr") is not None:
-        return fallback(ctx, eqn, args)
-    operand, indices, updates = (C.resolve(ctx, a) for a in args)
+LINEAR_SCATTERS = {"scatter", "scatter-add", "scatter_add", "scatter-sub"}  # pending sums pass through
+
+
+def _row_splits(eqn, operand: Sharded) -> set[int]:
+    """Scattered operand dims written one row per index (an embedding gradient's row, the
+    padding row torch zeroes) whose split stays: each device writes the rows its shard holds
+    (indices shifted by the shard's offset; the others dropped, so the mode must drop)."""
+    from jax._src.lax.slicing import GatherScatterMode
+
+    dn = eqn.params["dimension_numbers"]
+    if eqn.params["mode"] == GatherScatterMode.CLIP:
+        return set()
+    return {d for d in dn.scatter_dims_to_operand_dims if d in dn.inserted_window_dims and operand.layout.dims[d]}
+
+
+def _shifted(ctx: Context, eqn, indices, operand: Sharded, rows: set[int]):
+    """Global indices -> this device's, along the `rows` dims of the operand."""
+    dn = eqn.params["dimension_numbers"]
+    offsets = [C.axis_offset(ctx, operand.layout.dims[d]) * operand.value.shape[d] if d in rows else 0
+               for d in dn.scatter_dims_to_operand_dims]
+    return indices - jnp.stack([jnp.asarray(o, indices.dtype) for o in offsets])
+
+
+def _through_dims(eqn, operand: Sharded, updates: Sharded) -> list:
+    """The operand's dims: its split where it may stay, taking the updates' split on a
+    pass-through window dim the operand holds whole (free axes only)."""
     through = _passthrough(eqn, operand, updates)
-    split = {od: operand.layout.dims[od] or updates.layout.dims[ud] for od, ud in through.items()}
-    other = [d for d in range(operand.ndim) if d not in through and operand.layout.dims[d]] + [
-        d for d in range(updates.ndim) if d not in through.values() and updates.layout.dims[d]]
-    if other or not any(split.values()):
-        return fallback(ctx, eqn, args)
-    dims = tuple(split.get(d, ()) for d in range(operand.ndim))
-    update_dims = [()] * updates.ndim
+    keep = set(through) | _row_splits(eqn, operand)
+    dims = [operand.layout.dims[d] if d in keep else () for d in range(operand.ndim)]
+    used = {a for d in dims for a in d} | set(operand.layout.partial)
     for od, ud in through.items():
-        update_dims[ud] = dims[od]
-    operand = C.relayout(ctx, operand, Layout(dims))
-    updates = C.relayout(ctx, updates, Layout(tuple(update_dims)))
-    out = bind(ctx, eqn, [operand.value, C.replicate(ctx, indices).value, updates.value])
-    return wrap(eqn, out, [Layout(dims)])
+        if not dims[od] and updates.layout.dims[ud] and not set(updates.layout.dims[ud]) & used:
+            dims[od] = updates.layout.dims[ud]
+            used.update(dims[od])
+    return dims
 
 
-register(scatter, "scatter")
+def scatter(ctx: Context, eqn, args):
+    """Scatter with any combiner (set, add, sub, mul, min, max). Splits that stay: a pass-through
+    window dim (rows written in place: the operand and updates split alike) and a scattered
+    dim written one row per index (`_row_splits`); the other dims whole, the indices whole. A
+    set/add/sub keeps the operand's pending sum (the updates become addends alike)."""
+    from jax._src.lax.slicing import GatherScatterMode
+
+    dn = eqn.params["dimension_numbers"]
+    if len(args) != 3 or dn.operand_batching_dims:
+        return fallback(ctx, eqn, args)
+    operand, indices, updates = args
+    if operand.zero:  # a ZeRO-3/FSDP parameter (torch's padding row kept out of the gradient): its use starts here
+        operand = whole_dims_where(ctx, operand, lambda d: bool(set(operand.layout.dims[d]) & set(operand.zero)))
+    if str(eqn.primitive) not in LINEAR_SCATTERS:
+        operand, updates = C.resolve(ctx, operand), C.resolve(ctx, updates)
+    dims = _through_dims(eqn, operand, updates)
+    operand = C.relayout(ctx, operand, Layout(tuple(dims), operand.layout.partial))
+    update_dims = [()] * updates.ndim
+    for od, ud in _passthrough(eqn, operand, updates).items():
+        update_dims[ud] = operand.layout.dims[od]
+    # its splits first: a pending sum it takes on (addends) may be over an axis it is split on now
+    kept = tuple(p for p in updates.layout.partial if p in operand.layout.partial)
+    updates = C.relayout(ctx, C.relayout(ctx, updates, Layout(tuple(update_dims), kept)),
+                         Layout(tuple(update_dims), operand.layout.partial))
+    rows = _row_splits(eqn, operand)
+    index = C.replicate(ctx, C.resolve(ctx, indices)).value
+    mode = eqn.params["mode"]
+    if rows:
+        index, mode = _shifted(ctx, eqn, index, operand, rows), GatherScatterMode.FILL_OR_DROP
+    out = bind(ctx, eqn, [operand.value, index, updates.value], mode=mode)
+    return wrap(eqn, out, [operand.layout])
+
+
+def splits_scattered_rows(eqn, args) -> bool:
+    """Whether a scatter-add's operand is split, or its updates on a pass-through window dim
+    (then `scatter` keeps those splits; else routing's rule sums per-device updates)."""
+    operand, _, updates = args[:3]
+    through = _passthrough(eqn, operand, updates)
+    return bool(operand.layout.split_axes()) or any(updates.layout.dims[ud] for ud in through.values())
+
+
+register(scatter, "scatter", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub")

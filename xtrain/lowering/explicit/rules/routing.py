@@ -15,7 +15,7 @@ from xtrain.ir.kernels import moe
 from xtrain.lowering import collectives
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.rules import experts
+from xtrain.lowering.explicit.rules import experts, indexing
 from xtrain.lowering.explicit.registry import (bind, fallback, register, register_call, same_vma,
                                                whole_dims_where, wrap)
 from xtrain.lowering.context import Context
@@ -24,7 +24,7 @@ from xtrain.lowering.context import Context
 def top_k(ctx: Context, eqn, args):
     """Top-k along one dim (the experts): that dim whole, rows keep their split."""
     x = C.resolve(ctx, args[0])
-    axis = eqn.params.get("axis", x.ndim - 1) % x.ndim
+    axis = eqn.params.get("axis", eqn.params.get("reduction_dimension", x.ndim - 1)) % x.ndim
     x = whole_dims_where(ctx, x, lambda d: d == axis)
     return wrap(eqn, bind(ctx, eqn, [x.value]), [x.layout] * 2)
 
@@ -60,8 +60,10 @@ def scatter_add(ctx: Context, eqn, args):
     each device adds its own updates, the result a pending sum over the axes that split them
     (the operand itself counted once, on the first device). Updates split elsewhere than
     along the index rows are gathered; so is an operand split at all."""
-    operand, indices, updates = (C.resolve(ctx, a) for a in args)
     dn = eqn.params["dimension_numbers"]
+    if not dn.operand_batching_dims and len(args) == 3 and indexing.splits_scattered_rows(eqn, args):
+        return indexing.scatter(ctx, eqn, args)  # an embedding gradient into a split table
+    operand, indices, updates = (C.resolve(ctx, a) for a in args)
     if dn.operand_batching_dims:
         return fallback(ctx, eqn, args)
     rows = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
@@ -149,7 +151,7 @@ def routed_experts(ctx: Context, eqn, args):
     return wrap(eqn, [moe.routed_experts(*values, spec=spec, capacity=per_expert)], [Layout(tokens.dims, ffn)])
 
 
-register(top_k, "top_k")
+register(top_k, "top_k", "approx_top_k")
 register(sort, "sort")
 register(ragged_dot, "ragged_dot_general")
 register(scatter_add, "scatter-add", "scatter_add")

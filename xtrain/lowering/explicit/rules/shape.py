@@ -133,6 +133,48 @@ def concatenate(ctx: Context, eqn, args):
     return wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [layout])
 
 
+def stack(ctx: Context, eqn, args):
+    """Operands joined along a new dim (torch.stack: GPT-J's rotary pairs, a scan's states):
+    the new dim whole, the others aligned like elementwise operands."""
+    axis = eqn.params["axis"]
+    out_shape = tuple(out_avals(eqn)[0].shape)
+    if len({a.layout.partial for a in args}) > 1:
+        args = C.resolve_all(ctx, args)
+    args, dims = _align(ctx, args, out_shape[:axis] + out_shape[axis + 1:])
+    layout = Layout(dims[:axis] + ((),) + dims[axis:], args[0].layout.partial)
+    return wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [layout])
+
+
+def unstack(ctx: Context, eqn, args):
+    """Slices along one dim (the transpose of stack): that dim whole, the others keep their split."""
+    axis = eqn.params["axis"]
+    x = C.gather_dim(ctx, args[0], axis)
+    layout = Layout(x.layout.dims[:axis] + x.layout.dims[axis + 1:], x.layout.partial)
+    outs = bind(ctx, eqn, [x.value])
+    return wrap(eqn, outs, [layout] * len(outs))
+
+
+def tile(ctx: Context, eqn, args):
+    """Dims repeated more than once whole; the others keep their split."""
+    reps = eqn.params["reps"]
+    x = whole_dims_where(ctx, args[0], lambda d: reps[d] != 1)
+    return wrap(eqn, bind(ctx, eqn, [x.value]), [x.layout])
+
+
+def dynamic_update_slice(ctx: Context, eqn, args):
+    """Writes `update` into `operand` at dynamic starts: dims the update spans whole keep their
+    split (the operand and update split alike there; the start is 0), dims written in part
+    are whole. A pending sum is kept when both sides carry it (the write is linear)."""
+    operand, update, *starts = args
+    if operand.layout.partial != update.layout.partial:
+        operand, update = C.resolve(ctx, operand), C.resolve(ctx, update)
+    operand = whole_dims_where(ctx, operand, lambda d: update.shape[d] != operand.shape[d])
+    update = C.relayout(ctx, update, operand.layout)
+    starts = [C.replicate(ctx, s) for s in starts]
+    out = bind(ctx, eqn, [operand.value, update.value, *[s.value for s in starts]])
+    return wrap(eqn, out, [operand.layout])
+
+
 def slice_(ctx: Context, eqn, args):
     """Dims that are cut must be whole; untouched dims keep their split."""
     x = args[0]
@@ -214,6 +256,10 @@ register(reshape, "reshape")
 register(transpose, "transpose")
 register(squeeze, "squeeze")
 register(concatenate, "concatenate")
+register(stack, "stack")
+register(unstack, "unstack")
+register(tile, "tile")
+register(dynamic_update_slice, "dynamic_update_slice")
 register(slice_, "slice")
 register(pad, "pad")
 register(dynamic_slice, "dynamic_slice")
