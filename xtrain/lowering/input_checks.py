@@ -126,7 +126,8 @@ class Found:
 def _literal(var) -> _Const | None:
     """A scalar literal of integral value (index arithmetic: offsets, ignore indices)."""
     value = np.asarray(var.val) if isinstance(var, jcore.Literal) else None
-    if value is None or value.ndim or not np.issubdtype(value.dtype, np.number) or not np.isfinite(value):
+    real = value is not None and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
+    if not real or value.ndim or not np.isfinite(value):  # complex constants (FFT mixers) index nothing
         return None
     return _Const(int(value)) if float(value) == int(value) else None
 
