@@ -126,8 +126,7 @@ class Found:
 def _literal(var) -> _Const | None:
     """A scalar literal of integral value (index arithmetic: offsets, ignore indices)."""
     value = np.asarray(var.val) if isinstance(var, jcore.Literal) else None
-    real = value is not None and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
-    if not real or value.ndim or not np.isfinite(value):  # complex constants (FFT mixers) index nothing
+    if value is None or value.ndim or value.dtype.kind not in "iuf" or not np.isfinite(value):  # complex: FFT mixers
         return None
     return _Const(int(value)) if float(value) == int(value) else None
 
