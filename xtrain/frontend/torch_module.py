@@ -15,7 +15,8 @@ from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
 from xtrain.errors import OptionsError
-from xtrain.frontend import autograd_function, moe, optim, options_scope, structure, torch_ops, uniform_attention
+from xtrain.frontend import (autograd_function, moe, optim, options_scope, real_arith, structure, torch_ops,
+                             uniform_attention)
 from xtrain.ir import interop
 from xtrain.ir.model import Model, TraceError, Trainable
 from xtrain.ir.trace_options import TraceOptions
@@ -60,6 +61,16 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.float().numpy().astype(jax.numpy.bfloat16)
     return t.numpy().copy()
+
+
+def _as_real(x: np.ndarray) -> np.ndarray:
+    """A complex array as real_arith.to_real lays it out: a trailing (re, im) dimension."""
+    return np.stack([x.real, x.imag], axis=-1)
+
+
+def _as_complex(x) -> np.ndarray:
+    x = np.asarray(x)
+    return (x[..., 0] + 1j * x[..., 1]).astype(np.complex64 if x.dtype == np.float32 else np.complex128)
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -160,6 +171,9 @@ class TorchModel(Model):
         self._paths = frozenset(p for p, _ in module.named_modules() if p)
         self._state_keys = list(module.state_dict().keys())
         self._attention = uniform_attention.Tracer()  # one structure per attention shape (Gemma's window layers)
+        self._real = real_arith.Realifier()  # complex arithmetic as real pairs (Meta's rotary embeddings)
+        # complex buffers (rotary tables) are held as real arrays with a trailing (re, im) dimension
+        self._complex_buffers = frozenset(n for n, b in module.named_buffers() if b.is_complex())
         self.options = TraceOptions()
 
     def specialised(self, options: TraceOptions) -> "TorchModel":
@@ -167,7 +181,7 @@ class TorchModel(Model):
         if options == self.options:
             return self
         other = copy.copy(self)
-        other.options, other._attention = options, uniform_attention.Tracer()
+        other.options, other._attention, other._real = options, uniform_attention.Tracer(), real_arith.Realifier()
         return other
 
     # -- state ---------------------------------------------------------------------------
@@ -194,12 +208,13 @@ class TorchModel(Model):
         for n in self._buffer_names:
             if n in stored:
                 out[n] = np.asarray(stored[n]).astype(_np_dtype(named[n].dtype))
+                out[n] = _as_real(out[n]) if n in self._complex_buffers else out[n]
             elif named[n].is_meta:
                 raise OptionsError(f"buffer {n!r} of {self.name} is on the meta device and not in the checkpoint: "
                                  "build the model under `with xtrain.checkpoint.meta_params():` (parameters on meta, "
                                  "buffers real) instead of torch.device('meta'), or store the buffer in the file")
             else:
-                out[n] = _to_numpy(named[n])
+                out[n] = _as_real(_to_numpy(named[n])) if n in self._complex_buffers else _to_numpy(named[n])
         return out
 
     def buffer_names(self) -> list[str]:
@@ -216,6 +231,7 @@ class TorchModel(Model):
         return self._paths
 
     def export_state(self, params, buffers) -> dict[str, np.ndarray]:
+        buffers = {n: _as_complex(b) if n in self._complex_buffers else b for n, b in buffers.items()}
         full = {**params, **buffers}
         for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():
             full[alias] = full[name]
@@ -225,7 +241,8 @@ class TorchModel(Model):
     def apply(self, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple,
               *, training: bool) -> tuple[Any, dict[str, Any]]:
         trace = functools.partial(self._apply, training=training)
-        return self._attention.apply(trace, (params, buffers, key, batch), extra=(training,))
+        attention = lambda *args: self._attention.apply(trace, args, extra=(training,))
+        return self._real.apply(attention, (params, buffers, key, batch), extra=(training,))
 
     def _apply(self, params, buffers, key, batch: tuple, *, training: bool):
         env = torchax_env()
@@ -236,7 +253,8 @@ class TorchModel(Model):
                 _training_mode(self.module, training), torch_ops.module_rules(self.module), \
                 moe.module_rules(self.module), options_scope.installed(self.module, self.options), \
                 autograd_function.honoured(env, scopes.current):
-            t_params, t_buffers, t_batch = env.j2t_iso((dict(params), dict(buffers), tuple(batch)))
+            buffers = {n: real_arith.to_complex(b) if n in self._complex_buffers else b for n, b in buffers.items()}
+            t_params, t_buffers, t_batch = env.j2t_iso((dict(params), buffers, tuple(batch)))
             full = {**t_params, **t_buffers}
             for alias, name in {**self.param_aliases, **self.buffer_aliases}.items():
                 full[alias] = full[name]

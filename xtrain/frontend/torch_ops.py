@@ -31,6 +31,7 @@ import torch
 import torchax
 from torchax.decompositions import DECOMPOSITIONS
 from torchax.ops import jaten, mappings, ops_registry
+from torchax.view import View
 
 from xtrain.errors import UnsupportedOpError
 from xtrain.frontend import eager_attention, sdpa
@@ -38,6 +39,7 @@ from xtrain.ir import index_ops, markers
 
 aten = torch.ops.aten
 _NLL_DECOMPOSITION = DECOMPOSITIONS[aten.nll_loss_forward.default]
+_TORCHAX_COPY = ops_registry.all_aten_ops[aten.copy_].func
 
 
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -60,6 +62,12 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
     if bias is not None:
         out = out + bias.reshape(shape)
     return out, mean, invstd
+
+
+def _copy_(x, y, memory_format=None, env=None):
+    """aten.copy_ whose source may be a view (torchax's reads `y._elem`, which a View lacks: HF's
+    Mamba/Jamba cache writes a slice of the hidden states into its conv state)."""
+    return _TORCHAX_COPY(x, y.torch() if isinstance(y, View) else y, memory_format, env=env)
 
 
 def _legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
@@ -112,6 +120,12 @@ def _matmul(x, y):
     dims would force a gather of heads split for tensor parallelism. HF's eager attention
     (softmax(q @ k^T ...) @ v) is computed by the blockwise kernel (xtrain.frontend.eager_attention)."""
     return eager_attention.matmul(x, y)
+
+
+def _view_as_real(x):
+    """aten.view_as_real: (re, im) in a trailing dimension, as one concatenate of the two parts
+    (torchax's jnp.stack emits `stack`, which the explicit lowering gathers). Complex RoPE ends in it."""
+    return jnp.concatenate([jnp.real(x)[..., None], jnp.imag(x)[..., None]], axis=-1)
 
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
@@ -227,6 +241,22 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     return out, mean, rstd
 
 
+def _native_group_norm(input, weight, bias, N, C, HxW, group, eps=1e-5):
+    """aten.native_group_norm -> (out, mean, 1/std) with statistics of shape (N, group). Each sample's
+    groups are normalized as (N, group, C / group * HxW): the batch dimension stays a dimension
+    of its own (torchax merges it with the groups into one, which a batch split cannot follow,
+    so under data parallel the activations were gathered)."""
+    grouped = input.reshape(input.shape[0], group, -1)  # (N, G, C/G * HxW)
+    out, mean, rstd = _normalize(grouped, 1, float(eps))
+    affine = [-1 if d == 1 else 1 for d in range(input.ndim)]
+    out = out.reshape(input.shape)
+    if weight is not None:
+        out = out * weight.reshape(affine)
+    if bias is not None:
+        out = out + bias.reshape(affine)
+    return out, mean.reshape(input.shape[0], group), rstd.reshape(input.shape[0], group)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _rms_normalize(x, k: int, eps: float):
     """x / sqrt(mean(x^2) + eps) over the last k dims."""
@@ -315,8 +345,10 @@ _JAX_OVERRIDES = {
     aten._softmax.default: _softmax,
     aten.softmax.int: _softmax_int,
     aten.native_layer_norm.default: _native_layer_norm,
+    aten.native_group_norm.default: _native_group_norm,
     aten.gather.default: _gather,
     aten.embedding.default: _embedding,
+    aten.view_as_real.default: _view_as_real,
     # torch-function level (matmul is decomposed in C++ before dispatch reaches aten)
     torch.nn.functional.rms_norm: _rms_norm,
     torch.matmul: _matmul,
@@ -342,6 +374,8 @@ def install(env: torchax.tensor.Environment) -> None:
     """Registers xtrain's op overrides on a torchax environment (idempotent)."""
     for op, impl in _OVERRIDES.items():
         env.override_op_definition(op, impl)
+    env._ops[aten.copy_] = ops_registry.Operator(aten.copy_, _copy_, is_jax_function=False, is_user_defined=True,
+                                                 needs_env=True, is_view_op=True)  # in-place, on views too
     for table, needs_env in ((_JAX_OVERRIDES, False), (_JAX_ENV_OVERRIDES, True)):
         for op, impl in table.items():
             env._ops[op] = ops_registry.Operator(op, impl, is_jax_function=True, is_user_defined=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant  # no public name in jax 0.10
 
@@ -29,6 +30,16 @@ def _name(axes: Sequence[str]):
 def all_reduce(x, axes: Sequence[str]):
     """The sum of `x` over the devices of `axes`, on each of them."""
     return lax.psum(x, _name(axes))
+
+
+def broadcast_first(x, axes: Sequence[str]):
+    """`x` as the first device of `axes` holds it, on each of them and typed invariant over them:
+    one all-reduce in which the other devices add zeros (exact). For a value equal on those
+    devices that the program types as varying (computed from parameters cast to varying)."""
+    first = True
+    for a in axes:
+        first = first & (lax.axis_index(a) == 0)
+    return lax.psum(jnp.where(first, x, jnp.zeros_like(x)), _name(axes))
 
 
 def reduce_scatter(x, axes: Sequence[str], dim: int, *, tiled: bool = True):

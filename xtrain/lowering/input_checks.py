@@ -126,7 +126,7 @@ class Found:
 def _literal(var) -> _Const | None:
     """A scalar literal of integral value (index arithmetic: offsets, ignore indices)."""
     value = np.asarray(var.val) if isinstance(var, jcore.Literal) else None
-    if value is None or value.ndim or not np.issubdtype(value.dtype, np.number) or not np.isfinite(value):
+    if value is None or value.ndim or value.dtype.kind not in "iuf" or not np.isfinite(value):  # complex: FFT mixers
         return None
     return _Const(int(value)) if float(value) == int(value) else None
 

@@ -13,7 +13,7 @@ from jax import lax
 
 from xtrain.errors import PlanError
 from xtrain.ir.model import Model
-from xtrain.lowering import accumulation, gradient_sync
+from xtrain.lowering import accumulation, collectives, gradient_sync
 from xtrain.lowering import zero as zero_mod
 from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
@@ -126,6 +126,8 @@ class Program:
             regions, live = layer_scan.regions(ctx, closed.jaxpr, repeated)
             outs = interpret(ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(ctx, o).value for o in outs]
+            losses = len(jax.tree.leaves(out_shape[0]))
+            outs = outs[:losses] + [_invariant(ctx, o) for o in outs[losses:]]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs), _counts(ctx)
 
         return Forward(local, tuple(repeated), tuple(block_notes),
@@ -166,6 +168,20 @@ class Program:
                 f"{self.model.name} has none{why}; use remat='off'"
                 + (" and offload='none'" if self.remat.offload else ""))
         return examined.found, notes
+
+
+def _invariant(ctx: Context, buffer):
+    """A buffer the forward updated (BatchNorm's running statistics), whole and typed the same on
+    every device. Whole values computed from parameters (cast to varying over the batch axes for
+    the gradient sync) are typed varying even where equal: after a gather of activations, each
+    device computes the global batch's statistics. They are taken from the first device (torch
+    DDP's broadcast_buffers), an all-reduce of the buffer's bytes; statistics of a split batch
+    are reduced over it by their rules and need nothing."""
+    axes = tuple(a for a in ctx.sizes if a in collectives.vma(buffer))
+    if not axes:
+        return buffer
+    with jax.named_scope("xtrain.buffers"):
+        return collectives.broadcast_first(buffer, axes)
 
 
 def _counts(ctx: Context) -> dict:
