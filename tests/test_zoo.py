@@ -2,10 +2,9 @@
 
 Under data parallel only gradients and statistics cross `data`: each model's program is traced at
 global batch B and 2B and the collectives over `data` other than the gradient sync must move the
-same bytes at both (an activation that crosses `data` doubles). Models whose program still has a
-partition-rule fallback on this branch are listed in FALLS_BACK with the primitives that fall back
-(the rules of every primitive come separately; once they land the entries go and those models
-join the byte check). The failure classes the issue measured train with parity: Meta's complex
+same bytes at both (an activation that crosses `data` doubles), and no operation may fall back to
+a replicated run (every primitive has a partition rule; the default Plan(fallback="error") would
+raise). The failure classes the issue measured train with parity: Meta's complex
 rotary embeddings (real arithmetic in the front end: DDP and Megatron), an FFT mixer (complex
 constants), a hybrid attention / state-space / MoE model (an in-place copy from a view), a
 ResNet (BatchNorm statistics of a gathered batch) and a wav2vec2-style GroupNorm.
@@ -27,8 +26,6 @@ from xtrain.testing import assert_parity, run_parity, torch_reference
 
 import zoo_models as zoo
 
-# primitive(s) without a partition rule on this branch, per model under DDP
-FALLS_BACK = {"fnet": {"complex"}, "resnet": {"reduce_window_max"}, "mamba": {"stack"}, "jamba": {"stack"}}
 # the byte check on the traced program, without compiling (a trace per batch size)
 TRACED = ["gpt2", "llama", "roberta", "t5", "mixtral", "vit", "mamba", "jamba", "complex_rope_llama", "fnet",
           "resnet", "mobilenet", "audio"]  # cond: torchax refuses torch.cond
@@ -74,9 +71,7 @@ def test_data_parallel_moves_no_activations(name):
     _, batches, _ = case(name)
     step = compiled(name, xtrain.Mesh(data=8))
     once = data_traffic(step, batches[0])
-    assert fallbacks(step) == FALLS_BACK.get(name, set()), step.lowered.notes()
-    if name in FALLS_BACK:  # a fallback gathers activations: the byte check waits for its rule
-        return
+    assert not fallbacks(step), step.lowered.notes()
     doubled = tuple(torch.cat([x, x]) for x in batches[0])
     assert data_traffic(step, doubled) == once, "bytes over `data` grow with the batch: activations move"
 
