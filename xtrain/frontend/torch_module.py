@@ -15,8 +15,8 @@ from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
 from xtrain.errors import OptionsError
-from xtrain.frontend import autograd_function, moe, optim, options_scope, structure, torch_ops, uniform_attention
-from xtrain.ir import interop
+from xtrain.frontend import autograd_function, moe, optim, options_scope, sdpa, structure, torch_ops, uniform_attention
+from xtrain.ir import interop, replay
 from xtrain.ir.model import Model, TraceError, Trainable
 from xtrain.ir.trace_options import TraceOptions
 
@@ -161,6 +161,9 @@ class TorchModel(Model):
         self._state_keys = list(module.state_dict().keys())
         self._attention = uniform_attention.Tracer()  # one structure per attention shape (Gemma's window layers)
         self.options = TraceOptions()
+        # traced once per input signature and trace options, replayed after (a plan search lowers
+        # many plans of one model); shared with the specialised copies, which key it by their options
+        self._replay = replay.Replay(self.name)
 
     def specialised(self, options: TraceOptions) -> "TorchModel":
         """This model traced under `options`; installed on the module only while it is traced."""
@@ -205,6 +208,11 @@ class TorchModel(Model):
     def buffer_names(self) -> list[str]:
         return list(self._buffer_names)
 
+    def buffer_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        # from shapes alone: a buffer on the meta device (torch.device("meta")) plans too
+        named = dict(self.module.named_buffers())
+        return {n: jax.ShapeDtypeStruct(tuple(named[n].shape), _np_dtype(named[n].dtype)) for n in self._buffer_names}
+
     def trainable(self) -> dict[str, bool]:
         return {n: n not in self._frozen for n in self.param_names}
 
@@ -225,7 +233,8 @@ class TorchModel(Model):
     def apply(self, params: Mapping[str, Any], buffers: Mapping[str, Any], key, batch: tuple,
               *, training: bool) -> tuple[Any, dict[str, Any]]:
         trace = functools.partial(self._apply, training=training)
-        return self._attention.apply(trace, (params, buffers, key, batch), extra=(training,))
+        traced = lambda *args: self._attention.apply(trace, args, extra=(training,))
+        return self._replay.apply(traced, (params, buffers, key, batch), extra=(training, self.options, sdpa._backend()))
 
     def _apply(self, params, buffers, key, batch: tuple, *, training: bool):
         env = torchax_env()
