@@ -141,7 +141,7 @@ class ModelFacts:
 def model_facts(model: Model, batch: tuple) -> ModelFacts:
     """Traces the model once (forward, then value and gradient) on `batch`'s shapes."""
     params = dict(model.param_shapes())  # shapes only: a model on the meta device plans too
-    buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
+    buffers = model.buffer_shapes()
     key = jax.ShapeDtypeStruct((2,), np.uint32)
     shaped = assembly.shaped(batch)
     apply = lambda p, b, k, x: model.apply(p, b, k, x, training=True)

@@ -74,6 +74,28 @@ NAME = 34  # width of the plan column
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Verified:
+    """A candidate's program as the target's compiler saw it (search(verify=...)).
+
+    Attributes:
+        fits: the compiled program fits the device (a candidate that does not is never picked).
+        memory_bytes: compiled memory per device (arguments + outputs - aliased + temporaries).
+        note: what else to print beside the cost model's figures (e.g. compiled collectives).
+    """
+
+    fits: bool
+    memory_bytes: int
+    note: str = ""
+
+
+# search(verify=...): `verify(row, plan)` compiles a candidate (`row.candidate.mesh`: its mesh
+# sizes in device order; `plan`: its Plan) for the target, e.g. a deviceless GPU compile, and
+# says whether it fits; called on the few best candidates only
+Verify = Callable[["Row", Plan], Verified]
+VERIFY_TOP = 3  # candidates compiled per round of verification
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Row:
     """One candidate's outcome: its prediction, or why it has none."""
 
@@ -85,10 +107,12 @@ class Row:
     # ops without a partition rule this candidate runs replicated (primitive -> module paths); their
     # gathers are in its program, so its cost charges them; picked only when no clean candidate fits
     fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    verified: Verified | None = None  # what the target's compiler said of it (search(verify=...)); None: not asked
 
     @property
     def usable(self) -> bool:
-        return self.prediction is not None and self.prediction.fits and not self.findings
+        fits = self.verified.fits if self.verified is not None else True
+        return self.prediction is not None and self.prediction.fits and not self.findings and fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +155,12 @@ def _predicted(row: Row) -> str:
     p = row.prediction
     comm = sum(p.comm_s.values())
     bubble = f"{row.cost.pipeline.bubble_fraction:.1%}" if row.candidate.pipe > 1 else "-"
+    v = row.verified
+    compiled = "" if v is None else f"  [compiled: {_bytes(v.memory_bytes)} {'fits' if v.fits else 'does NOT fit'}" \
+        + (f"; {v.note}" if v.note else "") + "]"
     return (f"{row.candidate.name:<{NAME}}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
             f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
-            f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}")
+            f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}{compiled}")
 
 
 def _run(rows: Sequence[Row], reason: str):
@@ -274,7 +301,8 @@ def _sequence(batch: tuple) -> int:
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, structure: Structure | None = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
-           experts: Sequence[str] = ()) -> SearchResult:
+           experts: Sequence[str] = (), precision: str | None = None, verify: Verify | None = None,
+           verify_top: int = VERIFY_TOP) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -289,6 +317,16 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
         experts: the model's MoE expert weights (Trainable.experts): the default candidates then
             include expert-parallel ones (`expert_degrees`); none for a model without them.
+        precision: every candidate's compute precision ("bf16", ...); default: the profile's
+            (`HardwareProfile.plan_precision`).
+        verify: the target compiler's word on a candidate (Verify): the fastest `verify_top`
+            usable candidates are verified; one that does not fit as compiled is marked and never
+            picked, and the next best are verified until the pick is a verified one (or none is
+            left). None: the cost model's figures alone.
+
+    The model is traced once per batch signature and trace options (xtrain.ir.replay) and that
+    trace is replayed by every candidate; nothing reads a parameter's value, so a model built on
+    the meta device (or under xtrain.checkpoint.meta_params()) plans at any size.
     """
     facts = program_mod.model_facts(model, batch)
     if candidate_list is None:
@@ -298,6 +336,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         candidate_list = candidates(devices, profile, pipe_degrees=pipes, offloads=offloads,
                                     expert_degrees=expert_degrees(model, experts, devices),
                                     context=[1] + context_degrees(devices, _sequence(batch)))
+    if precision is not None:
+        candidate_list = [dataclasses.replace(c, precision=precision) for c in candidate_list]
     lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
                                model_flops=facts.matmul_flops, experts=experts)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
@@ -314,7 +354,28 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             else:
                 done[c] = lower(c)
     rows = [done[c] for c in candidate_list]
+    if verify is not None:
+        plan_of = lambda c: c.plan(tensor_plan(model, batch) if structure is not None else None,
+                                   expert_plan(model, experts) if experts else None)
+        rows = verified(rows, verify, plan_of, verify_top)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
+
+
+def verified(rows: Sequence[Row], verify: Verify, plan_of: Callable[[Candidate], Plan],
+             top: int = VERIFY_TOP) -> list[Row]:
+    """`rows` with the best candidates verified (search(verify=...)): rounds of the `top` fastest
+    usable unverified rows, until the pick is verified or no usable row is left."""
+    rows = list(rows)
+    while True:
+        best = pick(rows)
+        if best is None or best.verified is not None:
+            return rows
+        waiting = sorted((i for i, r in enumerate(rows) if r.usable and r.verified is None),
+                         key=lambda i: rows[i].prediction.step_s)[:max(1, top)]
+        for i in waiting:
+            v = verify(rows[i], plan_of(rows[i].candidate))
+            reason = rows[i].reason if v.fits else f"compiled: needs {_bytes(v.memory_bytes)} > the device's memory"
+            rows[i] = dataclasses.replace(rows[i], verified=v, reason=reason)
 
 
 def compiled_step_cost(step, *batch) -> cost_model.StepCost:

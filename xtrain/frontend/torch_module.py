@@ -15,9 +15,9 @@ from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
 from xtrain.errors import OptionsError
-from xtrain.frontend import (autograd_function, moe, optim, options_scope, real_arith, structure, torch_ops,
+from xtrain.frontend import (autograd_function, moe, optim, options_scope, real_arith, sdpa, structure, torch_ops,
                              uniform_attention)
-from xtrain.ir import interop
+from xtrain.ir import interop, replay
 from xtrain.ir.model import Model, TraceError, Trainable
 from xtrain.ir.trace_options import TraceOptions
 
@@ -61,6 +61,12 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.float().numpy().astype(jax.numpy.bfloat16)
     return t.numpy().copy()
+
+
+def _real_shape(buffer: torch.Tensor) -> jax.ShapeDtypeStruct:
+    """The shape a complex buffer is held in (initial_buffers): real, with a trailing (re, im) dim."""
+    real = torch.view_as_real(torch.empty(0, dtype=buffer.dtype)).dtype
+    return jax.ShapeDtypeStruct((*buffer.shape, 2), _np_dtype(real))
 
 
 def _as_real(x: np.ndarray) -> np.ndarray:
@@ -175,6 +181,9 @@ class TorchModel(Model):
         # complex buffers (rotary tables) are held as real arrays with a trailing (re, im) dimension
         self._complex_buffers = frozenset(n for n, b in module.named_buffers() if b.is_complex())
         self.options = TraceOptions()
+        # traced once per input signature and trace options, replayed after (a plan search lowers
+        # many plans of one model); shared with the specialised copies, which key it by their options
+        self._replay = replay.Replay(self.name)
 
     def specialised(self, options: TraceOptions) -> "TorchModel":
         """This model traced under `options`; installed on the module only while it is traced."""
@@ -220,6 +229,12 @@ class TorchModel(Model):
     def buffer_names(self) -> list[str]:
         return list(self._buffer_names)
 
+    def buffer_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        # from shapes alone: a buffer on the meta device (torch.device("meta")) plans too
+        named = dict(self.module.named_buffers())
+        return {n: _real_shape(named[n]) if n in self._complex_buffers else
+                jax.ShapeDtypeStruct(tuple(named[n].shape), _np_dtype(named[n].dtype)) for n in self._buffer_names}
+
     def trainable(self) -> dict[str, bool]:
         return {n: n not in self._frozen for n in self.param_names}
 
@@ -242,7 +257,8 @@ class TorchModel(Model):
               *, training: bool) -> tuple[Any, dict[str, Any]]:
         trace = functools.partial(self._apply, training=training)
         attention = lambda *args: self._attention.apply(trace, args, extra=(training,))
-        return self._real.apply(attention, (params, buffers, key, batch), extra=(training,))
+        real = lambda *args: self._real.apply(attention, args, extra=(training,))
+        return self._replay.apply(real, (params, buffers, key, batch), extra=(training, self.options, sdpa._backend()))
 
     def _apply(self, params, buffers, key, batch: tuple, *, training: bool):
         env = torchax_env()

@@ -36,6 +36,13 @@ class Model(abc.ABC):
         """Every buffer's name (what `initial_buffers` returns)."""
         return []
 
+    def buffer_shapes(self) -> dict[str, Any]:
+        """Shape and dtype (jax.ShapeDtypeStruct) of every buffer, without values: what
+        planning and lowering read (a module built on the meta device has no buffer values)."""
+        import jax
+
+        return {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self.initial_buffers().items()}
+
     def param_shapes(self) -> dict[str, Any]:
         """Global shape and dtype (jax.ShapeDtypeStruct) of every parameter, without values."""
         import jax

@@ -166,6 +166,9 @@ class StackedModel(Model):
     def buffer_names(self) -> list[str]:
         return self.inner.buffer_names()
 
+    def buffer_shapes(self) -> dict[str, Any]:
+        return self.inner.buffer_shapes()
+
     def trainable(self) -> dict[str, bool]:
         return self.stacking.stack_first(self.inner.trainable())
 

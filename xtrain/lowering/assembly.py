@@ -229,7 +229,7 @@ def _placed_stages(model: Model, mesh, layout: StateLayout, plan: Plan, batch: t
         raise NotBuiltError("a pipeline plan's stages are balanced on the traced model: assemble it with the batch "
                          "(its shapes)")
     params = model.param_shapes()
-    buffers = {n: jax.ShapeDtypeStruct(b.shape, b.dtype) for n, b in model.initial_buffers().items()}
+    buffers = model.buffer_shapes()
     key = jax.ShapeDtypeStruct((2,), np.uint32)
     jax.monitoring.record_event(PLACEMENT_EVENT, model=getattr(model, "name", ""))
     where = placement(model, mesh, layout, plan.pipeline, (params, buffers, key, shaped(batch)))
@@ -252,7 +252,7 @@ def _state_shapes(model: Model, layout: StateLayout, tx: optax.GradientTransform
     trained = {n: s for n, s in shapes.items() if n in layout.optimized}
     scale = precision.initial_state(plan.precision)
     return TrainState(params=trained, frozen={n: s for n, s in shapes.items() if n not in layout.optimized},
-                      buffers={n: jax.ShapeDtypeStruct(np.shape(b), b.dtype) for n, b in model.initial_buffers().items()},
+                      buffers=model.buffer_shapes(),
                       opt_state=jax.eval_shape(tx.init, trained), step=jax.ShapeDtypeStruct((), np.int32),
                       key=jax.ShapeDtypeStruct((2,), np.uint32),
                       loss_scale=jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), scale),

@@ -16,7 +16,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 from xtrain.errors import PlanError
-from xtrain.ir import interop
+from xtrain.ir import interop, replay
 from xtrain.sharding.plan import AxisEntry, axes_of
 
 # The jax.sharding.Mesh xtrain is tracing the model for (None outside xtrain's traces).
@@ -48,6 +48,7 @@ def shard(x: Any, spec: Sequence[AxisEntry]) -> Any:
         ValueError: (while compiling) an axis the mesh lacks, a spec of the wrong rank, or a
             dimension its axes do not divide.
     """
+    replay.depends_on(_MESH.get)  # a kept trace of the model is for this mesh (or none) only
     mesh = _MESH.get()
     if mesh is None:
         return x

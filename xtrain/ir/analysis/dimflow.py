@@ -384,8 +384,9 @@ def of_model(model: Model, batch: tuple, tp: int) -> Flow:
     """The dimension flow of `model`'s loss on `batch` (arrays or ShapeDtypeStructs: only shapes
     are read), traced at global shapes."""
     params = model.param_shapes()
-    buffers = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in model.initial_buffers().items()}
+    buffers = model.buffer_shapes()
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tuple(batch))
-    traced = graph_mod.trace(model, params, buffers, jax.random.key(0), shapes)
+    key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32)  # the raw key every step traces with: one trace serves both
+    traced = graph_mod.trace(model, params, buffers, key, shapes)
     names = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     return analyze(traced.jaxpr, names, tp, traced.module_paths)

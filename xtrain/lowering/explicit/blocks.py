@@ -200,8 +200,8 @@ def live_equations(jaxpr) -> set[int]:
 
 
 def _alike(blocks: list[list]) -> bool:
-    return all(len(b) == len(blocks[0]) and all(signature(x) == signature(y) for x, y in zip(blocks[0], b))
-               for b in blocks[1:])
+    first = [signature(x) for x in blocks[0]]  # once, not once per block compared with it
+    return all(len(b) == len(first) and all(s == signature(y) for s, y in zip(first, b)) for b in blocks[1:])
 
 
 def _aligned(reference: list, eqns: list, live: set) -> list | None:

@@ -7,9 +7,24 @@ from jax.extend import core as jcore
 from xtrain.ir import walk
 
 
+# str() of a sub-jaxpr (a blockwise attention's custom_vjp body: thousands of equations) per
+# equation per block dominated a plan search at real size; replayed blocks share the same
+# sub-jaxpr objects, so each is printed once (the object is kept alive beside its text)
+_PRINTED: dict[int, tuple[object, str]] = {}
+
+
+def _printed(value) -> str:
+    kept = _PRINTED.get(id(value))
+    if kept is None or kept[0] is not value:
+        if len(_PRINTED) > 4096:
+            _PRINTED.clear()
+        kept = _PRINTED[id(value)] = (value, str(value))
+    return kept[1]
+
+
 def _fingerprint(value) -> str:
     if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return str(value)
+        return _printed(value)
     info = getattr(value, "debug_info", None)
     if info is not None and callable(value) or hasattr(value, "call_wrapped"):
         return f"fn:{getattr(info, 'func_name', '')}"
