@@ -49,3 +49,17 @@ def test_plan_validates_every_target_before_running_the_script(tmp_path, capsys)
     assert ("xtrain plan: target 'emulated:abc': after 'emulated:' comes a number of devices, a positive integer "
             "(e.g. emulated:8)") in err
     assert "target 'emulated:0'" in err and "nosuch.2xlarge" in err
+
+
+@pytest.mark.unit
+def test_plan_options_after_the_script_are_named_as_the_scripts(tmp_path, capsys):
+    from xtrain import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys; print('script args', sys.argv[1:])\n")
+    # the script may define --global-batch itself: it gets the flag, and xtrain plan says so
+    assert cli.main(["plan", "--target", "trn1.2xlarge", str(script), "--global-batch", "64"]) == 2
+    out = capsys.readouterr()
+    assert "script args ['--global-batch', '64']" in out.out
+    assert (f"xtrain plan: --global-batch after {script} go to the script, not to xtrain plan; xtrain plan's options "
+            f"come before the script: xtrain plan --target trn1.2xlarge --global-batch 64 {script} ...") in out.err

@@ -158,6 +158,24 @@ def emulated_search():
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("candidate", [None, search.Candidate(data=2, tensor=4, zero=2),
+                                       search.Candidate(data=4, pipe=2, microbatches=2, remat=True)],
+                         ids=["pick", "megatron-zero2", "pipeline"])
+def test_the_pick_printed_as_code_compiles_and_trains(candidate):
+    result = emulated_search()
+    candidate = candidate or result.best.candidate
+    assert f"pick: {result.best.candidate.name}, as code" in str(result)
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, layers=2, seq=16)
+    batch = tuple(torch.from_numpy(a).long() for a in host_batch())
+    scope = {"xtrain": xtrain, "model": model, "batch": batch}
+    exec(candidate.code(), scope)  # what `xtrain plan` prints under the pick
+    assert scope["mesh"].axes == candidate.mesh
+    step = xtrain.compile(model, scope["mesh"], plan=scope["plan"], optimizer=adamw(model.parameters()))
+    assert np.isfinite(float(step(*batch)["loss"]))
+
+
+@pytest.mark.e2e
 def test_search_lists_every_candidate_and_picks_a_fitting_one():
     result = emulated_search()
     names = [r.candidate.name for r in result.rows]
@@ -166,6 +184,11 @@ def test_search_lists_every_candidate_and_picks_a_fitting_one():
     assert result.best is not None and result.best.usable
     text = str(result)
     assert f"pick: {result.best.candidate.name}" in text and "emulated-cpu:8" in text
+    # memory-only variants that were not lowered are counted, listed only on request
+    skipped = [r for r in result.rows if r.prediction is None and r.reason.startswith("not lowered:")]
+    assert skipped and f"({len(skipped)} memory-only variants not lowered" in text
+    assert "not lowered: fits without remat" not in text and "not lowered: fits without remat" in result.listing(
+        show_all=True)
     assert len([r for r in result.rows if r.prediction]) == 13       # 26 points; remat only lowered when short
     assert all(r.reason == search.SKIPPED_REMAT for r in result.rows if r.candidate.remat)
     for row in result.rows:
@@ -319,7 +342,8 @@ def test_cli_plan_lists_candidates_for_a_trainium_target(tmp_path):
     out = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "trn1.2xlarge", str(script)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "xtrain plan for trn1.2xlarge (2 devices)" in out.stdout and "pick: dp2" in out.stdout
+    assert "xtrain plan for trn1.2xlarge (2 devices) (trn1.2xlarge: 1 chips" in out.stdout  # the name once
+    assert "pick: dp2, as code" in out.stdout and "    mesh = xtrain.Mesh(data=2)" in out.stdout
     assert "dp1xtp2" in out.stdout and "trained" not in out.stdout
     assert "dp1xpp2 gpipe m2" in out.stdout and "33.3%" in out.stdout      # 2 blocks: a 2-stage pipeline row
     bad = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "trn1.32xlarge:x", str(script)],

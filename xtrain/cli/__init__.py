@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                         "target cluster and pick one; lowers for an abstract mesh (no devices of that kind needed)")
     pl.add_argument("--target", required=True, help="INSTANCE[:NODES] (e.g. trn1.32xlarge:4) or emulated[:N]")
     pl.add_argument("--global-batch", type=int, help="global batch for the target (default: the script's)")
+    pl.add_argument("--all", action="store_true", dest="show_all",
+                    help="also list the memory-only variants (remat, 1F1B, offload) not lowered because their plain plan fits")
     pl.add_argument("script")
     pl.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -75,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "report":
             return report.report(ns.script, ns.args)
         if ns.command == "plan":
-            return plan.plan(ns.script, ns.args, ns.target, ns.global_batch)
+            return plan.plan(ns.script, ns.args, ns.target, ns.global_batch, show_all=ns.show_all)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate,

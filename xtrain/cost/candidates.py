@@ -21,6 +21,7 @@ TensorPlan = Callable[[Mapping[str, int]], Plan]
 # a plan with the model's MoE experts split over the mesh's `expert` axis (sharding.experts.expert_parallel)
 ExpertPlan = Callable[[Plan, Mapping[str, int]], Plan]
 
+NOT_LOWERED = "not lowered:"  # how the reasons of memory-only variants skipped by the search begin
 SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputation"
 # under lockstep SPMD a 1F1B tick runs a forward and a backward on every stage
 # (xtrain/lowering/pipeline/executors.py)
@@ -152,6 +153,24 @@ class Candidate:
                                        "which needs a torch.nn.Module")
             base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload)
         return base
+
+    def code(self) -> str:
+        """Python that builds this candidate's mesh and plan in a training script that has
+        `model` (and `batch`, which a Megatron plan is derived on)."""
+        options = [f"zero={self.zero}"] * bool(self.zero) + ["remat='full'"] * (self.remat and self.pipe == 1)
+        options += [f"precision={self.precision!r}"] * (self.precision != "fp32")
+        options += [f"offload={self.offload.value!r}"] * (self.offload is not Offload.NONE)
+        lines = [f"mesh = xtrain.Mesh({', '.join(f'{a}={n}' for a, n in self.mesh.items())})"]
+        if self.tensor > 1:
+            lines.append("plan = xtrain.plans.megatron(model, mesh, example=batch)")
+            if options:
+                lines = ["import dataclasses", *lines, f"plan = dataclasses.replace(plan, {', '.join(options)})"]
+        else:
+            lines.append(f"plan = xtrain.Plan({', '.join(options)})")
+        if self.pipe > 1:
+            lines.append(f"plan = plan.with_pipeline(stages={self.pipe}, microbatches={self.microbatches}, "
+                         f"schedule={self.schedule!r}" + (", checkpoint=True" if self.remat else "") + ")")
+        return "\n".join(lines)
 
     @property
     def saves_memory_only(self) -> bool:

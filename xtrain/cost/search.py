@@ -52,7 +52,7 @@ import jax
 from xtrain.errors import UnsupportedError
 from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
-from xtrain.cost import placement
+from xtrain.cost import listing, placement
 from xtrain.cost import program as program_mod
 # the search space lives in cost.candidates; its public names are the search's too
 from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, candidates, context_degrees,
@@ -70,7 +70,6 @@ from xtrain.sharding.plan import Plan
 # (less tensor parallelism, lower ZeRO stage, no recomputation): the margin is about the
 # model's error on elementwise traffic, which it counts unfused.
 TIE = 0.10
-NAME = 34  # width of the plan column
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,57 +124,12 @@ class SearchResult:
     best: Row | None
 
     def __str__(self) -> str:
-        head = (f"{'':2}{'plan':<{NAME}}{'memory/device':>14}{'fits':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}"
-                f"{'compute ms':>12}{'comm ms':>10}{'bubble':>8}  note")
-        lines = [f"xtrain plan for {self.target} ({self.profile.name}: {self.profile.notes})", head]
-        for i, row in enumerate(self.rows):
-            mark = "* " if row is self.best else "  "
-            p = row.prediction
-            if p is None:  # one line for a run of candidates refused for the same reason
-                if i and self.rows[i - 1].prediction is None and self.rows[i - 1].reason == row.reason:
-                    continue
-                same = sum(1 for _ in _run(self.rows[i:], row.reason))
-                name = row.candidate.name.split(" ")[0] + f" ({same} variants)" if same > 1 else row.candidate.name
-                lines.append(f"{mark}{name:<{NAME}}{'-':>14}{'-':>6}{'':>60}  {row.reason}")
-                continue
-            lines.append(mark + _predicted(row))
-        pick = f"pick: {self.best.candidate.name}" if self.best else \
-        "pick: none fits this device's memory" + (" and passes the target's checker" if any(r.findings for r in self.rows) else "")
-        lines += [pick, f"device memory: {_bytes(self.profile.hbm_bytes)}"]
-        if self.profile.plan_precision == "fp16":
-            lines.append("precision: fp16 with dynamic loss scaling (this GPU has no bf16 arithmetic)")
-        if any(r.candidate.pipe > 1 for r in self.rows):
-            lines.append("bubble: a pipeline's idle share of its ticks; lockstep SPMD computes through them, so it "
-                         "is inside compute ms, not added")
-        return "\n".join(lines)
+        return self.listing()
 
-
-def _predicted(row: Row) -> str:
-    """A listing line of a lowered candidate."""
-    p = row.prediction
-    comm = sum(p.comm_s.values())
-    bubble = f"{row.cost.pipeline.bubble_fraction:.1%}" if row.candidate.pipe > 1 else "-"
-    v = row.verified
-    compiled = "" if v is None else f"  [compiled: {_bytes(v.memory_bytes)} {'fits' if v.fits else 'does NOT fit'}" \
-        + (f"; {v.note}" if v.note else "") + "]"
-    return (f"{row.candidate.name:<{NAME}}{_bytes(p.memory_bytes):>14}{'yes' if p.fits else 'NO':>6}"
-            f"{p.step_s * 1e3:>10.3f}{p.tokens_per_s:>12,.0f}{p.mfu:>8.1%}{p.compute_s * 1e3:>12.3f}"
-            f"{comm * 1e3:>10.3f}{bubble:>8}  {row.reason}{compiled}")
-
-
-def _run(rows: Sequence[Row], reason: str):
-    for row in rows:
-        if row.prediction is not None or row.reason != reason:
-            return
-        yield row
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    def listing(self, *, show_all: bool = False) -> str:
+        """The table: every lowered or refused candidate; the memory-only variants that were not
+        lowered (their plain plan fits) only with `show_all`. Ends with the pick, as code."""
+        return listing.table(self, show_all=show_all)
 
 
 def _tokens(batch: tuple) -> int:
@@ -269,7 +223,8 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     options = [(c, dataclasses.replace(cost, mesh=c.mesh)) for c in placed or [candidate]]
     predicted = [(cost_model.predict(k, profile, model_flops=model_flops), c, k) for c, k in options]
     prediction, candidate, cost = min(predicted, key=lambda p: p[0].step_s)
-    reason = "" if prediction.fits else f"needs {_bytes(prediction.memory_bytes)} > {_bytes(profile.hbm_bytes)}"
+    size = listing.size
+    reason = "" if prediction.fits else f"needs {size(prediction.memory_bytes)} > {size(profile.hbm_bytes)}"
     reason = placement.rejection(target, errors) if not placed else reason
     if traced.fallbacks:
         reason = "; ".join([reason] * bool(reason) + [_fallback_note(traced.fallbacks)])
@@ -374,7 +329,8 @@ def verified(rows: Sequence[Row], verify: Verify, plan_of: Callable[[Candidate],
                          key=lambda i: rows[i].prediction.step_s)[:max(1, top)]
         for i in waiting:
             v = verify(rows[i], plan_of(rows[i].candidate))
-            reason = rows[i].reason if v.fits else f"compiled: needs {_bytes(v.memory_bytes)} > the device's memory"
+            needs = listing.size(v.memory_bytes)
+            reason = rows[i].reason if v.fits else f"compiled: needs {needs} > the device's memory"
             rows[i] = dataclasses.replace(rows[i], verified=v, reason=reason)
 
 
