@@ -228,26 +228,38 @@ def _nbytes(aval) -> int:
     return math.prod(shape) * itemsize
 
 
+# Primitives whose result is their operand's buffer (a change of type only: shard_map's
+# varying/invariant marks): no new bytes, and the operand lives as long as the result.
+# Counted as copies, pvary alone added a whole replica of the parameters to a DDP step's peak.
+ALIASES = frozenset({"pvary", "pcast", "psum_invariant_to_varying"})
+
+
 def peak_live_bytes(jaxpr) -> int:
     """Largest sum of live intermediate values over a jaxpr's equations in program order
-    (inputs and outputs excluded; a loop adds its body's own peak while it runs)."""
+    (inputs and outputs excluded; a loop adds its body's own peak while it runs; an alias
+    (ALIASES) is its operand's buffer)."""
     from jax.extend import core as jcore
 
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    root: dict = {}
+    for eqn in jaxpr.eqns:
+        if str(eqn.primitive) in ALIASES and len(eqn.invars) == len(eqn.outvars):
+            root.update({o: root.get(v, v) for o, v in zip(eqn.outvars, eqn.invars) if isinstance(v, jcore.Var)})
     last_use: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
-                last_use[v] = i
-    outputs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+                last_use[root.get(v, v)] = i
+    outputs = {root.get(v, v) for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     live = peak = 0
     for i, eqn in enumerate(jaxpr.eqns):
         inner = max((peak_live_bytes(s) for s in jcore.jaxprs_in_params(eqn.params)), default=0)
-        created = sum(_nbytes(v.aval) for v in eqn.outvars)
+        made = [v for v in eqn.outvars if v not in root]
+        created = sum(_nbytes(v.aval) for v in made)
         peak = max(peak, live + created + inner)
-        live += sum(_nbytes(v.aval) for v in eqn.outvars if v in last_use or v in outputs)
-        dying = {v for v in eqn.invars if isinstance(v, jcore.Var) and last_use.get(v) == i}
+        live += sum(_nbytes(v.aval) for v in made if v in last_use or v in outputs)
+        dying = {root.get(v, v) for v in eqn.invars if isinstance(v, jcore.Var) and last_use.get(root.get(v, v)) == i}
         live -= sum(_nbytes(v.aval) for v in dying if v not in outputs and v not in inputs)
     return peak
 
