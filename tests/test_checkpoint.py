@@ -59,7 +59,7 @@ def saved(tmp_path_factory):
 def worker_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    env.pop("XLA_FLAGS", None)
+    # XLA_FLAGS stays: conftest's compile flags (LLVM -O0) shorten the workers' compiles too
     return env
 
 

@@ -27,7 +27,7 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
     # conftest asks this process for 8 devices; each worker must ask xtrain.init for its share.
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    env.pop("XLA_FLAGS", None)
+    # XLA_FLAGS stays: conftest's compile flags (LLVM -O0) shorten the workers' compiles too
     return env
 
 
