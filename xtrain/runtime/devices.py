@@ -89,7 +89,12 @@ def _apply_backend_env(platform: str, env: ProcessEnv, precision: str = "fp32") 
     if platform == "cpu" and not _backends_started():
         flags = backends.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = flags
-        return {"XLA_FLAGS": flags}
+        platforms = _unset(backends.cpu_platforms())
+        if platforms:  # jax reads the variable when imported, which may have happened already
+            import jax
+
+            jax.config.update("jax_platforms", platforms["JAX_PLATFORMS"])
+        return {"XLA_FLAGS": flags, **platforms}
     if platform == "cuda" and not _backends_started():
         # Only flags this XLA knows: an unknown one would abort the process (probed in a child).
         wanted = backends.supported_xla_flags(backends.default_xla_flags("cuda"))
