@@ -25,7 +25,7 @@ from test_long_sequence import batches as long_batches, llama
 from test_long_sequence import lm_loss as ids_loss
 from test_moe import lm_batches, lm_loss, mixtral
 from xtrain import aot, plans
-from xtrain.aot import toolchain
+from xtrain.aot import schedule, toolchain
 from xtrain.errors import MeshError, TargetCompileError, UnsupportedError
 from xtrain.lowering import accounting
 
@@ -193,3 +193,30 @@ def test_a_missing_toolchain_names_the_extra(monkeypatch):
     monkeypatch.setattr(toolchain, "NVCC_WHEEL", "nvidia.no_such_wheel")
     with pytest.raises(TargetCompileError, match="gpu-compile"):
         toolchain.check_installed()
+
+
+@pytest.mark.unit
+def test_every_operand_of_a_combined_collective_is_counted():
+    """Compiled HLO numbers long operand lists (`/*index=5*/%g`): the operand after each comment
+    is counted too (it was lost once: ZeRO-3's combined reduce-scatter read 5184 B short)."""
+    text = """HloModule m, entry_computation_layout={()->f32[]}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main () -> f32[] {
+""" + "".join(f"  %p{i} = f32[{8 * (i + 1)}]{{0}} constant({{...}})\n" for i in range(7)) + """\
+  %rs-start = ((f32[8]{0}, f32[16]{0}, f32[24]{0}, f32[32]{0}, f32[40]{0}, /*index=5*/f32[48]{0}, f32[56]{0}), \
+(f32[1]{0}, f32[2]{0}, f32[3]{0}, f32[4]{0}, f32[5]{0}, /*index=5*/f32[6]{0}, f32[7]{0})) reduce-scatter-start(\
+%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5, %p6), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, \
+use_global_device_ids=true, dimensions={0}, to_apply=%add
+  %rs-done = (f32[1]{0}, f32[2]{0}, f32[3]{0}, f32[4]{0}, f32[5]{0}, /*index=5*/f32[6]{0}, f32[7]{0}) \
+reduce-scatter-done(%rs-start)
+  ROOT %r = f32[] constant(0)
+}
+"""
+    (rs,) = schedule.Schedule(text, {"data": 8}).collectives()
+    assert (rs.kind, rs.axes, rs.bytes) == ("reduce-scatter", ("data",), 4 * 8 * (1 + 2 + 3 + 4 + 5 + 6 + 7))
