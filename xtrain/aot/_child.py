@@ -13,6 +13,7 @@ first on PATH). Each job is a dict:
     axes, shape   the mesh's axis names and sizes
     topology      XLA's 'SLICES x HOSTS x GPUS' string
     config        the GpuTargetConfigProto text of one GPU
+    compiler_options  XLA options of this compile (over XLA_FLAGS): the combine thresholds
 
 and its result a dict: memory (XLA's memory analysis), text (the scheduled HLO), executable
 (jax.experimental.serialize_executable bytes), seconds, or error (the exception's text).
@@ -38,7 +39,8 @@ def _compile(job: dict, topologies_made: dict) -> dict:
     args = [jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(mesh, spec, memory_kind=kind))
             for aval, (spec, kind) in zip(exported.in_avals, job["specs"])]
     start = time.perf_counter()
-    compiled = jax.jit(exported.call, donate_argnums=tuple(range(job["donated"]))).lower(*args).compile()
+    compiled = jax.jit(exported.call, donate_argnums=tuple(range(job["donated"]))).lower(*args).compile(
+        compiler_options=job.get("compiler_options"))
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in (

@@ -144,6 +144,7 @@ def program_of(prepared: Prepared, result: dict, versions: dict, flags: tuple[st
     digest = hashlib.sha256(result["executable"]).hexdigest()
     manifest = {"target": target.spec, "gpu": target.device_kind, "topology": target.topology,
                 "mesh": prepared.sizes, "plan": repr(prepared.built.plan), "flags": list(flags),
+                "compiler_options": prepared.job["compiler_options"],
                 "versions": versions, "executable_sha256": digest, "executable_bytes": len(result["executable"])}
     return TargetProgram(target.spec, prepared.sizes, memory, collectives, counted.total, counted.matmul,
                          result["text"], result["executable"], digest, result["seconds"], manifest,

@@ -24,6 +24,8 @@ from xtrain.frontend import tensors
 from xtrain.ir.model import Trainable
 from xtrain.lowering import assembly
 from xtrain.lowering.assembly import BuiltStep
+from xtrain.lowering.gradient_sync import GradSync
+from xtrain.runtime import backends
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import PendingPlan, Plan
 from xtrain.step import CompileOptions
@@ -103,10 +105,19 @@ def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTar
     lrs = jax.ShapeDtypeStruct(lrs.shape, lrs.dtype, sharding=NamedSharding(abstract, PartitionSpec()))
     args = (built.placed_state, placed, lrs)
     jaxpr = built.program.train.trace(*args).jaxpr
-    return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target), options)
+    return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target, options), options)
 
 
-def _job(built: BuiltStep, args: tuple, target: GpuTarget) -> dict:
+def combine_bytes(options: CompileOptions) -> int:
+    """XLA's combine threshold for this step's all-reduces, all-gathers and reduce-scatters: one
+    gradient bucket (GradSync.bucket_bytes, 25 MiB by default), so that XLA merges collectives up
+    to the bucket xtrain planned and no further (a whole small model's would become one, with no
+    compute left to hide it behind)."""
+    bucket = (options.grad_sync or GradSync()).bucket_bytes
+    return backends.GPU_COMBINE_THRESHOLD_BYTES if bucket is None else bucket
+
+
+def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptions) -> dict:
     """The child's job: the step exported as a function of its argument leaves."""
     leaves, tree = jax.tree.flatten(args)
     donated = len(jax.tree.leaves(args[0]))
@@ -127,5 +138,7 @@ def _job(built: BuiltStep, args: tuple, target: GpuTarget) -> dict:
     return {"exported": exported.serialize(), "donated": donated,
             "specs": [(s.spec, s.memory_kind) for s in shardings],
             "axes": tuple(built.mesh.axis_names), "shape": tuple(built.mesh.axis_sizes),
-            "topology": target.topology, "config": target.config}
+            "topology": target.topology, "config": target.config,
+            "compiler_options": {f"xla_gpu_{kind}_combine_threshold_bytes": combine_bytes(options)
+                                 for kind in ("all_reduce", "all_gather", "reduce_scatter")}}
 
