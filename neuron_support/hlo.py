@@ -36,7 +36,9 @@ class Instruction:
     @property
     def operands(self) -> list[str]:
         """Operand names, written `%name` (compiled HLO, maybe after a shape) or `name` (lowered)."""
-        head = self.args.split(")", 1)[0]
+        # compiled HLO numbers long operand lists with comments (`/*index=5*/%bitcast.7`): without
+        # them, every fifth operand of a combined collective would be lost
+        head = re.sub(r"/\*.*?\*/", " ", self.args.split(")", 1)[0])
         names = [part.split()[-1].lstrip("%") for part in head.split(",") if part.strip()]
         return [n for n in names if re.fullmatch(r"[A-Za-z_][\w.\-]*", n)]
 

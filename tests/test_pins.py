@@ -99,3 +99,21 @@ def test_cuda_extra_pins_the_plugin_and_pjrt_to_the_pinned_jaxlib_exactly():
     release = versions["jaxlib"]
     for name in ("jax", "jaxlib"):
         assert requirement(name).specifier.contains(release), f"[cuda] pins {release}, outside {requirement(name)}"
+
+
+def test_gpu_compile_extra_pins_the_plugin_pjrt_and_ptxas_and_dev_installs_it():
+    """The deviceless GPU compile (xtrain.aot): plugin and PJRT built for exactly the jaxlib
+    release [cuda] pins, without NVIDIA's runtime wheels; the CUDA compiler wheel pinned (its
+    ptxas compiles the kernels, xtrain.aot.toolchain); the installed versions are the pins."""
+    pins = {r.name: r for r in extra_requirements("gpu-compile")}
+    assert {"jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"} <= set(pins), pins
+    jaxlib = re.fullmatch(r"==(\S+)", str({r.name: r for r in extra_requirements("cuda")}["jaxlib"].specifier))
+    for name in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+        exact = re.fullmatch(r"==(\S+)", str(pins[name].specifier))
+        assert exact, f"[gpu-compile] must pin {name} exactly (==), got {pins[name]}"
+        assert importlib.metadata.version(name) == exact.group(1), f"installed {name} is not the pin {pins[name]}"
+        if name != "nvidia-cuda-nvcc-cu12":
+            assert exact.group(1) == jaxlib.group(1), f"{name} {exact.group(1)} is not the jaxlib pin {jaxlib.group(1)}"
+    assert not pins["jax-cuda12-plugin"].extras, "no with-cuda extra: a deviceless compile needs no CUDA runtime"
+    assert any(r.name == "xtrain" and r.extras == {"gpu-compile"} for r in extra_requirements("dev")), \
+        "dev must include xtrain[gpu-compile] so CI runs tests/test_aot.py"

@@ -35,6 +35,7 @@ _LAZY = {
     "Monitor": ("xtrain.observe", "Monitor"),
     "sagemaker": ("xtrain.runtime.sagemaker", None),
     "errors": ("xtrain.errors", None),
+    "aot": ("xtrain.aot", None),
 }
 __all__ = ["Mesh", "Plan", *_LAZY]
 

@@ -20,6 +20,7 @@ tensor, shape or mesh axis involved and the fix; the class says which kind of fi
     ├── LaunchError (ValueError)         the job's launch (environment, processes, CLI) is inconsistent
     ├── ConformanceError (ValueError)    a program does not fit a Trainium target's rules
     ├── CheckpointError (RuntimeError)   a checkpoint that is incomplete, corrupt or does not fit
+    ├── TargetCompileError (RuntimeError) XLA's deviceless GPU compile (xtrain.aot) failed or cannot run
     └── NotBuiltError (RuntimeError)     a step asked for what exists only once its first call built it
 
 This module imports nothing of xtrain, so every layer (ir included) and neuron_support use it.
@@ -30,7 +31,7 @@ from typing import Sequence
 
 __all__ = ["XtrainError", "PlanError", "MeshError", "OptionsError", "InputError", "BatchTypeError",
            "BatchIndexError", "UnsupportedError", "UnsupportedOpError", "TraceError", "TopKTooLarge",
-           "LaunchError", "ConformanceError", "CheckpointError", "NotBuiltError"]
+           "LaunchError", "ConformanceError", "CheckpointError", "TargetCompileError", "NotBuiltError"]
 
 
 class XtrainError(Exception):
@@ -113,6 +114,12 @@ class ConformanceError(XtrainError, ValueError):
 
 class CheckpointError(XtrainError, RuntimeError):
     """A checkpoint that is incomplete, corrupt, or does not fit the step loading it."""
+
+
+class TargetCompileError(XtrainError, RuntimeError):
+    """An ahead-of-time compile for a GPU cluster that is not here (xtrain.aot) could not run or
+    was refused by XLA: the gpu-compile extra missing, the child compile failing (its stderr is in
+    the message), or a program deviceless compilation cannot build."""
 
 
 class NotBuiltError(XtrainError, RuntimeError):

@@ -6,6 +6,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import ml_dtypes
 import numpy as np
 import torch
@@ -24,6 +25,16 @@ def to_numpy(x: Any) -> np.ndarray:
         x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
     x = np.asarray(x)
     return x.astype(_NARROW[x.dtype]) if x.dtype in _NARROW else x
+
+
+def shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    """A batch argument's shape and dtype as the step takes it (64-bit narrowed), without reading
+    its values: a torch tensor on the meta device works."""
+    if isinstance(x, torch.Tensor):
+        dtype = np.dtype(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 else torch.empty((), dtype=x.dtype).numpy().dtype
+    else:
+        dtype = np.dtype(x.dtype)
+    return jax.ShapeDtypeStruct(tuple(x.shape), _NARROW.get(dtype, dtype))
 
 
 def to_torch(x: np.ndarray) -> torch.Tensor:

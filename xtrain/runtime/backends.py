@@ -70,6 +70,13 @@ def detect_backend(env: Mapping[str, str] | None = None, *, has_module: Callable
     return "cpu"
 
 
+def cpu_platforms(*, has_module: Callable[[str], bool] = _has_module) -> dict[str, str]:
+    """{"JAX_PLATFORMS": "cpu"} where a CUDA plugin is installed but this host runs on CPU (the
+    gpu-compile extra, for deviceless compiles): JAX would otherwise try the plugin first, whose
+    start-up calls cuInit, fails and logs an error on every start. {} without a CUDA plugin."""
+    return {"JAX_PLATFORMS": "cpu"} if any(map(has_module, CUDA_PLUGIN_MODULES)) else {}
+
+
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:

@@ -92,7 +92,12 @@ def _apply_backend_env(platform: str, env: ProcessEnv, precision: str = "fp32") 
         os.environ["XLA_FLAGS"] = flags
         # before XLA's threads start: their arenas are made under these settings
         _state["allocator"] = allocator.retain_freed_memory()
-        return {"XLA_FLAGS": flags}
+        platforms = _unset(backends.cpu_platforms())
+        if platforms:  # jax reads the variable when imported, which may have happened already
+            import jax
+
+            jax.config.update("jax_platforms", platforms["JAX_PLATFORMS"])
+        return {"XLA_FLAGS": flags, **platforms}
     if platform == "cuda" and not _backends_started():
         # Only flags this XLA knows: an unknown one would abort the process (probed in a child).
         wanted = backends.supported_xla_flags(backends.default_xla_flags("cuda"))

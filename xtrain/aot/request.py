@@ -1,0 +1,144 @@
+"""The parent's half of an ahead-of-time compile: the step assembled and exported for the target.
+
+The model is traced here (torch and the front end live in this process), by the one assembly
+function (xtrain.lowering.assembly.assemble) on an AbstractMesh of the target's size, as the cost
+model's abstract step is. The step is then exported for CUDA (jax.export: StableHLO with its
+shardings and donated state) as a flat function of its argument leaves, so the child needs no
+torch, no xtrain and no pytree types: it deserialises the module, places the arguments on a
+topology mesh of the target's GPUs and compiles. Nothing here reads a value, so a model on the
+meta device prepares like any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from xtrain import data
+from xtrain.aot.targets import GpuTarget
+from xtrain.errors import OptionsError, TargetCompileError
+from xtrain.frontend import tensors
+from xtrain.ir.model import Trainable
+from xtrain.lowering import assembly
+from xtrain.lowering.assembly import BuiltStep
+from xtrain.lowering.gradient_sync import GradSync
+from xtrain.runtime import backends
+from xtrain.sharding.mesh import Mesh
+from xtrain.sharding.plan import PendingPlan, Plan
+from xtrain.step import CompileOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A step assembled and exported for a GPU target, not yet compiled.
+
+    Attributes:
+        target: the GPU cluster.
+        built: the assembled step (on an AbstractMesh of the target's size).
+        trainable: the model and optimizer it was assembled from.
+        batch: the batch's shapes, with their shardings on the abstract mesh.
+        jaxpr: the traced training step (what step.report() counts collectives in).
+        job: what the child compiles (xtrain.aot._child), picklable.
+        options: the compile options.
+    """
+
+    target: GpuTarget
+    built: BuiltStep
+    trainable: Trainable
+    batch: tuple
+    jaxpr: Any
+    job: dict
+    options: CompileOptions
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.built.mesh.shape)
+
+
+def batch_shapes(batch: tuple) -> tuple:
+    """The batch as jax.ShapeDtypeStruct: given so, or read from torch tensors (meta ones too) and
+    arrays; 64-bit types narrowed as the step narrows them (frontend.tensors)."""
+    return tuple(x if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "shape") else tensors.shape_of(x)
+                 for x in batch)
+
+
+def _placed_batch(built: BuiltStep, shapes: tuple) -> tuple:
+    layout, mesh, out = built.layout, built.mesh, []
+    for index, x in enumerate(shapes):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            raise OptionsError(f"batch argument {index} is a {type(x).__name__}: give the batch as arrays, torch "
+                               "tensors (meta ones too) or jax.ShapeDtypeStruct")
+        spec = dict(layout.batch_args).get(index, layout.batch_spec)
+        if x.ndim:
+            data.check_divisible(index, x.shape, spec, mesh)
+        sharding = data.batch_sharding(mesh, spec, x.ndim) if x.ndim else NamedSharding(mesh, PartitionSpec())
+        out.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+    return tuple(out)
+
+
+def _plan(plan: Plan | PendingPlan | str | None, trainable: Trainable, shapes: tuple) -> Plan:
+    if plan is None:
+        return Plan()
+    if isinstance(plan, str):
+        raise OptionsError(f"plan={plan!r}: an ahead-of-time compile takes a Plan or a preset; `xtrain plan "
+                           "--target ... --compile` searches and compiles the best candidates")
+    if isinstance(plan, PendingPlan):  # plans.megatron(model, mesh) without example=: derived on the shapes
+        return plan.resolved(trainable.model, shapes)
+    return plan
+
+
+def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTarget,
+            options: CompileOptions = CompileOptions()) -> Prepared:
+    """Assembles `trainable`'s step for `plan` on `mesh` resolved over the target's GPUs and exports
+    it for CUDA; raises what the assembly raises (a plan that does not fit the mesh, ...)."""
+    sizes = mesh.resolve(target.devices)
+    abstract = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    shapes = batch_shapes(batch)
+    plan = _plan(plan, trainable, shapes)
+    built = assembly.assemble(trainable, plan, abstract, options.assembly(), batch=shapes,
+                              target=assembly.Target(platform="cuda", local_devices=target.gpus_per_node))
+    placed = _placed_batch(built, shapes)
+    lrs = assembly.lrs_shape(trainable)
+    lrs = jax.ShapeDtypeStruct(lrs.shape, lrs.dtype, sharding=NamedSharding(abstract, PartitionSpec()))
+    args = (built.placed_state, placed, lrs)
+    jaxpr = built.program.train.trace(*args).jaxpr
+    return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target, options), options)
+
+
+def combine_bytes(options: CompileOptions) -> int:
+    """XLA's combine threshold for this step's all-reduces, all-gathers and reduce-scatters: one
+    gradient bucket (GradSync.bucket_bytes, 25 MiB by default), so that XLA merges collectives up
+    to the bucket xtrain planned and no further (a whole small model's would become one, with no
+    compute left to hide it behind)."""
+    bucket = (options.grad_sync or GradSync()).bucket_bytes
+    return backends.GPU_COMBINE_THRESHOLD_BYTES if bucket is None else bucket
+
+
+def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptions) -> dict:
+    """The child's job: the step exported as a function of its argument leaves."""
+    leaves, tree = jax.tree.flatten(args)
+    donated = len(jax.tree.leaves(args[0]))
+    train = built.program.train
+
+    def flat(*xs):
+        return jax.tree.leaves(train(*jax.tree.unflatten(tree, xs)))
+
+    shardings = tuple(x.sharding for x in leaves)
+    with warnings.catch_warnings():  # shape-only inputs: donation is decided by the child's compile
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        exported = jax.export.export(jax.jit(flat, in_shardings=shardings, donate_argnums=tuple(range(donated))),
+                                     platforms=("cuda",))(*leaves)
+    if "cudnn" in exported.mlir_module():  # traced on a GPU host: sdpa chose cuDNN's fused attention
+        raise TargetCompileError("the step calls cuDNN fused attention, which XLA does not build without a GPU "
+                                 "(jaxlib 0.10.2): prepare it in a process started with JAX_PLATFORMS=cpu, "
+                                 "where attention is traced with xtrain's blockwise kernel")
+    return {"exported": exported.serialize(), "donated": donated,
+            "specs": [(s.spec, s.memory_kind) for s in shardings],
+            "axes": tuple(built.mesh.axis_names), "shape": tuple(built.mesh.axis_sizes),
+            "topology": target.topology, "config": target.config,
+            "compiler_options": {f"xla_gpu_{kind}_combine_threshold_bytes": combine_bytes(options)
+                                 for kind in ("all_reduce", "all_gather", "reduce_scatter")}}
+
