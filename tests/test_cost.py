@@ -335,6 +335,21 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
+def test_cli_plan_compiles_the_best_candidate_for_h100s(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "1"}
+    out = subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", "--target", "p5.48xlarge", "--compile", "1",
+                          str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    picked = [line for line in out.stdout.splitlines() if line.startswith("* ")]
+    # the pick is the candidate XLA's GPU compiler compiled (xtrain.aot) and found to fit an H100
+    assert len(picked) == 1 and "[compiled: " in picked[0] and " fits; compiled for p5.48xlarge in " in picked[0], \
+        out.stdout
+    assert "trained" not in out.stdout
+
+
+@pytest.mark.multiprocess
 def test_cli_plan_lists_candidates_for_a_trainium_target(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, help="global batch for the target (default: the script's)")
     pl.add_argument("--all", action="store_true", dest="show_all",
                     help="also list the memory-only variants (remat, 1F1B, offload) not lowered because their plain plan fits")
+    pl.add_argument("--compile", type=int, nargs="?", const=3, default=0, metavar="N", dest="compile_top",
+                    help="GPU targets: also compile the best N candidates (3 without N) with XLA's GPU compiler, "
+                         "print their compiled memory and never pick one that does not fit")
     pl.add_argument("script")
     pl.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -77,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "report":
             return report.report(ns.script, ns.args)
         if ns.command == "plan":
-            return plan.plan(ns.script, ns.args, ns.target, ns.global_batch, show_all=ns.show_all)
+            return plan.plan(ns.script, ns.args, ns.target, ns.global_batch, show_all=ns.show_all,
+                             compile_top=ns.compile_top)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate,

@@ -10,13 +10,15 @@ from xtrain.errors import OptionsError
 
 
 # xtrain plan's own options: after the script they are the script's (it may define the same flag)
-OWN_OPTIONS = ("--target", "--global-batch", "--all")
+OWN_OPTIONS = ("--target", "--global-batch", "--all", "--compile")
 
 
 def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None, *,
-         show_all: bool = False) -> int:
+         show_all: bool = False, compile_top: int = 0) -> int:
     """Runs `script`; its first training step prints the plan search for `target` (lowered for
-    an abstract mesh: no devices of that kind needed) instead of training."""
+    an abstract mesh: no devices of that kind needed) instead of training. `compile_top` > 0:
+    also compile the best that many candidates with XLA's GPU compiler (xtrain.aot, GPU targets)
+    and never pick one the compiler says does not fit."""
     from xtrain.cost import hardware
 
     late = [i for i, a in enumerate(args) if a.split("=")[0] in OWN_OPTIONS]
@@ -37,11 +39,32 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         profile, devices = hardware.target(target)
         shapes = _scaled(host_batch(batch), global_batch) if global_batch else host_batch(batch)
         t = step.trainable
+        verify = _compiler(step.trainable, shapes, target) if compile_top else None
         result = search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
-                               target=f"{target} ({devices} devices)", experts=sorted(t.experts))
+                               target=f"{target} ({devices} devices)", experts=sorted(t.experts),
+                               verify=verify, verify_top=compile_top or search.VERIFY_TOP)
         print(result.listing(show_all=show_all), flush=True)
 
     return _intercepted(script, args, show, build=False, what="plan")
+
+
+def _compiler(trainable, shapes: tuple, target: str):
+    """search(verify=...): a candidate compiled for `target`'s GPUs (xtrain.aot), its memory per
+    device as XLA's buffer assignment gives it."""
+    from xtrain import aot
+    from xtrain.aot import request
+    from xtrain.cost import search
+    from xtrain.sharding.mesh import Mesh
+
+    gpu = aot.gpu_target(target)  # a non-GPU target is refused here, before any search
+
+    def verify(row, plan) -> search.Verified:
+        prepared = request.prepare(trainable, Mesh(**row.candidate.mesh), plan, shapes, gpu)
+        program, = aot.compile_prepared([prepared])
+        return search.Verified(fits=program.memory.fits, memory_bytes=program.memory.total,
+                               note=f"compiled for {gpu.spec} in {program.compile_s:.0f} s")
+
+    return verify
 
 
 def _scaled(batch: tuple, global_batch: int) -> tuple:
