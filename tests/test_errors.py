@@ -12,6 +12,7 @@ import xtrain
 from neuron_support import conformance
 from xtrain import errors
 from xtrain.checkpoint import read_manifest
+from xtrain.aot import toolchain as aot_toolchain
 from xtrain.cost import hardware
 from xtrain.errors import InputError, MeshError, PlanError, TraceError, UnsupportedError
 from xtrain.frontend import moe, torch_ops
@@ -246,6 +247,9 @@ BAD_INPUTS = {
     errors.ConformanceError: (_does_not_conform, r"does not fit trn1.32xlarge \(1 findings\)"),
     errors.CheckpointError: (lambda: read_manifest("no-such-checkpoint"), "no-such-checkpoint"),
     errors.NotBuiltError: (lambda: _auto_step().param_specs, "plan='auto' chooses the plan at the first step"),
+    # a compile child given no time to start (xtrain.aot.toolchain)
+    errors.TargetCompileError: (lambda: aot_toolchain.run_child([], timeout_s=0.001),
+                                "the deviceless GPU compile took more than 0 s"),
 }
 
 

@@ -104,9 +104,10 @@ def test_activation_offload_estimate_counts_the_reports_host_bytes_and_charges_t
     assert reported == layers * (batch // 8) * 16 * 32 * 4  # each layer's input: batch/8 x seq x d, fp32
     memory = row.cost.memory
     assert memory.activations_host == memory.host == reported
-    # the same recomputation as remat='full' with the residuals off the device: at the peak, in the
-    # backward pass, only the layer it is in has its input back on the device
-    assert memory.total == saving.cost.memory.total - (reported - reported // layers)
+    # the same recomputation as remat='full' with the residuals off the device: at most one layer's
+    # input is back on the device at the peak (none when the peak is outside the backward's layers)
+    saved = saving.cost.memory.total - memory.total
+    assert reported - reported // layers <= saved <= reported, (saved, reported)
     # out in the forward pass and back in the backward, over the host link
     assert row.prediction.offload_s == pytest.approx(2 * reported / profile.host_bytes_per_s)
     assert row.prediction.step_s == pytest.approx(saving.prediction.step_s + row.prediction.offload_s)
