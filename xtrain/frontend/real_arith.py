@@ -197,11 +197,7 @@ class Realifier:
         if signature in self.real or not dynamic:
             return fn(*args)
 
-        def probe(*values):
-            full = list(leaves)
-            for i, v in zip(dynamic, values):
-                full[i] = v
-            return fn(*jax.tree.unflatten(tree, full))
+        probe = walk.over_dynamic(fn, leaves, tree, dynamic)
 
         dynamic_values = [leaves[i] for i in dynamic]
         closed, out_shape = jax.make_jaxpr(probe, return_shape=True)(*dynamic_values)

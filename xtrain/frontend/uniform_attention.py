@@ -179,11 +179,7 @@ class Tracer:
             with self._session():
                 return fn(*args)
 
-        def probe(*values):
-            full = list(leaves)
-            for i, v in zip(dynamic, values):
-                full[i] = v
-            return fn(*jax.tree.unflatten(tree, full))
+        probe = walk.over_dynamic(fn, leaves, tree, dynamic)
 
         with self._session() as session:
             closed, out_shape = jax.make_jaxpr(probe, return_shape=True)(*[leaves[i] for i in dynamic])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
+import jax
 from jax._src import source_info_util  # name stacks and source contexts: no public name in jax 0.10
 from jax.extend import core as jcore
 
@@ -20,6 +21,18 @@ from jax.extend import core as jcore
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 Bind = Callable[[Any, list, str], list]   # (equation, operand values, module path) -> output values
+
+
+def over_dynamic(fn: Callable, leaves: list, tree, dynamic: list[int]) -> Callable:
+    """`fn` of the pytree `tree` as a function of only its leaves at `dynamic` (the traced ones),
+    the other leaves held as they are: what a probe trace of `fn` takes (jax.make_jaxpr)."""
+    def probe(*values):
+        full = list(leaves)
+        for i, v in zip(dynamic, values):
+            full[i] = v
+        return fn(*jax.tree.unflatten(tree, full))
+
+    return probe
 
 
 def module_path(name_stack, module_paths: frozenset[str], outer: str = "") -> str:
