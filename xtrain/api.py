@@ -91,11 +91,16 @@ def compile(model: Any, mesh: Mesh | None = None, *, optimizer: Any = None, plan
                                               detect_nan=detect_nan, check_inputs=check_inputs,
                                               allow_recompile=allow_recompile))
     runtime.init()
-    if torch_module.is_module(model):
-        trainable = torch_module.wrap(model, optimizer, loss_fn)
-    elif callable(model):
-        trainable = jax_function.wrap(model, params, optimizer)
-    else:
-        raise TypeError(f"xtrain.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
+    trainable = trainable_of(model, optimizer, loss_fn, params, what="xtrain.compile")
     return TrainStep(trainable, Mesh(data=-1) if mesh is None else mesh, plan or Plan(), options)
+
+
+def trainable_of(model, optimizer, loss_fn=None, params=None, *, what: str):
+    """The model and its optimizer as the compiler takes them: a torch.nn.Module (through torchax)
+    or a JAX loss function of `params`."""
+    if torch_module.is_module(model):
+        return torch_module.wrap(model, optimizer, loss_fn)
+    if callable(model):
+        return jax_function.wrap(model, params, optimizer)
+    raise TypeError(f"{what} expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
 

@@ -43,7 +43,7 @@ def prepare(model: Any, mesh: Mesh, *, target: str, optimizer: Any, batch: Seque
             clip_grad_norm: float | None = None, accumulate: int = 1) -> Prepared:
     """Assembles and exports the step `compile` compiles, without compiling it (arguments as
     `compile`'s). Raises what xtrain.compile would: a plan or mesh that does not fit."""
-    from xtrain.frontend import jax_function, torch_module
+    from xtrain import api
 
     if lowering != "explicit":
         raise OptionsError(f"lowering={lowering!r}: ahead-of-time compiles build xtrain's explicit lowering")
@@ -51,12 +51,7 @@ def prepare(model: Any, mesh: Mesh, *, target: str, optimizer: Any, batch: Seque
     options = CompileOptions(lowering=lowering, grad_sync=grad_sync, scan_layers=scan_layers,
                              zero3_regather=zero3_regather,
                              step=StepOptions(clip_grad_norm=clip_grad_norm, accumulate=accumulate))
-    if torch_module.is_module(model):
-        trainable = torch_module.wrap(model, optimizer, loss_fn)
-    elif callable(model):
-        trainable = jax_function.wrap(model, params, optimizer)
-    else:
-        raise TypeError(f"xtrain.aot.compile expects a torch.nn.Module or a JAX function, got {type(model).__name__}")
+    trainable = api.trainable_of(model, optimizer, loss_fn, params, what="xtrain.aot.compile")
     return _prepare(trainable, mesh, plan, tuple(batch), gpu, options)
 
 
