@@ -44,24 +44,15 @@ def reduce_window(ctx: Context, eqn, args):
 
 
 def select_and_scatter_add(ctx: Context, eqn, args):
-    """Max-pooling's gradient: (source cotangent, pooled operand) -> the operand's cotangent.
-    Untouched dims split as the operand's; the cotangent (linear) keeps a pending sum."""
-    source, operand = args
+    """Max-pooling's gradient (source cotangent, pooled operand) -> the operand's cotangent, and its
+    JVP `select_and_gather_add` (tangents, operand) -> each window's selected tangent: untouched
+    dims split as the operand's; the linear argument keeps a pending sum."""
+    linear, operand = args
     keep = _untouched(eqn.params, operand.ndim)
     operand = _windowed(ctx, C.resolve(ctx, operand), keep)
-    source = C.relayout(ctx, source, Layout(operand.layout.dims, source.layout.partial))
-    out = bind(ctx, eqn, [source.value, operand.value])
-    return wrap(eqn, out, [source.layout])
-
-
-def select_and_gather_add(ctx: Context, eqn, args):
-    """Max-pooling's JVP: (tangents, operand) -> the tangent of each window's selected element."""
-    tangents, operand = args
-    keep = _untouched(eqn.params, operand.ndim)
-    operand = _windowed(ctx, C.resolve(ctx, operand), keep)
-    tangents = C.relayout(ctx, tangents, Layout(operand.layout.dims, tangents.layout.partial))
-    out = bind(ctx, eqn, [tangents.value, operand.value])
-    return wrap(eqn, out, [tangents.layout])
+    linear = C.relayout(ctx, linear, Layout(operand.layout.dims, linear.layout.partial))
+    out = bind(ctx, eqn, [linear.value, operand.value])
+    return wrap(eqn, out, [linear.layout])
 
 
 def select_and_scatter(ctx: Context, eqn, args):
@@ -76,5 +67,5 @@ def select_and_scatter(ctx: Context, eqn, args):
 
 register(reduce_window, "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 register(select_and_scatter_add, "select_and_scatter_add")
-register(select_and_gather_add, "select_and_gather_add")
+register(select_and_scatter_add, "select_and_gather_add")  # its JVP: the same splits
 register(select_and_scatter, "select_and_scatter")
