@@ -187,3 +187,9 @@ def test_gloo_connection_lines_are_dropped_and_the_rest_kept():
     assert without_gloo_lines("done: steps=2\n") == "done: steps=2\n"
     # another worker's record sharing the line survives
     assert without_gloo_lines('{"rank": 1}' + line) == '{"rank": 1}\n'
+    # notices cut anywhere by other workers' writes: each piece goes, the record stays
+    assert without_gloo_lines("[Gloo] Rank 0 is connected to 3 peer ranks. Expected \n") is None
+    assert without_gloo_lines("number of connected peer ranks is : 3\n") is None
+    assert without_gloo_lines('ks. Expected number of connected peer ranks is : 3{"rank": 0}\n') == '{"rank": 0}\n'
+    assert without_gloo_lines('{"rank": 0}[Gloo] Rank 1 is conn\n') == '{"rank": 0}\n'
+    assert without_gloo_lines("Rank 0\n") == "Rank 0\n"  # too short to be sure it is Gloo's

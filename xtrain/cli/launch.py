@@ -155,16 +155,39 @@ def run(opts: RunOptions, *, dry_run: bool = False) -> int:
 
 
 # JAX's CPU collectives (Gloo) print one line per rank when their connections are up, to the
-# process's stdout, unconditionally: 64 lines for an emulated trn1.32xlarge:2. Workers write from
-# several threads, so a line may also arrive cut ("5 is connected to ...").
-_GLOO_CONNECTED = re.compile(r"(\[Gloo\] Rank )?\d* ?is connected to \d+ peer ranks\. "
-                             r"Expected number of connected peer ranks is : \d+")
+# process's stdout, unconditionally: 64 lines for an emulated trn1.32xlarge:2. Several workers
+# share one pipe and write from several threads, so a notice may arrive cut at any character,
+# its pieces on lines of their own or glued to another worker's record.
+_GLOO_NOTICE = "[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0"
+_SHORTEST_PIECE = 5  # pieces glued to other output; shorter ones ("63", ": 7") stay
+_SHORTEST_LINE = 12  # a line that is only a piece: "Rank 0" or "Expected" alone could be the user's
+
+
+def _digits_free(text: str) -> str:
+    return re.sub(r"\d+", "0", text)
+
+
+def _pattern(text: str) -> str:
+    return "".join(r"\d*" if c == "0" else re.escape(c) for c in text)
+
+
+_WHOLE = re.compile(r"(?:\[Gloo\] Rank )?\d* ?" + _pattern(_GLOO_NOTICE.removeprefix("[Gloo] Rank 0 ")))
+_HEAD_AT_END = re.compile("(?:" + "|".join(_pattern(_GLOO_NOTICE[:i]) for i in range(
+    len(_GLOO_NOTICE) - 1, _SHORTEST_PIECE - 1, -1)) + r")$")
+_TAIL_AT_START = re.compile("^(?:" + "|".join(_pattern(_GLOO_NOTICE[i:]) for i in range(
+    1, len(_GLOO_NOTICE) - _SHORTEST_PIECE + 1)) + ")")
 
 
 def without_gloo_lines(line: str) -> str | None:
-    """`line` without Gloo's connection notices; None when nothing else was on it."""
-    kept = _GLOO_CONNECTED.sub("", line)
-    return None if kept != line and not kept.strip() else kept
+    """`line` without Gloo's connection notices or pieces of them; None when nothing else was on it."""
+    end = "\n" if line.endswith("\n") else ""
+    body = _WHOLE.sub("", line[:len(line) - len(end)])
+    if len(body.strip()) >= _SHORTEST_LINE and _digits_free(body.strip()) in _GLOO_NOTICE:
+        return None
+    body = _TAIL_AT_START.sub("", _HEAD_AT_END.sub("", body))
+    if body == line[:len(line) - len(end)]:
+        return line
+    return body + end if body.strip() else None
 
 
 def _run_filtered(cmd: list[str], env: dict[str, str]) -> int:
