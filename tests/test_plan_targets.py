@@ -113,3 +113,16 @@ def test_every_aws_gpu_has_its_own_profile(kind, instance, hbm_gib):
     assert profile.matmul_flops_per_s("bf16") == hardware.peak_flops(kind, "bf16")
     with pytest.raises(UnsupportedError, match="no hardware profile for device kind 'NVIDIA B200'"):
         hardware.profile_for_device("gpu", "NVIDIA B200")
+
+
+@pytest.mark.e2e
+def test_zero3_in_fp32_lowers_for_neuron_without_reduce_precision():
+    # ZeRO-3 re-gathers parameters in the backward pass through jax.checkpoint, and JAX rounds
+    # each residual of such a region to its own type (reduce_precision, identity in fp32), which
+    # Neuron refuses. Lowered for Neuron those roundings are left out; for CPU they stay.
+    _, wrapped, tx = gpt()
+    candidate = search.Candidate(data=128, zero=3)
+    plan = candidate.plan(search.tensor_plan(wrapped, BATCH))
+    on_cpu = abstract_step(trainable_of(wrapped, tx), candidate.mesh, plan, BATCH, platform="cpu")
+    assert "reduce-precision" in on_cpu.hlo
+    assert rejected(candidate) == []

@@ -27,7 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xtrain.lowering import collectives, gradient_sync, input_checks, offload
-from xtrain.lowering import ordering
+from xtrain.lowering import neuron_lowering, ordering  # noqa: F401  (neuron_lowering: its lowering rule)
 from xtrain.lowering.findings import Findings
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
 from xtrain.lowering.gradient_sync import GradSync
