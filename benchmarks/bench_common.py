@@ -24,7 +24,8 @@ def pin_to_core() -> int:
     """Pins this process to one core (LOCAL_RANK modulo the cores it may use); returns the core.
 
     Call before torch or jax start their thread pools: XLA sizes its pools by the schedulable
-    CPUs, so this is what makes XLA run on one thread, as OMP_NUM_THREADS=1 does for torch.
+    CPUs, so this is what makes XLA run on one thread; torch's OpenMP pool is sized by the same
+    affinity (one thread), as torchrun's own OMP_NUM_THREADS=1 would size it.
     """
     cores = sorted(os.sched_getaffinity(0))
     core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
@@ -138,11 +139,28 @@ def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[flo
     return losses, seconds
 
 
+def allocator_in_effect() -> dict[str, object]:
+    """This process's malloc settings as it runs: the MALLOC_* variables glibc read at start-up,
+    and what xtrain.init set through mallopt (xtrain workers only)."""
+    found: dict[str, object] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
+    if "xtrain" in sys.modules:
+        from xtrain.runtime.devices import allocator_settings
+
+        found.update({f"mallopt {k}": v for k, v in allocator_settings().items()})
+    return found
+
+
 def emit(framework: str, losses: list[float], seconds: list[float], **extra) -> None:
-    """Prints the result line the driver parses."""
+    """Prints the result line the driver parses, with the allocator and thread counts the
+    process actually ran with (read here, not assumed by the driver)."""
     import resource
 
+    threads = {}
+    if "torch" in sys.modules:
+        threads["torch_threads"] = sys.modules["torch"].get_num_threads()
     record = dict(framework=framework, step_s=seconds, first_loss=losses[0], last_loss=losses[-1],
                   first_step_s=FIRST_STEP_S[0] if FIRST_STEP_S else None,
-                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extra)
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                  allocator=allocator_in_effect(), **threads, **extra)
     print(RESULT_PREFIX + json.dumps(record), flush=True)

@@ -10,14 +10,21 @@ Runs, on the same model (examples/gpt_model.py), initial weights and global batc
   xtrain  with --guards-cost: the first lowering again without detect_nan and the input checks
   DDP     torchrun, 2 processes, gloo
   eager   1 process, plain torch
-Every process is pinned to one core with one compute thread: torch through OMP_NUM_THREADS=1,
-XLA through the core affinity (XLA sizes its thread pools by the schedulable CPUs; the only
-thread flag this XLA knows, --xla_cpu_multi_thread_eigen=false, is set too but alone still left
-four busy threads here). Every process also gets the same glibc malloc settings (RETAIN_MEMORY:
-freed memory is kept for reuse rather than returned to the kernel and faulted in again next
-step, which cost both frameworks 10-15% per step here). Runs are interleaved over rounds (rotating order), the first --warmup
-steps of each run (compilation) are not timed, and the figure is the median step time over all
-timed steps. Prints a markdown table and writes it to benchmarks/results/ddp_vs_xtrain.md.
+Every process is pinned to one core (the hardware each gets, not a framework setting): torch's
+OpenMP pool and XLA's thread pools are sized by the schedulable CPUs, so each computes on one
+thread (the only thread flag this XLA knows, --xla_cpu_multi_thread_eigen=false, is set for the
+xtrain and jax.jit processes too: the affinity alone still left four busy XLA threads).
+
+Each framework runs as its users run it. torch gets no environment of ours: glibc's malloc at its
+defaults (torchrun sets OMP_NUM_THREADS=1 itself for its workers). xtrain gets only what xtrain sets
+itself: on CPU, `xtrain.init` keeps freed memory for reuse through mallopt (xtrain.runtime.allocator).
+`--allocator defaults` turns that off too (XTRAIN_CPU_MALLOC=default): every process at glibc's
+defaults. Each worker reads back the allocator settings and thread count it ran with, and the
+table prints those, not what the driver meant to set.
+
+Runs are interleaved over rounds (rotating order), the first --warmup steps of each run
+(compilation) are not timed, and the figure is the median step time over all timed steps.
+Prints a markdown table and writes it to benchmarks/results/ddp_vs_xtrain.md (or --out).
 """
 from __future__ import annotations
 
@@ -36,19 +43,8 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "ddp_vs_xtrain.md"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
-PINNING = ("each process pinned to one core (sched_setaffinity); torch: OMP_NUM_THREADS=1; "
-           f"XLA: XLA_FLAGS={XLA_FLAGS} + the one-core affinity (XLA sizes its pools by schedulable CPUs)")
-# glibc malloc keeps freed memory instead of returning large blocks to the kernel: otherwise each
-# step's multi-MB buffers (XLA's temporaries, torch's activations) are fresh pages again, and the
-# page faults cost both frameworks 10-15% of a step on this machine. Every process gets the same.
-# MALLOC_ARENA_MAX=1: XLA runs a step on its own threads, whose malloc arenas glibc shrinks with
-# MADV_DONTNEED whatever the trim threshold; one arena keeps those pages too (measured: 63,000
-# page faults and ~100 ms per 12-layer step of the 1-process xtrain run without it, none with it).
-RETAIN_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_ARENA_MAX": "1"}
-ALLOCATOR = "glibc malloc, every process: " + ", ".join(f"{k}={v}" for k, v in RETAIN_MEMORY.items()) + \
-    " (large buffers reused across steps, not re-faulted from the kernel)"
-
-
+PINNING = ("each process pinned to one core (sched_setaffinity; torch's OpenMP pool follows it); "
+           f"XLA processes: XLA_FLAGS={XLA_FLAGS} + the one-core affinity (XLA sizes its pools by schedulable CPUs)")
 MODEL_NAMES = {"gpt": "examples/gpt_model.py", "llama": "HF LlamaForCausalLM (SwiGLU, 2 kv heads)"}
 
 
@@ -95,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave out the plain jax.jit row (about 7 s a step at 24 layers)")
     p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
                    help="gpt: examples/gpt_model.py; llama: HF LlamaForCausalLM of the same width")
+    p.add_argument("--allocator", default="own", choices=("own", "defaults"),
+                   help="own: torch at glibc's defaults, xtrain with what xtrain.init sets itself; "
+                        "defaults: every process at glibc's defaults (XTRAIN_CPU_MALLOC=default)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
     args = p.parse_args(argv)
     args.model_args = ("--model", args.model)
@@ -135,11 +134,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env() -> dict[str, str]:
+def child_env(*, xla: bool = True, allocator: str = "own") -> dict[str, str]:
+    """The environment of a run: the caller's, without launcher variables, malloc or thread
+    variables of the caller's shell; XLA's thread flag for the processes that run XLA."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JAX_NUM_CPU_DEVICES")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS="cpu",
-               XTRAIN_COORDINATOR_PORT=str(free_port()), **RETAIN_MEMORY)
+    env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(JAX_PLATFORMS="cpu", XTRAIN_COORDINATOR_PORT=str(free_port()))
+    if xla:
+        env.update(XLA_FLAGS=XLA_FLAGS)
+    if allocator == "defaults":
+        env.update(XTRAIN_CPU_MALLOC="default")
     return env
 
 
@@ -164,7 +169,9 @@ def command(run: Run, args) -> list[str]:
 
 def launch(run: Run, args) -> dict:
     """Runs one configuration; returns the worker's result record."""
-    proc = subprocess.run(command(run, args), env=child_env(), capture_output=True, text=True, timeout=600)
+    xla = run.worker in ("bench_xtrain.py", "bench_jit.py")
+    proc = subprocess.run(command(run, args), env=child_env(xla=xla, allocator=args.allocator), capture_output=True,
+                          text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"{run.label} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -206,6 +213,13 @@ def versions() -> str:
     if subprocess.run([*git, "status", "--porcelain", "--", "../xtrain"], capture_output=True, text=True).stdout:
         commit += " with uncommitted changes to xtrain/"
     return f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}, xtrain commit {commit or 'unknown'}"
+
+
+def allocator_line(recs: list[dict]) -> str:
+    seen = {json.dumps(r.get("allocator", {}), sort_keys=True) for r in recs}
+    text = " | ".join(", ".join(f"{k}={v}" for k, v in json.loads(s).items()) or "glibc defaults" for s in sorted(seen))
+    threads = {r["torch_threads"] for r in recs if "torch_threads" in r}
+    return text + (f" (torch threads {', '.join(map(str, sorted(threads)))})" if threads else "")
 
 
 def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str]:
@@ -268,7 +282,8 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         f"- model: {MODEL_NAMES[args.model]}, {args.layers} layers, d_model {args.d_model}, vocab 256; "
         f"global batch {args.batch} x {args.seq} tokens; AdamW lr 1e-3; fp32",
         f"- threads: {PINNING}",
-        f"- allocator: {ALLOCATOR}",
+        f"- allocator (--allocator {args.allocator}), as each process read it back: "
+        + "; ".join(f"{run.key}: {allocator_line(records[run.key])}" for run in all_runs),
         f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps "
         f"per run, {args.steps} timed steps; median over all timed steps (wall time of step(x, y) "
         "including the host float of the loss, on rank 0)",

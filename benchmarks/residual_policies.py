@@ -83,7 +83,7 @@ def report(args, rounds: int, medians: dict, first: dict) -> str:
              f"batch {args.batch} x {args.seq}, AdamW, fp32, 1 process x 1 CPU device)", "",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; machine: {dvx.machine()}; "
              f"1-min load average {os.getloadavg()[0]:.2f} at the end",
-             f"- software: {dvx.versions()}", f"- allocator: {dvx.ALLOCATOR}",
+             f"- software: {dvx.versions()}", "- allocator: what xtrain.init sets on CPU (xtrain.runtime.allocator)",
              f"- method: all steps compiled first, then {rounds} interleaved rounds of {args.steps} timed steps; "
              f"median of the round medians",
              f"- command: python benchmarks/residual_policies.py {' '.join(sys.argv[1:])}".rstrip(), "",
@@ -97,10 +97,9 @@ def report(args, rounds: int, medians: dict, first: dict) -> str:
 
 
 def main() -> None:
-    if os.environ.get("MALLOC_ARENA_MAX") != dvx.RETAIN_MEMORY["MALLOC_ARENA_MAX"]:
-        env = {**os.environ, **dvx.RETAIN_MEMORY, "OMP_NUM_THREADS": "1",
-               "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)  # malloc reads these at start
+    if dvx.XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        env = {**os.environ, "XLA_FLAGS": dvx.XLA_FLAGS}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)  # XLA reads its flags at start
     import bench_common
 
     argv = sys.argv[1:]

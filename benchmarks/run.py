@@ -100,7 +100,8 @@ def launch(config: Config, args, model: str, report: bool) -> dict:
     extra = ("--report",) if report and config.run.worker == "bench_xtrain.py" else ()
     ns = worker_args(args, model, extra)
     cmd = dvx.command(config.run, ns)
-    proc = subprocess.run(cmd, env=dvx.child_env(), capture_output=True, text=True, timeout=900)
+    env = dvx.child_env(xla=config.run.worker in ("bench_xtrain.py", "bench_jit.py"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
@@ -236,7 +237,9 @@ def report(results, check, args, load) -> str:
             "(a shared, slow host: other jobs ran during the measurement, so treat ratios as rough)",
             f"- software: {dvx.versions()}",
             f"- threads: {dvx.PINNING}",
-            f"- allocator: {dvx.ALLOCATOR}",
+            "- allocator, as each process read it back: " + "; ".join(
+                f"{key}: {dvx.allocator_line(recs)}" for key, recs in next(iter(results.values())).items()
+                if all("error" not in r for r in recs)),
             f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps per "
             f"run, {args.steps} timed steps; global batch {args.batch} x {args.seq} tokens; AdamW; fp32",
             "- columns: '/ eager' and '/ DDP' are ratios of median step times; 'first step' includes "
