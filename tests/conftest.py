@@ -61,6 +61,28 @@ def _deterministic_torch():
     yield
 
 
+# A worker holds an emulated 8-device cluster, the compiled programs of its module and, for a few
+# tests, worker processes of its own: 1-2.5 GB resident measured; 3 GiB each leaves headroom.
+WORKER_MEMORY = 3 << 30
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many workers `-n auto` (pyproject's addopts) starts: one per core this process may
+    use, at most one per WORKER_MEMORY of available memory, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, _available_memory() // WORKER_MEMORY, MAX_WORKERS))
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo (free plus reclaimable cache), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def pytest_configure(config):
     import jax
 
