@@ -123,19 +123,26 @@ def batches(args) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 FIRST_STEP_S: list[float] = []  # the first step's wall time (compilation, for xtrain), set by timed_loop
+TIMED_FAULTS: list[float] = []  # minor page faults per timed step, set by timed_loop
 
 
 def timed_loop(step_fn, all_batches, warmup: int) -> tuple[list[float], list[float]]:
     """Calls `step_fn(x, y) -> float loss` on each batch; returns (losses, seconds of timed steps).
     `step_fn` must return a host float, so each step has finished when the clock stops."""
+    import resource
+
     losses, seconds = [], []
     for i, (x, y) in enumerate(all_batches):
+        if i == warmup:
+            TIMED_FAULTS[:] = [resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
         start = time.perf_counter()
         losses.append(step_fn(x, y))
         if i == 0:
             FIRST_STEP_S[:] = [time.perf_counter() - start]
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
+    if TIMED_FAULTS:  # minor page faults per timed step
+        TIMED_FAULTS[:] = [(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - TIMED_FAULTS[0]) / len(seconds)]
     return losses, seconds
 
 
@@ -156,11 +163,11 @@ def emit(framework: str, losses: list[float], seconds: list[float], **extra) -> 
     import resource
 
     threads = {}
-    if "torch" in sys.modules:
+    if "torch" in sys.modules and "torch_threads" not in extra:
         threads["torch_threads"] = sys.modules["torch"].get_num_threads()
     record = dict(framework=framework, step_s=seconds, first_loss=losses[0], last_loss=losses[-1],
                   first_step_s=FIRST_STEP_S[0] if FIRST_STEP_S else None,
                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                  faults_per_step=TIMED_FAULTS[0] if TIMED_FAULTS else None,
                   allocator=allocator_in_effect(), **threads, **extra)
     print(RESULT_PREFIX + json.dumps(record), flush=True)

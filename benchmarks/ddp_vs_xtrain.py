@@ -18,9 +18,11 @@ xtrain and jax.jit processes too: the affinity alone still left four busy XLA th
 Each framework runs as its users run it. torch gets no environment of ours: glibc's malloc at its
 defaults (torchrun sets OMP_NUM_THREADS=1 itself for its workers). xtrain gets only what xtrain sets
 itself: on CPU, `xtrain.init` keeps freed memory for reuse through mallopt (xtrain.runtime.allocator).
-`--allocator defaults` turns that off too (XTRAIN_CPU_MALLOC=default): every process at glibc's
-defaults. Each worker reads back the allocator settings and thread count it ran with, and the
-table prints those, not what the driver meant to set.
+`--allocator own,defaults` also runs every xtrain configuration with that turned off
+(XTRAIN_CPU_MALLOC=default: every process at glibc's defaults), interleaved with the others, and
+gives the ratios both ways (torch runs the same in both: at its defaults). Each worker reads back
+the allocator settings and thread count it ran with, and the file prints those, not what the
+driver meant to set.
 
 Runs are interleaved over rounds (rotating order), the first --warmup steps of each run
 (compilation) are not timed, and the figure is the median step time over all timed steps.
@@ -59,6 +61,7 @@ class Run:
         worker: the worker script in benchmarks/.
         processes: processes started (1 = plain python, else torchrun).
         extra: extra worker arguments.
+        allocator: "own" (what the framework sets itself) or "defaults" (XTRAIN_CPU_MALLOC=default).
     """
 
     key: str
@@ -67,6 +70,7 @@ class Run:
     worker: str
     processes: int
     extra: tuple[str, ...] = ()
+    allocator: str = "own"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,17 +95,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave out the plain jax.jit row (about 7 s a step at 24 layers)")
     p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
                    help="gpt: examples/gpt_model.py; llama: HF LlamaForCausalLM of the same width")
-    p.add_argument("--allocator", default="own", choices=("own", "defaults"),
-                   help="own: torch at glibc's defaults, xtrain with what xtrain.init sets itself; "
-                        "defaults: every process at glibc's defaults (XTRAIN_CPU_MALLOC=default)")
+    p.add_argument("--allocator", default="own",
+                   help="comma separated, xtrain's runs: own (what xtrain.init sets itself), defaults "
+                        "(XTRAIN_CPU_MALLOC=default: glibc's defaults, as torch always runs); both: own,defaults")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="markdown file to write")
     args = p.parse_args(argv)
+    args.allocators = args.allocator.split(",")
+    if not args.allocators or set(args.allocators) - {"own", "defaults"}:
+        p.error(f"--allocator {args.allocator}: a comma-separated list of own, defaults")
     args.model_args = ("--model", args.model)
     args.xtrain_args = ("--profile-split",) if args.profile_split else ()
     return args
 
 
 def runs(args) -> list[Run]:
+    out = [with_allocator(run, mode) for mode in args.allocators for run in xtrain_runs(args)]
+    out.extend(torch_runs(args))
+    return out
+
+
+def with_allocator(run: Run, mode: str) -> Run:
+    """`run` under allocator `mode`: the key and label say so when it is not xtrain's own."""
+    if mode == "own":
+        return run
+    return dataclasses.replace(run, key=f"{run.key}@defaults", label=f"{run.label}, glibc defaults",
+                               allocator=mode)
+
+
+def xtrain_runs(args) -> list[Run]:
     n = args.nproc
     out = [Run(key=f"xtrain-{lw}", label=f"xtrain (lowering={lw})", launch=f"torchrun, {n} processes x 1 CPU device",
                worker="bench_xtrain.py", processes=n, extra=("--lowering", lw))
@@ -117,6 +138,13 @@ def runs(args) -> list[Run]:
     if args.fsdp:
         out.append(Run(key="xtrain-fsdp", label="xtrain ZeRO-3 (Plan(zero=3))", launch=f"torchrun, {n} processes x 1 CPU device",
                        worker="bench_xtrain.py", processes=n, extra=("--lowering", first, "--plan", "fsdp")))
+    return out
+
+
+def torch_runs(args) -> list[Run]:
+    n = args.nproc
+    out = []
+    if args.fsdp:
         out.append(Run(key="fsdp2", label="PyTorch FSDP2 (gloo)", launch=f"torchrun, {n} processes",
                        worker="bench_fsdp.py", processes=n))
     if not args.no_jit:
@@ -170,7 +198,7 @@ def command(run: Run, args) -> list[str]:
 def launch(run: Run, args) -> dict:
     """Runs one configuration; returns the worker's result record."""
     xla = run.worker in ("bench_xtrain.py", "bench_jit.py")
-    proc = subprocess.run(command(run, args), env=child_env(xla=xla, allocator=args.allocator), capture_output=True,
+    proc = subprocess.run(command(run, args), env=child_env(xla=xla, allocator=run.allocator), capture_output=True,
                           text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -215,6 +243,10 @@ def versions() -> str:
     return f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}, xtrain commit {commit or 'unknown'}"
 
 
+def faults_per_step(recs: list[dict]) -> float:
+    return statistics.median(r.get("faults_per_step") or 0 for r in recs)
+
+
 def allocator_line(recs: list[dict]) -> str:
     seen = {json.dumps(r.get("allocator", {}), sort_keys=True) for r in recs}
     text = " | ".join(", ".join(f"{k}={v}" for k, v in json.loads(s).items()) or "glibc defaults" for s in sorted(seen))
@@ -238,19 +270,26 @@ def table(all_runs: list[Run], records: dict[str, list[dict]], args) -> list[str
 def ratios(all_runs: list[Run], records: dict[str, list[dict]]) -> list[str]:
     ms = {run.key: median_ms(records[run.key]) for run in all_runs}
     lines = ["| ratio of median step times | value |", "|---|---:|"]
-    if "unguarded" in ms:
-        first = next(k for k in ms if k.startswith("xtrain"))
-        lines.append(f"| {first} / the same without detect_nan and input checks (their cost) | "
-                     f"{ms[first] / ms['unguarded']:.3f} |")
-    for key in (k for k in ms if k.startswith("xtrain") and k not in ("xtrain-1proc", "xtrain-fsdp")):
-        lines.append(f"| {key} / DDP | {ms[key] / ms['ddp']:.2f} |")
-        lines.append(f"| {key} / eager | {ms[key] / ms['eager']:.2f} |")
-    if "fsdp2" in ms:
-        lines.append(f"| xtrain ZeRO-3 / PyTorch FSDP2 | {ms['xtrain-fsdp'] / ms['fsdp2']:.2f} |")
+    for suffix, how in (("", ""), ("@defaults", ", xtrain at glibc defaults")):
+        if f"xtrain-1proc{suffix}" not in ms:
+            continue
+        if f"unguarded{suffix}" in ms:
+            first = next(k for k in ms if k.startswith("xtrain") and k.endswith(suffix))
+            lines.append(f"| {first} / the same without detect_nan and input checks (their cost){how} | "
+                         f"{ms[first] / ms[f'unguarded{suffix}']:.3f} |")
+        for key in (k for k in ms if k.startswith("xtrain") and k.endswith(suffix) and "@" not in k[:len(k) - len(suffix)]
+                    and k.removesuffix(suffix) not in ("xtrain-1proc", "xtrain-fsdp")):
+            lines.append(f"| {key.removesuffix(suffix)} / DDP{how} | {ms[key] / ms['ddp']:.2f} |")
+            lines.append(f"| {key.removesuffix(suffix)} / eager{how} | {ms[key] / ms['eager']:.2f} |")
+        if "fsdp2" in ms:
+            lines.append(f"| xtrain ZeRO-3 / PyTorch FSDP2{how} | {ms[f'xtrain-fsdp{suffix}'] / ms['fsdp2']:.2f} |")
+        lines.append(f"| xtrain 1 process / eager (compute only, same work){how} | "
+                     f"{ms[f'xtrain-1proc{suffix}'] / ms['eager']:.2f} |")
+        if "jit" in ms:
+            lines.append(f"| xtrain 1 process / plain jax.jit (xtrain's lowering, same XLA){how} | "
+                         f"{ms[f'xtrain-1proc{suffix}'] / ms['jit']:.2f} |")
     lines.append(f"| DDP / eager | {ms['ddp'] / ms['eager']:.2f} |")
-    lines.append(f"| xtrain 1 process / eager (compute only, same work) | {ms['xtrain-1proc'] / ms['eager']:.2f} |")
     if "jit" in ms:
-        lines.append(f"| xtrain 1 process / plain jax.jit (xtrain's lowering, same XLA) | {ms['xtrain-1proc'] / ms['jit']:.2f} |")
         lines.append(f"| plain jax.jit / eager (XLA CPU code vs torch kernels) | {ms['jit'] / ms['eager']:.2f} |")
     return lines
 
@@ -284,6 +323,8 @@ def report(all_runs: list[Run], records: dict[str, list[dict]], args, load: tupl
         f"- threads: {PINNING}",
         f"- allocator (--allocator {args.allocator}), as each process read it back: "
         + "; ".join(f"{run.key}: {allocator_line(records[run.key])}" for run in all_runs),
+        "- minor page faults per timed step (rank 0, getrusage, median over rounds): "
+        + "; ".join(f"{run.key}: {faults_per_step(records[run.key]):,.0f}" for run in all_runs),
         f"- method: {args.rounds} interleaved rounds (order rotated), {args.warmup} untimed warm-up steps "
         f"per run, {args.steps} timed steps; median over all timed steps (wall time of step(x, y) "
         "including the host float of the loss, on rank 0)",
