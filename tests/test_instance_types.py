@@ -94,3 +94,21 @@ def test_cli_plan_for_two_p3_16xlarge_lists_fp16_plans():
     assert "xtrain plan for p3.16xlarge:2 (16 devices)" in out.stdout
     assert re.search(r"^\* \S+ fp16", out.stdout, re.M) and "dp16 zero1 fp16" in out.stdout
     assert "network 25 Gbit/s (no EFA)" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_cli_plan_precision_sets_every_candidates_and_a_missing_one_is_refused_first():
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "1"}
+    example = [os.path.join(ROOT, "examples", "train_gpt.py"), "--layers", "1", "--d-model", "32", "--batch", "32",
+               "--seq", "16", "--metrics", "", "--plot", ""]
+    plan = lambda *opts: subprocess.run([sys.executable, "-m", "xtrain.cli", "plan", *opts, *example],
+                                        capture_output=True, text=True, env=env, timeout=300)
+    out = plan("--target", "p4d.24xlarge", "--precision", "bf16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^[* ] (dp\S*(?: \S+)*?) +\d", out.stdout, re.M)
+    assert rows and all(r.endswith("bf16") for r in rows), rows
+    assert "precision='bf16'" in out.stdout.split("as code", 1)[1]  # the pick, as code, keeps it
+    # V100 has no bf16: refused before the script runs (no trace, no search)
+    bad = plan("--target", "p3.16xlarge", "--precision", "bf16")
+    assert bad.returncode == 2 and "has no bfloat16 arithmetic (NVIDIA V100)" in bad.stderr, bad.stderr[-2000:]
+    assert "xtrain plan for" not in bad.stdout

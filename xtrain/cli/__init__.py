@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--compile", type=int, nargs="?", const=3, default=0, metavar="N", dest="compile_top",
                     help="GPU targets: also compile the best N candidates (3 without N) with XLA's GPU compiler, "
                          "print their compiled memory and never pick one that does not fit")
+    pl.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                    help="every candidate's compute precision (default: fp32, or fp16 with loss scaling on a "
+                         "GPU without bf16); a precision the target has no arithmetic for is refused")
     pl.add_argument("script")
     pl.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return report.report(ns.script, ns.args)
         if ns.command == "plan":
             return plan.plan(ns.script, ns.args, ns.target, ns.global_batch, show_all=ns.show_all,
-                             compile_top=ns.compile_top)
+                             compile_top=ns.compile_top, precision=ns.precision)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate,

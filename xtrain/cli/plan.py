@@ -10,15 +10,16 @@ from xtrain.errors import OptionsError
 
 
 # xtrain plan's own options: after the script they are the script's (it may define the same flag)
-OWN_OPTIONS = ("--target", "--global-batch", "--all", "--compile")
+OWN_OPTIONS = ("--target", "--global-batch", "--all", "--compile", "--precision")
 
 
 def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None, *,
-         show_all: bool = False, compile_top: int = 0) -> int:
+         show_all: bool = False, compile_top: int = 0, precision: str | None = None) -> int:
     """Runs `script`; its first training step prints the plan search for `target` (lowered for
     an abstract mesh: no devices of that kind needed) instead of training. `compile_top` > 0:
     also compile the best that many candidates with XLA's GPU compiler (xtrain.aot, GPU targets)
-    and never pick one the compiler says does not fit."""
+    and never pick one the compiler says does not fit. `precision`: every candidate's compute
+    precision (None: the target's default, `HardwareProfile.plan_precision`)."""
     from xtrain.cost import hardware
 
     late = [i for i, a in enumerate(args) if a.split("=")[0] in OWN_OPTIONS]
@@ -29,6 +30,8 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
               f"come before the script: xtrain plan --target {target} {moved} {script} ...", file=sys.stderr, flush=True)
 
     hardware.check_target(target)  # a bad target fails here, before the script runs
+    if precision is not None:  # bf16 on a GPU without it fails here too
+        hardware.target(target)[0].check_precision(precision)
     if global_batch is not None and global_batch < 1:
         raise OptionsError(f"--global-batch {global_batch} must be >= 1")
 
@@ -42,7 +45,7 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         verify = _compiler(step.trainable, shapes, target) if compile_top else None
         result = search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
                                target=f"{target} ({devices} devices)", experts=sorted(t.experts),
-                               verify=verify, verify_top=compile_top or search.VERIFY_TOP)
+                               verify=verify, verify_top=compile_top or search.VERIFY_TOP, precision=precision)
         print(result.listing(show_all=show_all), flush=True)
 
     return _intercepted(script, args, show, build=False, what="plan")
