@@ -3,7 +3,7 @@ predicts) against the compiled memory of the same step on this machine's emulate
 (XLA's memory analysis: arguments + outputs - aliased + temporaries per device), plan by plan,
 on the suite's small GPT (tests/models.py). Nothing is tuned on the real configurations.
 
-    python benchmarks/memory_calibration.py
+    python benchmarks/memory_calibration.py      # results: benchmarks/results/memory_calibration.md
 """
 from __future__ import annotations
 

@@ -239,11 +239,12 @@ def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     # The device is shrunk below the replicated training state (a trn1 NeuronCore's 16 GiB would
     # need a model too large to build here): no recomputation can save DDP, a sharded plan fits.
     # A short batch (one 8-token sequence per device) makes the state, not activations, the bulk.
+    # ZeRO, tensor parallelism and pipeline stages each split the state; replicated, it cannot fit.
     ddp = next(r for r in trn1_search(batch=2, seq=8).rows if r.candidate.name == "dp2").cost.memory
     limit = int(0.95 * (ddp.parameters + ddp.gradients + ddp.optimizer))
     result = trn1_search(memory=limit, batch=2, seq=8)
     best = result.best.candidate
-    assert best.zero > 0 or best.tensor > 1
+    assert best.zero > 0 or best.tensor > 1 or best.pipe > 1, best
     assert result.best.prediction.memory_bytes <= limit
 
 

@@ -33,13 +33,11 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
-import jax
-import numpy as np
-
+from xtrain.cost import liveness
+from xtrain.cost.hardware import HardwareProfile
 from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir.analysis import flops as ir_flops
 from xtrain.ir.analysis.flops import Flops
-from xtrain.cost.hardware import HardwareProfile
 from xtrain.lowering.report import Collective
 
 INTRA, INTER = "intra-node", "inter-node"
@@ -215,55 +213,6 @@ def memory_from_compiled(compiled, state: Mapping[str, int], activations_host: i
                   host=host + activations_host, activations_host=activations_host, source="xla")
 
 
-def _nbytes(aval) -> int:
-    """Device bytes of a value: none for one in host memory (offloaded activations, an
-    offloaded optimizer state on its way back)."""
-    shape = getattr(aval, "shape", None)
-    if shape is None or getattr(aval, "memory_space", None) is jax.memory.Space.Host:
-        return 0
-    try:
-        itemsize = np.dtype(aval.dtype).itemsize
-    except TypeError:  # PRNG key arrays: two uint32 words per key
-        itemsize = 8
-    return math.prod(shape) * itemsize
-
-
-# Primitives whose result is their operand's buffer (a change of type only: shard_map's
-# varying/invariant marks): no new bytes, and the operand lives as long as the result.
-# Counted as copies, pvary alone added a whole replica of the parameters to a DDP step's peak.
-ALIASES = frozenset({"pvary", "pcast", "psum_invariant_to_varying"})
-
-
-def peak_live_bytes(jaxpr) -> int:
-    """Largest sum of live intermediate values over a jaxpr's equations in program order
-    (inputs and outputs excluded; a loop adds its body's own peak while it runs; an alias
-    (ALIASES) is its operand's buffer)."""
-    from jax.extend import core as jcore
-
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    root: dict = {}
-    for eqn in jaxpr.eqns:
-        if str(eqn.primitive) in ALIASES and len(eqn.invars) == len(eqn.outvars):
-            root.update({o: root.get(v, v) for o, v in zip(eqn.outvars, eqn.invars) if isinstance(v, jcore.Var)})
-    last_use: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                last_use[root.get(v, v)] = i
-    outputs = {root.get(v, v) for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
-    live = peak = 0
-    for i, eqn in enumerate(jaxpr.eqns):
-        inner = max((peak_live_bytes(s) for s in jcore.jaxprs_in_params(eqn.params)), default=0)
-        made = [v for v in eqn.outvars if v not in root]
-        created = sum(_nbytes(v.aval) for v in made)
-        peak = max(peak, live + created + inner)
-        live += sum(_nbytes(v.aval) for v in made if v in last_use or v in outputs)
-        dying = {root.get(v, v) for v in eqn.invars if isinstance(v, jcore.Var) and last_use.get(root.get(v, v)) == i}
-        live -= sum(_nbytes(v.aval) for v in dying if v not in outputs and v not in inputs)
-    return peak
-
-
 def memory_from_graph(per_device_jaxpr, state: Mapping[str, int], activations_host: int = 0) -> Memory:
     """Per-device memory of a lowered (not compiled) step: the state shards (`state`:
     parameters, gradients, optimizer, int8 residual bytes; an offloaded optimizer state,
@@ -272,7 +221,7 @@ def memory_from_graph(per_device_jaxpr, state: Mapping[str, int], activations_ho
     gradients are intermediates there and counted in that peak, not twice; values placed in
     host memory are not: `activations_host` bytes of offloaded activations per step,
     xtrain.lowering.offload.offloaded_activation_bytes, count as host memory)."""
-    temporaries = peak_live_bytes(per_device_jaxpr)
+    temporaries = liveness.peak_live_bytes(per_device_jaxpr)
     held = state.get("parameters", 0) + state.get("optimizer", 0) + state.get("grad_residual", 0)
     return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
                   gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from xtrain.cost import model as cost_model
+from xtrain.cost import liveness
 from xtrain.cost import program as cost_program
 from xtrain.ir import attention
 from xtrain.lowering import accounting, offload
@@ -21,14 +21,14 @@ from xtrain.sharding import presets
 def _temporaries(step, batch: tuple, remat, compare: bool) -> int:
     """Device temporaries of `step` under another checkpointing policy: from XLA's memory analysis
     of that step compiled (`compare`), else the graph model's peak of its per-device program
-    (a trace, no compile: cost.model.peak_live_bytes)."""
+    (a trace, no compile: cost.liveness.peak_live_bytes)."""
     if compare:
         return report_mod.memory_of(step.compiled(*batch, remat=remat))["temporaries"]
     return _graph_peak(step.program(*batch, remat=remat))
 
 
 def _graph_peak(program) -> int:
-    return cost_model.peak_live_bytes(cost_program.per_device_body(program) or program)
+    return liveness.peak_live_bytes(cost_program.per_device_body(program) or program)
 
 
 def _remat_note(step, batch: tuple, memory: dict[str, int], compare: bool) -> str:
