@@ -191,6 +191,19 @@ class Candidate:
         return {Offload.OPTIMIZER: SKIPPED_OFFLOAD, Offload.ACTIVATIONS: SKIPPED_ACT_OFFLOAD}.get(self.offload,
                                                                                                  SKIPPED_1F1B)
 
+    def state_floor(self, params: int, optimizer: int) -> int:
+        """The fewest bytes of parameters, gradients and optimizer state one device can hold under
+        this candidate, from the model's totals alone (`params`: every parameter's bytes, the
+        gradients' too; `optimizer`: the optimizer state's): every split taken as even (tensor,
+        pipeline and expert degrees divide all of it), so the step needs at least this much, with
+        no trace. ZeRO-1 splits the optimizer state over `data`, ZeRO-2 also the gradients,
+        ZeRO-3 also the parameters; an offloaded optimizer state is in host memory."""
+        d = self.data
+        held = (params / d if self.zero >= 3 else params) + (params / d if self.zero >= 2 else params)
+        if self.offload is not Offload.OPTIMIZER:
+            held += optimizer / d if self.zero >= 1 else optimizer
+        return int(held / (self.tensor * self.pipe * self.expert))
+
     def simplicity(self) -> tuple:
         offloads = list(Offload).index(self.offload)  # none, then the optimizer state, then activations
         return (self.pipe, self.tensor, self.expert, self.context, self.zero, offloads, self.remat,

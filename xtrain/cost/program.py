@@ -138,6 +138,15 @@ class ModelFacts:
     matmul_flops: float   # model FLOPs of one training step on the global batch (xtrain.ir.analysis.flops.model_flops)
 
 
+def state_totals(model: Model, tx: optax.GradientTransformation) -> tuple[int, int]:
+    """Bytes of all the model's parameters and of the optimizer state `tx` keeps for them (shapes
+    only: a model on the meta device too)."""
+    params = dict(model.param_shapes())
+    nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    optimizer = jax.eval_shape(tx.init, params)
+    return sum(map(nbytes, params.values())), sum(nbytes(x) for x in jax.tree.leaves(optimizer))
+
+
 def model_facts(model: Model, batch: tuple) -> ModelFacts:
     """Traces the model once (forward, then value and gradient) on `batch`'s shapes."""
     params = dict(model.param_shapes())  # shapes only: a model on the meta device plans too

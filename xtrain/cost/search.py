@@ -92,6 +92,9 @@ class Verified:
 # says whether it fits; called on the few best candidates only
 Verify = Callable[["Row", Plan], Verified]
 VERIFY_TOP = 3  # candidates compiled per round of verification
+# why a candidate is refused before lowering: its parameters, gradients and optimizer state alone,
+# split as evenly as the candidate can split them (Candidate.state_floor), exceed the device's memory
+STATE_ALONE = "not traced: parameters, gradients and optimizer state alone need at least"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -279,6 +282,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             picked, and the next best are verified until the pick is a verified one (or none is
             left). None: the cost model's figures alone.
 
+    A candidate whose parameters, gradients and optimizer state alone cannot fit the device, split
+    as evenly as it splits them (Candidate.state_floor), is listed as such and never traced.
     The model is traced once per batch signature and trace options (xtrain.ir.replay) and that
     trace is replayed by every candidate; nothing reads a parameter's value, so a model built on
     the meta device (or under xtrain.checkpoint.meta_params()) plans at any size.
@@ -293,8 +298,14 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
                                     context=[1] + context_degrees(devices, _sequence(batch)))
     if precision is not None:
         candidate_list = [dataclasses.replace(c, precision=precision) for c in candidate_list]
-    lower = lambda c: evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
-                               model_flops=facts.matmul_flops, experts=experts)
+    totals = program_mod.state_totals(model, tx)
+
+    def lower(c: Candidate) -> Row:
+        need = c.state_floor(*totals)
+        if need > profile.hbm_bytes:  # no activation can make it fit: not worth a trace
+            return Row(candidate=c, reason=f"{STATE_ALONE} {listing.size(need)} > {listing.size(profile.hbm_bytes)}")
+        return evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
+                        model_flops=facts.matmul_flops, experts=experts)
     done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
     for c in candidate_list:
         if c.saves_memory_only:
