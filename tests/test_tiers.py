@@ -58,6 +58,16 @@ def test_the_unit_tier_holds_enough_tests_to_be_the_fast_loop():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     selected = int(re.search(r"(\d+)(?:/\d+)? tests? collected", out.stdout).group(1))
     assert selected >= MIN_UNIT_TESTS, f"-m unit selects {selected} tests, fewer than {MIN_UNIT_TESTS}"
+    # conftest.LONGEST_FIRST names modules that exist (a renamed one would silently lose its place),
+    # and those collected come first, in that order
+    from conftest import LONGEST_FIRST
+
+    assert all((TESTS / name).is_file() for name in LONGEST_FIRST), [n for n in LONGEST_FIRST
+                                                                   if not (TESTS / n).is_file()]
+    modules = list(dict.fromkeys(line.split("::")[0].rsplit("/", 1)[-1] for line in out.stdout.splitlines()
+                                 if "::" in line))
+    listed = [m for m in LONGEST_FIRST if m in modules]
+    assert listed and modules[:len(listed)] == listed, modules[:20]
 
 
 def test_a_unit_test_that_compiles_a_training_step_fails(tmp_path):
@@ -72,3 +82,4 @@ def test_a_test_without_a_tier_is_refused_at_collection(tmp_path):
     out = _pytest("-q", "test_probe.py", cwd=_probe_dir(tmp_path, "def test_untiered():\n    pass\n"))
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:] + out.stderr[-2000:]
     assert "test_probe.py::test_untiered: no tier" in out.stderr + out.stdout
+
