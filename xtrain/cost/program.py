@@ -23,6 +23,7 @@ import optax
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh
 
+from xtrain.cost import liveness
 from xtrain.ir.analysis import flops
 from xtrain.ir.model import Model, Trainable
 from xtrain.lowering import assembly, ordering, platforms
@@ -142,9 +143,9 @@ def state_totals(model: Model, tx: optax.GradientTransformation) -> tuple[int, i
     """Bytes of all the model's parameters and of the optimizer state `tx` keeps for them (shapes
     only: a model on the meta device too)."""
     params = dict(model.param_shapes())
-    nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize
     optimizer = jax.eval_shape(tx.init, params)
-    return sum(map(nbytes, params.values())), sum(nbytes(x) for x in jax.tree.leaves(optimizer))
+    return (sum(map(liveness.nbytes, params.values())),
+            sum(liveness.nbytes(x) for x in jax.tree.leaves(optimizer)))
 
 
 def model_facts(model: Model, batch: tuple) -> ModelFacts:
