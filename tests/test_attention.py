@@ -261,8 +261,8 @@ def test_ring_attention_drops_the_weights_the_whole_call_drops(causal):
         drop = (key, attention_dropout.flat_index(q.shape[:-2]))
         if not causal:
             return ra.ring_attention(ring, q, k, v, None, drop)
-        q, k, v = ra.balance(q, "context", c, 3), ra.balance(k, "context", c, 2), ra.balance(v, "context", c, 2)
-        return ra.unbalance(ra.ring_attention(ring, q, k, v, None, drop), "context", c, 3)
+        q, k, v = ra.balance(q, ring, 3), ra.balance(k, ring, 2), ra.balance(v, ring, 2)
+        return ra.unbalance(ra.ring_attention(ring, q, k, v, None, drop), ring, 3)
 
     seq = P(None, None, None, "context")
     split = jax.shard_map(local, mesh=Mesh(np.array(jax.devices()[:c]), ("context",)),

@@ -56,8 +56,8 @@ def test_a_checkpoint_of_the_earlier_format_loads_and_resumes(saved, layout):
 
 
 PUBLIC = {
-    "xtrain": ["compile", "init", "Mesh", "Plan", "GradSync", "Precision", "LossScale", "shard", "plans",
-               "checkpoint", "observe", "Loader", "ShardedLoader", "Buckets", "Monitor", "optim", "Remat",
+    "xtrain": ["compile", "init", "Mesh", "Plan", "GradSync", "Precision", "LossScale", "ContextParallel", "shard",
+               "plans", "checkpoint", "observe", "Loader", "ShardedLoader", "Buckets", "Monitor", "optim", "Remat",
                "TrainStep", "sagemaker", "errors", "emulated_cluster"],
     "xtrain.errors": ["XtrainError", "PlanError", "MeshError", "OptionsError", "InputError", "BatchTypeError",
                       "BatchIndexError", "UnsupportedError", "UnsupportedOpError", "TraceError", "TopKTooLarge",

@@ -19,6 +19,7 @@ _LAZY = {
     "GradSync": ("xtrain.lowering.gradient_sync", "GradSync"),
     "Precision": ("xtrain.sharding.precision", "Precision"),
     "LossScale": ("xtrain.sharding.precision", "LossScale"),
+    "ContextParallel": ("xtrain.sharding.context_parallel", "ContextParallel"),
     "init": ("xtrain.runtime.devices", "init"),
     "emulated_cluster": ("xtrain.runtime.devices", "emulated_cluster"),
     "shard": ("xtrain.sharding.annotate", "shard"),

@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 from neuron_support import topology
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.errors import PlanError, UnsupportedError
+from xtrain.sharding.context_parallel import ContextParallel
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
@@ -52,6 +53,9 @@ class Candidate:
             the batch over data x expert; 1: none; not with a pipeline).
         context: context-parallel degree (mesh axis "context": the sequence split, ring
             attention; 1: none). With a pipeline, each stage rings its own layers' attention.
+        ulysses: how attention runs over `context` (Plan(context=...)): 1 a ring; `context`
+            Ulysses (all-to-all to a head split); a divisor between, Ulysses in groups of that
+            many devices and a ring over the groups (xtrain.ContextParallel(ulysses=...)).
         zero: ZeRO stage over "data".
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
@@ -79,9 +83,13 @@ class Candidate:
     offload: Offload = Offload.NONE
     expert: int = 1
     context: int = 1
+    ulysses: int = 1
 
     def __post_init__(self):
         self._check_offload()
+        if self.ulysses < 1 or self.context % self.ulysses:
+            raise PlanError(f"Candidate(context={self.context}, ulysses={self.ulysses}): the Ulysses group size "
+                            f"must divide the context degree; use one of {_divisors(self.context)}")
         if self.expert > 1 and self.pipe > 1:
             raise UnsupportedError(
                 f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
@@ -130,6 +138,8 @@ class Candidate:
         name = "x".join(parts) + (f" {self.schedule} m{self.microbatches}" if self.pipe > 1 else "")
         name += (f" zero{self.zero}" if self.zero else "") + (" remat" if self.remat else "")
         name += OFFLOAD_NAMES[self.offload]
+        if self.ulysses > 1:
+            name += " ulysses" + (f"{self.ulysses}" if self.ulysses < self.context else "")
         return name + (f" {self.precision}" if self.precision != "fp32" else "")
 
     def plan(self, tensor: TensorPlan | None = None, expert: ExpertPlan | None = None) -> Plan:
@@ -146,12 +156,13 @@ class Candidate:
             stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
 
     def _base_plan(self, tensor: TensorPlan | None) -> Plan:
-        base = Plan(precision=self.precision, offload=self.offload)
+        base = Plan(precision=self.precision, offload=self.offload, context=ContextParallel(self.ulysses))
         if self.tensor > 1:
             if tensor is None:
                 raise UnsupportedError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                        "which needs a torch.nn.Module")
-            base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload)
+            base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload,
+                                       context=base.context)
         return base
 
     def code(self) -> str:
@@ -160,6 +171,9 @@ class Candidate:
         options = [f"zero={self.zero}"] * bool(self.zero) + ["remat='full'"] * (self.remat and self.pipe == 1)
         options += [f"precision={self.precision!r}"] * (self.precision != "fp32")
         options += [f"offload={self.offload.value!r}"] * (self.offload is not Offload.NONE)
+        if self.ulysses > 1:
+            options.append("context='ulysses'" if self.ulysses == self.context
+                           else f"context=xtrain.ContextParallel(ulysses={self.ulysses})")
         lines = [f"mesh = xtrain.Mesh({', '.join(f'{a}={n}' for a, n in self.mesh.items())})"]
         if self.tensor > 1:
             lines.append("plan = xtrain.plans.megatron(model, mesh, example=batch)")
@@ -206,7 +220,7 @@ class Candidate:
 
     def simplicity(self) -> tuple:
         offloads = list(Offload).index(self.offload)  # none, then the optimizer state, then activations
-        return (self.pipe, self.tensor, self.expert, self.context, self.zero, offloads, self.remat,
+        return (self.pipe, self.tensor, self.expert, self.context, self.ulysses, self.zero, offloads, self.remat,
                 self.schedule != "gpipe", self.microbatches)
 
 
@@ -237,7 +251,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
                pipe_degrees: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
                schedules: Sequence[str] = SCHEDULES,
                offloads: Sequence[Offload] = (Offload.OPTIMIZER, Offload.ACTIVATIONS),
-               expert_degrees: Sequence[int] = (1,), context: Sequence[int] = (1,)) -> list[Candidate]:
+               expert_degrees: Sequence[int] = (1,), context: Sequence[int] = (1,),
+               ulysses: bool = True) -> list[Candidate]:
     """Every (pipe, tensor, zero, remat) point for `devices` devices; tensor degrees divide the
     devices of one instance (and, on Trainium, are replica-group sizes a node supports).
     Without a pipeline, also each of `offloads` where the profile knows its host link
@@ -247,7 +262,10 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
     add expert-parallel points without a pipeline; `context`: context-parallel degrees
-    (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`)."""
+    (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`);
+    without a pipeline each context degree also takes every Ulysses group size dividing it
+    (`ulysses`: Ulysses alone, hybrid Ulysses x ring; a size the heads cannot split is refused
+    when lowered, with the reason)."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
         raise PlanError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
@@ -258,7 +276,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
             for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * c * e) == 0):
                 points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,
                                  microbatches or (p, 2 * p, 4 * p), schedules, profile, offloads)
-                out += [dataclasses.replace(x, expert=e, context=c) for x in points]
+                out += [dataclasses.replace(x, expert=e, context=c, ulysses=u) for x in points
+                        for u in (_divisors(c) if ulysses and p == 1 else (1,))]
     return out
 
 

@@ -39,6 +39,7 @@ from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir.analysis import flops as ir_flops
 from xtrain.ir.analysis.flops import Flops
 from xtrain.lowering.report import Collective
+from xtrain.sharding.mesh import CONTEXT
 
 INTRA, INTER = "intra-node", "inter-node"
 _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
@@ -143,8 +144,19 @@ def compute_seconds(flops: Flops, profile: HardwareProfile) -> float:
     return matmul + ((flops.elementwise + flops.reduce) * ELEMENT_BYTES + flops.moved_bytes) / profile.hbm_bytes_per_s
 
 
+def hidden_context_seconds(c: Collective, seconds: float, cost: StepCost, profile: HardwareProfile) -> float:
+    """What of a collective over `context` alone runs under compute: ring attention passes the
+    next key/value chunk while the chunk in hand is attended to, and Ulysses' all-to-all of k or
+    v can run beside the projection of q. Credited as `profile.overlap` of the matmul time of the
+    compute that neither feeds nor consumes it (Collective.overlap_flops), at most all of it."""
+    if tuple(c.axes) != (CONTEXT,) or not c.overlap_flops:
+        return 0.0
+    return min(seconds, profile.overlap * c.overlap_flops / profile.matmul_flops_per_s(cost.flops.matmul_dtype))
+
+
 def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, float], float, float]:
-    """(seconds per link, seconds of data-parallel collectives, seconds of the others)."""
+    """(seconds per link, seconds of data-parallel collectives, exposed seconds of the others:
+    all of them but what context-parallel attention hides, `hidden_context_seconds`)."""
     per_link = {INTRA: 0.0, INTER: 0.0}
     data_parallel = other = 0.0
     for c in cost.collectives:
@@ -154,7 +166,7 @@ def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, f
         if set(c.axes) <= set(cost.data_axes):
             data_parallel += seconds
         else:
-            other += seconds
+            other += seconds - hidden_context_seconds(c, seconds, cost, profile)
     return per_link, data_parallel, other
 
 

@@ -65,7 +65,8 @@ def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collec
         name = str(eqn.primitive)
         if name in _KIND:
             axes = _axes(eqn.params)
-            n = math.prod(sizes[a] for a in axes)
+            groups = eqn.params.get("axis_index_groups")  # a grouped collective: its group's devices
+            n = len(groups[0]) if groups else math.prod(sizes[a] for a in axes)
             payload = _bytes([v.aval for v in eqn.invars])
             if _KIND[name] == "all-gather":
                 payload *= n

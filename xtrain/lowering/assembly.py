@@ -47,6 +47,7 @@ from xtrain.lowering.train_step import PLACEMENT_EVENT, TRACE_EVENT, StepConfig,
 from xtrain.sharding import layout as layout_mod
 from xtrain.sharding.experts import expert_parallel
 from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.plan import Plan
 from xtrain.sharding.remat import LayerRemat
 
@@ -197,6 +198,7 @@ def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
         check_remat_has_blocks(trainable.model, plan)
     target = target or (Target.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else Target())
     sizes = dict(mesh.shape)
+    _check_context(plan, sizes)
     traced = trainable.model.specialised(plan.trace_options(sizes, options.lowering))  # head split, kernels
     model = precision.apply_policy(traced, plan.precision)
     shapes = model.param_shapes()
@@ -206,6 +208,16 @@ def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
     layout = layout_mod.resolve(plan, sizes, shapes, optimized=trainable.optimized,
                                 lr_groups=trainable.lr_groups, scan_layers=scan)
     return plan, model, layout
+
+
+def _check_context(plan: Plan, sizes: dict[str, int]) -> None:
+    """Plan(context=...) asks for Ulysses: the mesh has a `context` axis its group size divides."""
+    if plan.context.ulysses == 1:
+        return
+    if sizes.get(CONTEXT, 1) == 1:
+        raise PlanError(f"Plan(context={plan.context.name!r}) runs attention over the mesh axis {CONTEXT!r}, which "
+                        f"this mesh ({sizes}) lacks; add it (e.g. Mesh(data=2, context=4)) or use context='ring'")
+    plan.context.degrees(sizes[CONTEXT])
 
 
 def relowered(built: BuiltStep, *, remat: LayerRemat | None) -> StepProgram:
@@ -240,7 +252,8 @@ def _config(trainable: Trainable, plan: Plan, options: AssemblyOptions, layout: 
     grad_tx = GradTransforms.of(options.step, trainable.lr_groups, plan.precision.loss_scale)
     return StepConfig(tx=trainable.tx, options=options.step, grad_tx=grad_tx,
                       sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                      remat=plan.layer_remat(), capacity_factor=plan.capacity_factor, regather=options.regather,
+                      remat=plan.layer_remat(), capacity_factor=plan.capacity_factor, context=plan.context,
+                      regather=options.regather,
                       fallback=plan.fallback_policy(),
                       offload_optimizer=layout.offload_optimizer)
 

@@ -57,11 +57,14 @@ def all_gather(x, axes: Sequence[str], dim: int, *, tiled: bool = True, invarian
     return gather(x, _name(axes), axis=dim, tiled=tiled)
 
 
-def all_to_all(x, axes: Sequence[str], dim: int, concat_dim: int | None = None):
+def all_to_all(x, axes: Sequence[str], dim: int, concat_dim: int | None = None,
+               groups: Sequence[Sequence[int]] | None = None):
     """Block i of `x`'s dimension `dim` (cut into one block per device of `axes`) sent to device
     i; the received blocks replace them in sender order (block j came from device j), or are
-    joined along `concat_dim` in that order."""
-    return lax.all_to_all(x, _name(axes), dim, dim if concat_dim is None else concat_dim, tiled=True)
+    joined along `concat_dim` in that order. `groups`: disjoint lists of device indices along
+    `axes` exchanging among themselves only (block i to the group's i-th device)."""
+    return lax.all_to_all(x, _name(axes), dim, dim if concat_dim is None else concat_dim, tiled=True,
+                          axis_index_groups=None if groups is None else [list(g) for g in groups])
 
 
 def permute(x, axis: str, pairs: Sequence[tuple[int, int]]):

@@ -17,6 +17,7 @@ import types
 from typing import Any, Callable, Iterator, Mapping
 
 from xtrain.lowering.findings import Record
+from xtrain.sharding.context_parallel import ContextParallel
 from xtrain.sharding.fallback import FallbackPolicy
 from xtrain.sharding.remat import LayerRemat
 
@@ -37,6 +38,7 @@ class LoweringOptions:
         regather: ZeRO-3's re-gather policy in each layer (zero.RegatherPolicy), or None.
         unroll: repeated blocks emitted one after another instead of as a layer scan.
         capacity_factor: MoE layers drop the pairs past each expert's capacity (Plan); None: drop-free.
+        context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
         fallback: where a split operand may reach a primitive without a rule and run replicated
             (Plan.fallback_policy(); elsewhere registry.fallback raises UnsupportedOpError).
         synced: parameters whose gradients the layer scan all-reduces inside the backward pass:
@@ -54,6 +56,7 @@ class LoweringOptions:
     regather: Callable | None = None
     unroll: bool = False
     capacity_factor: float | None = None
+    context: ContextParallel = ContextParallel()
     fallback: FallbackPolicy = FallbackPolicy()
     synced: Mapping = dataclasses.field(default_factory=dict)
     sync: Any = None
@@ -163,6 +166,10 @@ class Context:
     @property
     def capacity_factor(self):
         return self.options.capacity_factor
+
+    @property
+    def context(self) -> ContextParallel:
+        return self.options.context
 
     @property
     def fallback(self) -> FallbackPolicy:

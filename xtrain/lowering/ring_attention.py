@@ -11,6 +11,11 @@ log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise 
 Skipped steps: without balancing, a ring step whose key/value chunk the call's static band (a sliding
 window: Blocking.visible) hides from every device is not computed, and the chunks hop past it.
 
+Inside hybrid context parallelism (xtrain.sharding.context_parallel) the ring runs over the
+groups of `inner` neighbouring devices that Ulysses formed: ring position i is devices
+i x inner ... i x inner + inner - 1, and each device passes its chunk to the device of the same
+place in the next group.
+
 Load balance under a causal mask: the sequence is cut into 2c chunks and device i computes
 with chunks i and 2c-1-i (`balance` moves them there from the contiguous split, `unbalance`
 moves the output back), so every device does the same work at every step: at step 0 its own
@@ -40,12 +45,24 @@ class Ring:
 
     Attributes:
         call: the call's blocking over the whole sequence (scale, causal, block sizes).
-        axis, size: the context axis and its size.
+        axis: the context axis.
+        size: the ring's positions (the axis size, or under hybrid context parallelism the
+            number of Ulysses groups).
+        inner: devices per ring position (the Ulysses group size; 1: a plain ring).
     """
 
     call: bw.Blocking
     axis: str
     size: int
+    inner: int = 1
+
+    def position(self):
+        """This device's place on the ring."""
+        return lax.axis_index(self.axis) // self.inner if self.inner > 1 else lax.axis_index(self.axis)
+
+    def devices(self, pairs) -> list[tuple[int, int]]:
+        """(from, to) ring positions as (from, to) devices of the axis, each place in a group to its own."""
+        return [(a * self.inner + u, b * self.inner + u) for a, b in pairs for u in range(self.inner)]
 
     @property
     def chunk(self) -> int:
@@ -62,7 +79,7 @@ class Ring:
 
     def pairs(self, hop: int) -> list[tuple[int, int]]:
         """Each device sends to the one `hop` places further round the ring."""
-        return [(i, (i + hop) % self.size) for i in range(self.size)]
+        return self.devices([(i, (i + hop) % self.size) for i in range(self.size)])
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -217,7 +234,7 @@ def _pass(ring: Ring, hop: int, *xs):
 
 
 def _ring_forward(ring: Ring, q, k, v, mask, drop):
-    here, acc, held = lax.axis_index(ring.axis), None, 0
+    here, acc, held = ring.position(), None, 0
     for t in ring.steps:  # the key/value chunk of step t comes from t - held places back (skipped steps: one hop)
         k, v = (k, v) if t == held else _pass(ring, t - held, k, v)
         part = _step_forward(ring, t, here, (here - t) % ring.size, q, k, v, mask, drop)
@@ -241,7 +258,7 @@ def _ring_fwd(ring: Ring, q, k, v, mask, drop=None):
 
 def _ring_bwd(ring: Ring, res, d_out):
     q, k, v, mask, drop, out, lse = res
-    here = lax.axis_index(ring.axis)
+    here = ring.position()
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     held = 0
@@ -269,13 +286,13 @@ def _moves(c: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
     return moves
 
 
-def _exchange(x, axis: str, moves, dim: int):
+def _exchange(x, ring: Ring, moves, dim: int):
     halves = jnp.split(x, 2, axis=dim)
-    here, out = lax.axis_index(axis), [None, None]
+    here, out = ring.position(), [None, None]
     for (src, dst), pairs in moves.items():
         stay = [a for a, b in pairs if a == b]
         away = [(a, b) for a, b in pairs if a != b]
-        parts = [collectives.permute(halves[src], axis, away)] if away else []
+        parts = [collectives.permute(halves[src], ring.axis, ring.devices(away))] if away else []
         if stay:
             parts.append(jnp.where(jnp.isin(here, jnp.array(stay)), halves[src], jnp.zeros_like(halves[src])))
         for p in parts:
@@ -283,12 +300,12 @@ def _exchange(x, axis: str, moves, dim: int):
     return jnp.concatenate(out, axis=dim)
 
 
-def balance(x, axis: str, c: int, dim: int):
-    """This device's contiguous slice of the sequence (dim `dim`) -> its chunks i and 2c-1-i."""
-    return _exchange(x, axis, _moves(c), dim)
+def balance(x, ring: Ring, dim: int):
+    """This ring position's contiguous slice of the sequence (dim `dim`) -> its chunks i and 2c-1-i."""
+    return _exchange(x, ring, _moves(ring.size), dim)
 
 
-def unbalance(x, axis: str, c: int, dim: int):
+def unbalance(x, ring: Ring, dim: int):
     """The inverse of `balance`."""
-    inverse = {(dst, src): [(b, a) for a, b in pairs] for (src, dst), pairs in _moves(c).items()}
-    return _exchange(x, axis, inverse, dim)
+    inverse = {(dst, src): [(b, a) for a, b in pairs] for (src, dst), pairs in _moves(ring.size).items()}
+    return _exchange(x, ring, inverse, dim)

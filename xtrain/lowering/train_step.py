@@ -34,6 +34,7 @@ from xtrain.lowering.gradient_sync import GradSync
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.zero import Update
+from xtrain.sharding.context_parallel import ContextParallel
 from xtrain.sharding.fallback import FallbackPolicy
 from xtrain.sharding.plan import Spec
 from xtrain.sharding.remat import LayerRemat
@@ -57,6 +58,7 @@ class StepConfig:
         offload_optimizer: the optimizer state arrives in host memory and goes back there
             (xtrain.lowering.offload).
         capacity_factor: MoE layers' expert capacity (Plan.capacity_factor); None: drop-free.
+        context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
         fallback: where an op without a partition rule may run replicated (Plan.fallback_policy()).
     """
 
@@ -68,6 +70,7 @@ class StepConfig:
     regather: bool = True
     offload_optimizer: bool = False
     capacity_factor: float | None = None
+    context: ContextParallel = ContextParallel()
     fallback: FallbackPolicy = FallbackPolicy()
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from xtrain.errors import PlanError
 from xtrain.ir.trace_options import TraceOptions
+from xtrain.sharding.context_parallel import ContextParallel
 from xtrain.sharding.fallback import Fallback, FallbackPolicy
 from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.offload import Offload
@@ -94,6 +95,10 @@ class Plan:
             cost model show and charge the gathers).
         fallback_modules: fnmatch patterns over module paths where "replicate" is allowed while
             the plan's `fallback` stays "error", e.g. ("model.fft_mixer",).
+        context: how attention runs over a sequence split along the mesh axis `context`
+            (xtrain.sharding.context_parallel): "ring" (default), "ulysses" (all-to-all to a
+            head split) or `xtrain.ContextParallel(ulysses=U)` (Ulysses in groups of U, a ring
+            over the groups).
         trace: how the front end traces the model for this plan (xtrain.ir.trace_options):
             Megatron's head split and sequence-parallel blocks (`xtrain.plans.megatron` sets
             them). Default: as torch computes it.
@@ -113,6 +118,7 @@ class Plan:
     capacity_factor: float | None = None
     fallback: Fallback | str = "error"
     fallback_modules: tuple[str, ...] = ()
+    context: ContextParallel | str = "ring"
     trace: TraceOptions = TraceOptions()
 
     def with_pipeline(self, stages: int, microbatches: int, schedule: str = "1f1b",
@@ -125,6 +131,7 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision.of(self.precision))
         object.__setattr__(self, "offload", Offload.of(self.offload))
+        object.__setattr__(self, "context", ContextParallel.of(self.context))
         self._check_remat()
         self._check_fallback()
         if self.zero not in (0, 1, 2, 3):

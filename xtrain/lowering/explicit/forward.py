@@ -71,7 +71,7 @@ class Program:
 
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
-        self.capacity_factor = config.capacity_factor
+        self.capacity_factor, self.context = config.capacity_factor, config.context
         self.fallback = config.fallback
         self.sync = config.sync
         self.in_layer: dict[str, tuple[str, ...]] = {}  # name -> axes: may be all-reduced inside the layer scan
@@ -96,8 +96,8 @@ class Program:
         return LoweringOptions(sizes=dict(self.mesh.shape), module_paths=self.model.module_paths(),
                                batch_axes=self.layout.batch_axes, remat=self.remat if training else None,
                                regather=self.regather if training else None, unroll=not self.layout.scan_layers,
-                               capacity_factor=self.capacity_factor, fallback=self.fallback, synced=synced,
-                               sync=self.sync)
+                               capacity_factor=self.capacity_factor, context=self.context, fallback=self.fallback,
+                               synced=synced, sync=self.sync)
 
     def forward(self, training: bool, global_args) -> Forward:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and

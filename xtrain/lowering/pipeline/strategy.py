@@ -152,7 +152,7 @@ class PipelineStrategy:
                  pipeline: Pipeline):
         check(config, layout)
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
-        self.fallback = config.fallback
+        self.fallback, self.context = config.fallback, config.context
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
         self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
@@ -180,7 +180,7 @@ class PipelineStrategy:
         program = self.program
         closed, cut, args = program.trace(training, shapes)
         ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes,
-                         fallback=self.fallback)
+                         fallback=self.fallback, context=self.context)
         return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax import lax
+
 from xtrain.errors import UnsupportedError
 from xtrain.ir import markers
 from xtrain.ir.kernels import attention_dropout as dropout_mask
@@ -27,6 +29,7 @@ from xtrain.ir.kernels import blockwise
 from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
+from xtrain.lowering import ulysses_attention as us
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.registry import bind, register, wrap
 from xtrain.lowering.context import Context
@@ -125,12 +128,53 @@ def _check_not_gathered(ctx: Context, ring, args) -> None:
         f"name the op")
 
 
-def _lead_index(ctx: Context, q: Sharded):
-    """The flat global index of each of this device's leading (batch..., Hk, G) positions of q,
-    which places its attention dropout mask (xtrain.ir.kernels.attention_dropout)."""
-    local, lead = q.value.shape[:-2], q.layout.dims[:-2]
-    offsets = [collectives.axis_offset(ctx.sizes, axes) * n for axes, n in zip(lead, local)]
-    return dropout_mask.flat_index(local, offsets, q.shape[:-2])
+def _lead_offsets(ctx: Context, q: Sharded) -> list:
+    """Where this device's leading (batch..., Hk, G) positions of q start in the whole call."""
+    return [collectives.axis_offset(ctx.sizes, axes) * n for axes, n in zip(q.layout.dims[:-2], q.value.shape[:-2])]
+
+
+def _lead_index(ctx: Context, q: Sharded, heads: us.Ulysses | None = None, lead: tuple | None = None):
+    """The flat global index of each of this device's leading (batch..., Hk, G) positions of q
+    (`lead`: their shape after Ulysses' all-to-all), which places its attention dropout mask
+    (xtrain.ir.kernels.attention_dropout)."""
+    if heads is not None:
+        return heads.lead_index(lead, _lead_offsets(ctx, q), q.shape[:-2])
+    return dropout_mask.flat_index(q.value.shape[:-2], _lead_offsets(ctx, q), q.shape[:-2])
+
+
+def _ulysses(ctx: Context, ring: ra.Ring, q: Sharded, mask):
+    """The head split of this call (None: a ring alone) and the mask's rows of the Ulysses
+    group's sequence chunk (a mask must be the same for every head)."""
+    if ring.inner == 1:
+        return None, None if mask is None else mask.value
+    where, n = ctx.path or "<top level>", q.ndim
+    heads = us.Ulysses(CONTEXT, ring.inner, ring.size, heads=q.value.shape[n - 4], group=q.value.shape[n - 3])
+    heads.check(where, q.shape[n - 4] * q.shape[n - 3])
+    if mask is None:
+        return heads, None
+    if any(mask.shape[d] > 1 for d in (n - 4, n - 3)):
+        raise UnsupportedError(f"attention in {where!r}: a mask (or bias) of shape {mask.shape} differs per head; "
+                               f"Ulysses splits the heads over {CONTEXT!r}. Use Plan(context='ring')")
+    whole = C.relayout(ctx, mask, Layout(mask.layout.dims[:n - 2] + ((), ()))).value
+    if mask.shape[n - 2] == 1:
+        return heads, whole
+    rows = ring.call.length // ring.size  # the group's chunk of the sequence
+    return heads, lax.dynamic_slice_in_dim(whole, ring.position() * rows, rows, axis=n - 2)
+
+
+def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int) -> None:
+    where, causal = ctx.path or "<top level>", ring.call.causal
+    skipped = ring.size - len(ring.steps)
+    ring_text = (f"ring attention over {CONTEXT!r}={c}" if heads is None else
+                 f"Ulysses in groups of {ring.inner} x ring attention over {ring.size} groups on {CONTEXT!r}={c}")
+    if heads is not None and ring.size == 1:
+        kv = heads.heads * heads.repeat // heads.size
+        ctx.note(f"attention in {where!r}: Ulysses over {CONTEXT!r}={c} (all-to-all to a head split; {kv} key/value "
+                 f"head{'s' if kv > 1 else ''} per device" + (", repeated" if heads.repeat > 1 else "") + ")")
+        return
+    ctx.note(f"attention in {where!r}: {ring_text}" + (" (causal, load-balanced chunks)" if causal else "")
+             + (f" ({skipped} of {ring.size} ring steps skipped: the mask's static band hides their chunks)"
+                if skipped else ""))
 
 
 def context_attention(ctx: Context, eqn, args):
@@ -142,7 +186,9 @@ def context_attention(ctx: Context, eqn, args):
         return None
     if b.causal and len(args) > (4 if b.dropout else 3):
         b = dataclasses.replace(b, causal=False)  # a mask with the causal flag (calls sharing one structure): exact alone
-    ring = ra.Ring(b, CONTEXT, ctx.sizes[CONTEXT])
+    c = ctx.sizes[CONTEXT]
+    ulysses, rings = ctx.context.degrees(c)
+    ring = ra.Ring(b, CONTEXT, rings, inner=ulysses)
     if not _splits_sequence(args):
         _check_not_gathered(ctx, ring, args)
         return None
@@ -152,17 +198,18 @@ def context_attention(ctx: Context, eqn, args):
     mask = args[3] if len(args) > 3 else None
     tq, tk, tm = _targets(args[0], mask)
     q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
-    m = None if mask is None else C.relayout(ctx, mask, tm).value
-    drop = None if key is None else (C.relayout(ctx, key, Layout.replicated(key.ndim)).value, _lead_index(ctx, q))
-    dim, c = q.ndim - 2, ring.size
-    if b.causal:
-        qv, kv, vv = (ra.balance(x.value, CONTEXT, c, dim if x is q else dim - 1) for x in (q, k, v))
-        out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), CONTEXT, c, dim)
+    heads, m = _ulysses(ctx, ring, q, None if mask is None else C.relayout(ctx, mask, tm))
+    qv, kv, vv = (q.value, k.value, v.value) if heads is None else (
+        heads.queries(q.value), heads.keys(k.value), heads.keys(v.value))
+    if key is not None:
+        drop = (C.relayout(ctx, key, Layout.replicated(key.ndim)).value, _lead_index(ctx, q, heads, qv.shape[:-2]))
     else:
-        out = ra.ring_attention(ring, q.value, k.value, v.value, m, drop)
-    skipped = c - len(ring.steps)
-    ctx.note(f"attention in {ctx.path or '<top level>'!r}: ring attention over {CONTEXT!r}={c}"
-             + (" (causal, load-balanced chunks)" if b.causal else "")
-             + (f" ({skipped} of {c} ring steps skipped: the mask's static band hides their chunks)"
-                if skipped else ""))
-    return wrap(eqn, [out], [tq])
+        drop = None
+    dim = q.ndim - 2
+    if b.causal and ring.size > 1:
+        qv, kv, vv = (ra.balance(x, ring, dim if x is qv else dim - 1) for x in (qv, kv, vv))
+        out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), ring, dim)
+    else:
+        out = ra.ring_attention(ring, qv, kv, vv, m, drop)
+    _note(ctx, ring, heads, c)
+    return wrap(eqn, [out if heads is None else heads.output(out)], [tq])
