@@ -240,7 +240,9 @@ def test_trn1_picks_a_sharded_plan_when_one_core_cannot_hold_the_model():
     # need a model too large to build here): no recomputation can save DDP, a sharded plan fits.
     # A short batch (one 8-token sequence per device) makes the state, not activations, the bulk.
     # ZeRO, tensor parallelism and pipeline stages each split the state; replicated, it cannot fit.
-    ddp = next(r for r in trn1_search(batch=2, seq=8).rows if r.candidate.name == "dp2").cost.memory
+    model, wrapped, tx = wrapped_gpt(d=64, layers=2, vocab=64, seq=32)
+    ddp = search.evaluate(wrapped, tx, describe(model), search.Candidate(data=2), host_batch(2, 8),
+                          hardware.profile("trn1.2xlarge")).cost.memory
     limit = int(0.95 * (ddp.parameters + ddp.gradients + ddp.optimizer))
     result = trn1_search(memory=limit, batch=2, seq=8)
     best = result.best.candidate

@@ -41,10 +41,14 @@ def gpt_batch(rows=8):
 
 
 @functools.cache
-def gpt_search(memory=None):
+def gpt_search(memory=None, family=None):
+    """The default search (`family`: only the candidates whose names start so, and the plain
+    data-parallel ones)."""
     model, net, tx = wrapped()
     profile = PROFILE.with_memory(memory) if memory else PROFILE
-    return search.search(net, tx, gpt_batch(), profile, DEVICES, structure=describe(model))
+    listed = None if family is None else [r.candidate for r in gpt_search().rows
+                                          if r.candidate.name.startswith((family, "dp4"))]
+    return search.search(net, tx, gpt_batch(), profile, DEVICES, structure=describe(model), candidate_list=listed)
 
 
 def rows_by_name(result):
@@ -147,7 +151,7 @@ def test_short_memory_lowers_1f1b_and_never_picks_what_does_not_fit():
     base = rows_by_name(gpt_search())
     gpipe = base["dp2xpp2 gpipe m2"].prediction.memory_bytes
     limit = gpipe - 1                                             # GPipe m2 no longer fits
-    result = gpt_search(memory=limit)
+    result = gpt_search(memory=limit, family="dp2xpp2 ")          # its pipeline family and data parallel
     rows = rows_by_name(result)
     assert not rows["dp2xpp2 gpipe m2"].prediction.fits
     one_f = rows["dp2xpp2 1f1b m2"].prediction                    # short of memory: 1F1B is lowered

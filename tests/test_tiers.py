@@ -53,10 +53,23 @@ def _probe_dir(tmp_path: Path, source: str) -> Path:
     return tmp_path
 
 
-def test_the_unit_tier_holds_enough_tests_to_be_the_fast_loop():
-    out = _pytest("--collect-only", "-q", "-m", "unit", str(TESTS), cwd=TESTS.parent)
+def _collection(session) -> tuple[int, list[str]]:
+    """(tests `-m unit` selects, test ids in collection order): this session's own collection when
+    it holds the whole suite (the README's command: every module, nothing deselected), else a
+    second pytest's --collect-only of the suite."""
+    items, option = session.items, session.config.option
+    if {p.name for p in TESTS.glob("test_*.py")} <= {i.path.name for i in items} and not (option.keyword
+                                                                                         or option.markexpr):
+        return sum(1 for i in items if i.get_closest_marker("unit")), [i.nodeid for i in items]
+    out = _pytest("--collect-only", "-q", str(TESTS), cwd=TESTS.parent)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    selected = int(re.search(r"(\d+)(?:/\d+)? tests? collected", out.stdout).group(1))
+    unit = _pytest("--collect-only", "-q", "-m", "unit", str(TESTS), cwd=TESTS.parent)
+    selected = int(re.search(r"(\d+)(?:/\d+)? tests? collected", unit.stdout).group(1))
+    return selected, [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_the_unit_tier_holds_enough_tests_to_be_the_fast_loop(request):
+    selected, ids = _collection(request.session)
     assert selected >= MIN_UNIT_TESTS, f"-m unit selects {selected} tests, fewer than {MIN_UNIT_TESTS}"
     # conftest.LONGEST_FIRST names modules that exist (a renamed one would silently lose its place),
     # and those collected come first, in that order
@@ -64,8 +77,7 @@ def test_the_unit_tier_holds_enough_tests_to_be_the_fast_loop():
 
     assert all((TESTS / name).is_file() for name in LONGEST_FIRST), [n for n in LONGEST_FIRST
                                                                    if not (TESTS / n).is_file()]
-    modules = list(dict.fromkeys(line.split("::")[0].rsplit("/", 1)[-1] for line in out.stdout.splitlines()
-                                 if "::" in line))
+    modules = list(dict.fromkeys(i.split("::")[0].rsplit("/", 1)[-1] for i in ids))
     listed = [m for m in LONGEST_FIRST if m in modules]
     assert listed and modules[:len(listed)] == listed, modules[:20]
 
