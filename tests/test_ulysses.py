@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import xtrain
+from xtrain import plans
 from xtrain.cost import hardware, search
 from xtrain.cost.candidates import Candidate
 from xtrain.errors import PlanError
@@ -113,6 +114,27 @@ def test_hybrid_ulysses_in_pairs_and_a_ring_of_four_trains_like_torch(name):
         assert ring_permutes(step, PATH) == 2 * 1 + 4 * 1 + 2
         notes = [ring + "(2 of 4 ring steps skipped: the mask's static band hides their chunks)"]
     assert [n for n in step.report().notes if "Ulysses" in n] == notes
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("where", ["tensor", "pipeline"])
+def test_ulysses_composes_with_tensor_parallel_and_runs_inside_pipeline_stages(where):
+    """Megatron heads over `tensor` (1 key/value head per device, repeated for the 2 devices of
+    `context`), and a 2-stage pipeline whose stages each run their layer's attention as Ulysses."""
+    if where == "tensor":
+        mesh, layers = xtrain.Mesh(data=2, context=2, tensor=2), 1
+        plan = lambda m, mesh: dataclasses.replace(plans.megatron(m, mesh), context="ulysses")
+    else:
+        candidate = Candidate(data=2, pipe=2, context=2, microbatches=2)
+        mesh, layers = xtrain.Mesh(**candidate.mesh), 2
+        plan = lambda m, mesh: dataclasses.replace(candidate.plan(), context="ulysses")
+    result, step = train("llama", False, mesh, 128, plan=plan, layers=layers)
+    assert_parity(result)
+    repeated = ", repeated" if where == "tensor" else ""
+    assert [n for n in step.report().notes if "Ulysses" in n] == [
+        f"attention in {PATH!r}: Ulysses over 'context'=2 (all-to-all to a head split; 1 key/value head per "
+        f"device{repeated})"]
+    assert len(attention_all_to_alls(step, PATH)) >= 8
 
 
 @pytest.mark.e2e
