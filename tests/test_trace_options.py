@@ -78,7 +78,11 @@ def test_trace_options_are_printable_plain_data():
     assert str(trace) == ("query heads split 2 ways (keys/values repeated where that cuts GQA groups); sequence "
                           "parallel ('data', 'tensor', None) at the inputs and outputs of 2 blocks")
     plan = Plan(trace=trace)
+    ring = "the sequence is split over 'context' (ring attention runs the blockwise kernel)"
     assert plan.trace_options(dict(data=4, context=2), "explicit") == dataclasses.replace(
-        trace, no_nki="the sequence is split over 'context' (ring attention runs the blockwise kernel)")
+        trace, no_nki=ring, no_cudnn=ring)
+    ulysses = dataclasses.replace(plan, context="ulysses").trace_options(dict(data=4, context=2), "explicit")
+    assert ulysses == dataclasses.replace(trace, no_nki=ring, ulysses=2)  # cuDNN sees whole sequences
+    assert "heads split 2 ways over 'context' (Ulysses)" in str(ulysses)
     assert plan.trace_options(dict(data=8), "xla").no_nki.startswith("lowering='xla'")
     assert plan.trace_options(dict(data=8), "explicit") == trace

@@ -6,6 +6,7 @@ repeated), padded GPT-2, attention dropout drawing data parallel's masks, and cl
 import copy
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -18,9 +19,11 @@ from xtrain.cost.candidates import Candidate
 from xtrain.errors import PlanError
 from xtrain.frontend.structure import describe
 from xtrain.frontend.torch_module import wrap
+from xtrain.ir import attention as markers
 from xtrain.step import host_batch
 from xtrain.testing import ParityResult, assert_parity, torch_reference
 from test_context_parallel import SEQ, reference, train
+from test_cudnn_attention import on_cuda  # noqa: F401 (a fixture; the module lowers cuDNN's primitives on CPU)
 from test_long_sequence import VOCAB, adamw, batches, llama, lm_loss, padded_loss
 
 BYTES = 4  # fp32
@@ -286,3 +289,50 @@ def test_context_collectives_hide_under_the_compute_beside_them():
     assert hidden_context_seconds(ring, 1e-4, cost, profile) == 1e-4
     tensor = dataclasses.replace(ring, axes=("tensor",))
     assert hidden_context_seconds(tensor, 1.0, cost, profile) == 0.0
+
+
+# -- cuDNN's fused kernel: whole sequences under Ulysses, never under the ring ----------------------
+
+@pytest.mark.e2e
+def test_on_cuda_the_ring_runs_the_blockwise_kernel_and_ulysses_runs_cudnn(on_cuda):
+    """On CUDA (its backend stood in on CPU), bf16: with the sequence split over `context` the
+    ring needs the blockwise kernel (cuDNN would take the whole sequence: a silent gather), and
+    the site says why; under Ulysses each device runs cuDNN on whole sequences of its head block
+    (q, k, v, out moved by all-to-alls), and no all-gather over `context` serves the attention."""
+    from test_cudnn_attention import _llama
+    from test_hf_models import lm_batches, lm_loss
+
+    batch = lm_batches(n=1)[0]
+    for context, kind in (("ring", markers.Implementation.BLOCKWISE), ("ulysses", markers.Implementation.CUDNN)):
+        model = _llama(4, torch.bfloat16)
+        step = xtrain.compile(model, xtrain.Mesh(data=2, context=4), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              plan=xtrain.Plan(context=context), loss_fn=lm_loss)
+        sites = markers.sites(step.program(*batch).jaxpr, step.model.module_paths())
+        assert {s.implementation for s in sites.values()} == {kind}, sites
+        if context == "ring":
+            assert all("the sequence is split over 'context' (ring attention" in s.why for s in sites.values())
+            continue
+        found = step.report(*batch).collectives
+        inside = [c for c in found if "self_attn" in c.source and "context" in c.axes]
+        assert sum(c.kind == "all-to-all" for c in inside) >= 8 and not [c for c in inside if c.kind == "all-gather"]
+        assert any("around cuDNN's fused kernel" in n for n in step.report(*batch).notes)
+
+
+@pytest.mark.e2e
+def test_cudnn_under_ulysses_trains_like_torch(on_cuda, monkeypatch):
+    """The parity standard through the stand-in kernels (fp32): data=2 x context=4, each device
+    lowers them on 4 samples' whole 16 tokens and one of the 4 heads."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    from test_cudnn_attention import LOWERED, _llama
+    from test_hf_models import lm_batches, lm_loss
+    from xtrain.frontend import sdpa
+    from xtrain.testing import run_parity
+
+    monkeypatch.setattr(sdpa, "_CUDNN_DTYPES", (jnp.float32,))
+    monkeypatch.setattr(cudnn, "check_layout", lambda *a, **kw: None)
+    model = _llama(4, torch.float32)
+    LOWERED.clear()
+    result = run_parity(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), lm_batches(batch=8),
+                        xtrain.Mesh(data=2, context=4), plan=xtrain.Plan(context="ulysses"), loss_fn=lm_loss)
+    assert set(LOWERED) == {(4, 16, 1, 8)}, LOWERED
+    assert_parity(result)

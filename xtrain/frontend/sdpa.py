@@ -117,10 +117,21 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
         (dropout_p > 0, "dropout"),
         (dim % 8 or dim > 128 or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]}"),
         (attn_mask is not None, "an attention mask (xtrain hands cuDNN causal or unmasked attention)"),
+        (bool(_OPTIONS.get().no_cudnn), _OPTIONS.get().no_cudnn),
+        (query.ndim == 4 and not _ulysses_splits(query.shape[-3], value.shape[-3], _OPTIONS.get()),
+         f"{query.shape[-3]} query / {value.shape[-3]} key-value heads do not split over Ulysses' "
+         f"{_OPTIONS.get().ulysses} devices (the blockwise kernel repeats key/value heads)"),
     ) if bad]
     if reasons:
         return Implementation.BLOCKWISE, "not cuDNN: " + ", ".join(reasons)
     return Implementation.CUDNN, ""
+
+
+def _ulysses_splits(query_heads: int, kv_heads: int, options: TraceOptions) -> bool:
+    """Whether a fused kernel's heads split over Ulysses' devices (after the tensor-parallel
+    head split) as they are, with no key/value head repeated."""
+    n = options.ulysses * options.head_split
+    return options.ulysses == 1 or (query_heads % n == 0 and kv_heads % n == 0)
 
 
 def _choose_on_neuron(query, value, attn_mask, dropout_p: float) -> tuple[Implementation, str]:

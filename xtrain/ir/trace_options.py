@@ -45,11 +45,17 @@ class TraceOptions:
             per query head (xtrain.frontend.sdpa), so each device's split stays local.
         sequence_parallel: blocks whose inputs and outputs are split over the sequence, or None.
         no_nki: why attention must not use Neuron's NKI kernels ("" when it may).
+        no_cudnn: why attention must not use cuDNN's fused kernel on CUDA ("" when it may).
+        ulysses: the devices a sequence split over `context` is turned into a head split over
+            for attention (Plan(context="ulysses")): a fused kernel sees whole sequences, and
+            its query and key/value heads must split over them (1: no Ulysses).
     """
 
     head_split: int = 1
     sequence_parallel: SequenceParallel | None = None
     no_nki: str = ""
+    no_cudnn: str = ""
+    ulysses: int = 1
 
     def __post_init__(self):
         if not isinstance(self.head_split, int) or self.head_split < 1:
@@ -69,4 +75,8 @@ class TraceOptions:
             parts.append(f"sequence parallel {sp.spec} at the inputs and outputs of {len(sp.blocks)} blocks")
         if self.no_nki:
             parts.append(f"no NKI kernels: {self.no_nki}")
+        if self.no_cudnn:
+            parts.append(f"no cuDNN attention: {self.no_cudnn}")
+        if self.ulysses != 1:
+            parts.append(f"attention over whole sequences, heads split {self.ulysses} ways over 'context' (Ulysses)")
         return "; ".join(parts)

@@ -208,8 +208,15 @@ class Plan:
 
     def trace_options(self, mesh_axes: Mapping[str, int], lowering: str) -> TraceOptions:
         """The trace options of a step of this plan on a mesh of `mesh_axes` lowered by
-        `lowering`: the plan's own, plus why the NKI kernels are ruled out there."""
-        return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering))
+        `lowering`: the plan's own, plus why the fused kernels are ruled out there. Under
+        Ulysses over the whole `context` axis cuDNN sees whole sequences and may run."""
+        context = mesh_axes.get(CONTEXT, 1)
+        ulysses = self.context.degrees(context)[0] if context > 1 else 1
+        whole = context > 1 and ulysses == context
+        no_cudnn = "" if context == 1 or whole else \
+            f"the sequence is split over {CONTEXT!r} (ring attention runs the blockwise kernel)"
+        return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering), no_cudnn=no_cudnn,
+                                   ulysses=ulysses if whole else 1)
 
     def check_batch(self, mesh_axes: Mapping[str, int]) -> None:
         """Fails when `batch` names an axis the mesh lacks (or one twice)."""

@@ -56,9 +56,25 @@ def _heads(ctx: Context, args: list[Sharded]) -> tuple:
     return heads if all(a.shape[2] == 1 or a.shape[2] % n == 0 for a in args if a.ndim == 4) else ()
 
 
+def _to_heads(ctx: Context, x: Sharded) -> Sharded:
+    """Ulysses (Plan(context="ulysses")): a (B, T, N, H) operand or (B, N, T) statistics whose
+    sequence is split over `context` moved to a head split by one all-to-all."""
+    seq, heads = (1, 2) if x.ndim == 4 else (2, 1)
+    if x.ndim not in (3, 4) or CONTEXT not in x.layout.dims[seq]:
+        return x
+    if x.layout.dims[seq][-1] != CONTEXT or ctx.context.degrees(ctx.sizes[CONTEXT])[1] != 1:
+        raise UnsupportedError(f"cuDNN attention in {ctx.path or '<top level>'!r}: its sequence is split over "
+                               f"{x.layout.dims[seq]}; the fused kernel takes whole sequences (Plan(context='ulysses') "
+                               f"over the whole {CONTEXT!r} axis)")
+    return C.move_split(ctx, x, seq, heads, (CONTEXT,))
+
+
 def fused_attention(ctx: Context, eqn, args):
-    """cuDNN attention on each device's batch / head shard (the query's; other operands moved to it)."""
-    args = C.resolve_all(ctx, args)
+    """cuDNN attention on each device's batch / head shard (the query's; other operands moved to it).
+    Under Ulysses the sequence split over `context` becomes a head split around the kernel (one
+    all-to-all per operand and per (B, T, N, H) result, which goes back to the sequence split)."""
+    args = [_to_heads(ctx, a) for a in C.resolve_all(ctx, args)]
+    ulysses = any(CONTEXT in a.layout.dims[2] for a in args[:1] if a.ndim == 4)
     batch, heads = tuple(args[0].layout.dims[0]), _heads(ctx, args)
     args = [C.relayout(ctx, a, _target(a.shape, batch, heads)) for a in args]
     outs = bind(ctx, eqn, [a.value for a in args])
@@ -66,7 +82,12 @@ def fused_attention(ctx: Context, eqn, args):
     if eqn.primitive.name == "dot_product_attention_bwd_wrapper":  # dk, dv of one key/value head (multi-query)
         layouts[1:3] = [l.with_partial(heads) if v.aval.shape[2] == 1 else l  # sum over the query heads' devices
                         for l, v in zip(layouts[1:3], eqn.outvars[1:3])]
-    return wrap(eqn, outs, layouts)
+    results = [C.Sharded(o, l, tuple(v.aval.shape), v.aval.dtype) for o, l, v in zip(outs, layouts, eqn.outvars)]
+    if ulysses:
+        results = [C.move_split(ctx, r, 2, 1, (CONTEXT,)) if r.ndim == 4 else r for r in results]
+        ctx.note(f"attention in {ctx.path or '<top level>'!r}: Ulysses over {CONTEXT!r}={ctx.sizes[CONTEXT]} "
+                 "(all-to-all to a head split) around cuDNN's fused kernel")
+    return wrap(eqn, [r.value for r in results], [r.layout for r in results])
 
 
 register(fused_attention, "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper")
