@@ -204,6 +204,30 @@ def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
     with pytest.raises(UnsupportedError, match=r"Plan\(capacity_factor=1.0\) drops MoE pairs in the explicit lowering"):
         xtrain.compile(m, xtrain.Mesh(data=8), optimizer=make_opt(m.parameters()), loss_fn=loss_fn, plan=capped,
                        lowering="xla")(*batches[0])
-    with pytest.raises(UnsupportedError, match=r"Plan\(capacity_factor=1.0\) is not applied by the pipeline step"):
-        xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
-                       plan=capped.with_pipeline(stages=2, microbatches=2))(*batches[0])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_capacity_factor_inside_pipeline_stages_drops_what_data_parallel_drops(schedule):
+    """Qwen3-MoE, Plan(capacity_factor=1.0) on 2 stages x 2 microbatches (GPipe over data=4;
+    1F1B with expert parallel inside the stages, data=2 x expert=2): each device routes a
+    microbatch of 1 of the 16 rows, as each device of the plan without a pipeline (data=8;
+    data=4 x expert=2) routes its row, so the same pairs are dropped: the dropped counts, losses
+    and parameters of 4 steps are that plan's (parity standard)."""
+    from xtrain.testing import ParityResult, assert_parity
+
+    model, make_opt, loss_fn, batches, _ = case("qwen3_moe")
+    flat, piped = {"gpipe": (dict(data=8), dict(pipe=2, data=4)),
+                   "1f1b": (dict(data=4, expert=2), dict(pipe=2, data=2, expert=2))}[schedule]
+    runs = []
+    for sizes, pipeline in ((flat, False), (piped, True)):
+        m = copy.deepcopy(model)
+        plan = xtrain.Plan(capacity_factor=1.0)
+        step = xtrain.compile(m, xtrain.Mesh(**sizes), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                              plan=plan.with_pipeline(2, 2, schedule=schedule) if pipeline else plan)
+        outs = [step(*b) for b in batches]
+        runs.append(([o["loss"] for o in outs], step.state_dict(),
+                     [{p: int(c) for p, c in o["expert_dropped"].items()} for o in outs]))
+    (want, want_state, want_dropped), (got, got_state, dropped) = runs
+    assert dropped == want_dropped and sum(dropped[0].values()) > 0, (dropped, want_dropped)
+    assert_parity(ParityResult(got, want, got_state, want_state, 5e-5))

@@ -140,9 +140,6 @@ def check(config: StepConfig, layout: StateLayout) -> None:
     if layout.zero > 1:
         raise UnsupportedError(f"pipeline parallelism supports ZeRO stage 0 or 1 (got Plan(zero={layout.zero})): "
                                "its gradients are accumulated over microbatches before the data-parallel reduction")
-    if config.capacity_factor is not None:
-        raise UnsupportedError(f"Plan(capacity_factor={config.capacity_factor}) is not applied by the pipeline "
-                               "step; use capacity_factor=None (drop-free MoE layers) with a pipeline")
 
 
 class PipelineStrategy:
@@ -152,7 +149,7 @@ class PipelineStrategy:
                  pipeline: Pipeline):
         check(config, layout)
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
-        self.fallback, self.context = config.fallback, config.context
+        self.fallback, self.context, self.capacity_factor = config.fallback, config.context, config.capacity_factor
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
         self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
@@ -180,7 +177,7 @@ class PipelineStrategy:
         program = self.program
         closed, cut, args = program.trace(training, shapes)
         ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes,
-                         fallback=self.fallback, context=self.context)
+                         fallback=self.fallback, context=self.context, capacity_factor=self.capacity_factor)
         return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):
