@@ -197,6 +197,31 @@ def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
 
 
 @pytest.mark.e2e
+def test_plan_search_costs_expert_parallel_inside_pipeline_stages_as_compiled():
+    """Qwen3-MoE: the default candidates on 8 devices include expert parallel inside 2 pipeline
+    stages; the search's cost of dp2xpp2xep2 1F1B m2 (lowered for an abstract mesh) has the
+    compiled step's FLOPs and collectives, its all-to-alls over `expert` with their bytes."""
+    model, make_opt, loss_fn, batches, _ = case("qwen3_moe")
+    profile = hardware.profile("p4d.24xlarge")
+    names = {c.name for c in search.candidates(8, profile, pipe_degrees=(1, 2), expert_degrees=[1, 2])}
+    assert {"dp2xpp2xep2 gpipe m2", "dp2xpp2xep2 1f1b m4", "dp1xpp2xep2xtp2 gpipe m2"} <= names, sorted(names)
+    candidate = search.Candidate(data=2, pipe=2, expert=2, microbatches=2, schedule="1f1b")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(**candidate.mesh), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=candidate.plan())
+    batch = host_batch(batches[0])
+    t = step.trainable
+    row = search.evaluate(t.model, t.tx, t.structure, candidate, batch, profile, layers=2, experts=sorted(t.experts))
+    compiled = search.compiled_step_cost(step, *batch)
+    assert row.usable and row.cost.flops.matmul == compiled.flops.matmul, row
+    key = lambda c: (c.kind, c.axes, c.payload_bytes)
+    assert sorted(map(key, row.cost.collectives)) == sorted(map(key, compiled.collectives))
+    moved = [c for c in row.cost.collectives if c.kind == "all-to-all"]
+    assert moved and all(c.axes == ("expert",) and c.payload_bytes > 0 for c in moved)
+    assert "dp2xpp2xep2 1f1b m2" in str(search.SearchResult("p4d", profile, [row], row))
+
+
+@pytest.mark.e2e
 def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)

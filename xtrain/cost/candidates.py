@@ -50,7 +50,7 @@ class Candidate:
         data: data-parallel degree (mesh axis "data").
         tensor: Megatron tensor-parallel degree (mesh axis "tensor"; 1: none).
         expert: expert-parallel degree (mesh axis "expert": MoE layers' experts split over it,
-            the batch over data x expert; 1: none; not with a pipeline).
+            the batch over data x expert; 1: none; with a pipeline, inside each stage).
         context: context-parallel degree (mesh axis "context": the sequence split, ring
             attention; 1: none). With a pipeline, each stage rings its own layers' attention.
         ulysses: how attention runs over `context` (Plan(context=...)): 1 a ring; `context`
@@ -90,11 +90,6 @@ class Candidate:
         if self.ulysses < 1 or self.context % self.ulysses:
             raise PlanError(f"Candidate(context={self.context}, ulysses={self.ulysses}): the Ulysses group size "
                             f"must divide the context degree; use one of {_divisors(self.context)}")
-        if self.expert > 1 and self.pipe > 1:
-            raise UnsupportedError(
-                f"Candidate(expert={self.expert}, pipe={self.pipe}): the plan search does not "
-                "cost expert parallelism inside pipeline stages yet; use pipe=1 (xtrain.compile runs "
-                "it: Mesh(pipe=2, data=2, expert=2) with Plan().with_pipeline(...))")
         if self.order and sorted(self.order) != sorted(self._sizes(DEFAULT_ORDER)):
             raise PlanError(f"Candidate(order={self.order}) must order exactly the axes "
                             f"{tuple(self._sizes(DEFAULT_ORDER))} of this candidate")
@@ -261,7 +256,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
     of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
-    add expert-parallel points without a pipeline; `context`: context-parallel degrees
+    add expert-parallel points, with and without a pipeline (inside one, each stage's experts
+    split over `expert`); `context`: context-parallel degrees
     (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`);
     without a pipeline each context degree also takes every Ulysses group size dividing it
     (`ulysses`: Ulysses alone, hybrid Ulysses x ring; a size the heads cannot split is refused
@@ -273,7 +269,7 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     out = []
     for p, c in ((p, c) for p in pipe_degrees for c in context):
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p * c) == 0):
-            for e in (e for e in expert_degrees if (e == 1 or p == 1) and devices % (t * p * c * e) == 0):
+            for e in (e for e in expert_degrees if devices % (t * p * c * e) == 0):
                 points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,
                                  microbatches or (p, 2 * p, 4 * p), schedules, profile, offloads)
                 out += [dataclasses.replace(x, expert=e, context=c, ulysses=u) for x in points
