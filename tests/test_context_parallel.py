@@ -22,10 +22,10 @@ from test_long_sequence import adamw, batches, blocks_of_16, llama, lm_loss, pad
 SEQ = 1024
 
 
-def gpt2(positions=SEQ, layers=1):
+def gpt2(positions=SEQ, layers=1, attn_pdrop=0.0):
     return GPT2LMHeadModel(GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=positions, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+        embd_pdrop=0.0, attn_pdrop=attn_pdrop, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from xtrain.frontend.torch_module import wrap
 from xtrain.ir import attention as markers
 from xtrain.step import host_batch
 from xtrain.testing import ParityResult, assert_parity, torch_reference
-from test_context_parallel import SEQ, reference, train
+from test_context_parallel import SEQ, gpt2, reference, train
 from test_cudnn_attention import on_cuda  # noqa: F401 (a fixture; the module lowers cuDNN's primitives on CPU)
 from test_long_sequence import VOCAB, adamw, batches, llama, lm_loss, padded_loss
 
@@ -153,11 +153,8 @@ def test_padded_gpt2_under_ulysses_trains_like_torch():
 def test_attention_dropout_under_ulysses_draws_data_parallels_masks():
     """With attention dropout on, a head-split device draws the masks of the heads it holds:
     the losses are data=8's to float rounding."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=128,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.2, attn_implementation="sdpa"))
+    model = gpt2(128, attn_pdrop=0.2)
     model.train()
     data = batches(128, False, n=2, batch=8)
     losses = []

@@ -74,7 +74,7 @@ def fused_attention(ctx: Context, eqn, args):
     Under Ulysses the sequence split over `context` becomes a head split around the kernel (one
     all-to-all per operand and per (B, T, N, H) result, which goes back to the sequence split)."""
     args = [_to_heads(ctx, a) for a in C.resolve_all(ctx, args)]
-    ulysses = any(CONTEXT in a.layout.dims[2] for a in args[:1] if a.ndim == 4)
+    ulysses = args[0].ndim == 4 and CONTEXT in args[0].layout.dims[2]
     batch, heads = tuple(args[0].layout.dims[0]), _heads(ctx, args)
     args = [C.relayout(ctx, a, _target(a.shape, batch, heads)) for a in args]
     outs = bind(ctx, eqn, [a.value for a in args])
