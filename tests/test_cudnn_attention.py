@@ -128,3 +128,58 @@ def test_cudnn_attention_split_over_heads_matches_torch(on_cuda, monkeypatch, kv
                         xtrain.Mesh(**sizes), plan=plans.megatron(model, sizes), loss_fn=lm_loss)
     assert set(LOWERED) == {(1, 16, HEADS // 2, 8)}, LOWERED
     assert_parity(result)
+
+
+def test_bf16_plan_runs_cudnn_on_a_float32_model(monkeypatch):
+    """Plan(precision="bf16") on a float32 model (fp32 master weights, the usual mixed precision):
+    attention is cuDNN's on bf16 operands, as torch.autocast runs SDPA (it was the blockwise kernel:
+    the trace saw float32 queries), and the step trains as the same plan with the blockwise kernel
+    does, within bf16's rounding."""
+    import copy
+
+    import xtrain
+    from test_hf_models import lm_batches, lm_loss
+
+    model = _llama(2, torch.float32)
+    twin = copy.deepcopy(model)
+    batches = lm_batches(n=3)
+
+    def train(m):
+        step = xtrain.compile(m, xtrain.Mesh(data=-1), optimizer=torch.optim.SGD(m.parameters(), lr=0.5),
+                              plan=xtrain.Plan(precision="bf16"), loss_fn=lm_loss)
+        return step, [step(*b)["loss"] for b in batches]
+
+    blockwise, expected = train(twin)
+    assert {s.implementation for s in markers.sites(blockwise.program(*batches[0]).jaxpr,
+                                                     blockwise.model.module_paths()).values()} == {
+        markers.Implementation.BLOCKWISE}
+    monkeypatch.setattr(sdpa, "_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a: True)
+    step, losses = train(model)
+    program = step.program(*batches[0])
+    sites = markers.sites(program.jaxpr, step.model.module_paths())
+    assert {s.implementation for s in sites.values()} == {markers.Implementation.CUDNN}, sites
+    kernels = [e for e, _ in walk.equations(program.jaxpr, frozenset()) if e.primitive.name in (
+        per_head.CUDNN_FORWARD, per_head.CUDNN_BACKWARD)]
+    assert kernels and all(x.aval.dtype == jnp.bfloat16 for e in kernels for x in e.invars[:3]), kernels
+    np.testing.assert_allclose(losses, expected, rtol=2e-2)
+    for name, p in step.state_dict().items():
+        np.testing.assert_allclose(np.asarray(p), np.asarray(blockwise.state_dict()[name]), atol=2e-2, err_msg=name)
+
+
+def test_a_step_prepared_for_the_gpu_itself_keeps_cudnn(on_cuda):
+    """xtrain.aot's prepare(on_device=True) (benchmarks/gpu_step.py: built here, compiled and run on
+    the GPU) exports the step with cuDNN's kernels, under a bf16 plan of a float32 model."""
+    import xtrain
+    from test_hf_models import lm_loss
+    from xtrain.aot import request, targets
+    from xtrain.frontend.torch_module import wrap
+
+    model = _llama(2, torch.float32)
+    trainable = wrap(model, torch.optim.AdamW(model.parameters()), lm_loss)
+    ids = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    prepared = request.prepare(trainable, xtrain.Mesh(data=-1), xtrain.Plan(precision="bf16"), (ids, ids),
+                               targets.gpu_target("p5.48xlarge"), on_device=True)
+    module = jax.export.deserialize(prepared.job["exported"]).mlir_module()
+    assert module.count("__cudnn$fmhaSoftmax(") == 2 and module.count("__cudnn$fmhaSoftmaxBackward(") == 2  # 2 layers

@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from xtrain import data
@@ -91,11 +92,16 @@ def _plan(plan: Plan | PendingPlan | str | None, trainable: Trainable, shapes: t
 
 
 def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTarget,
-            options: CompileOptions = CompileOptions()) -> Prepared:
+            options: CompileOptions = CompileOptions(), *, on_device: bool = False) -> Prepared:
     """Assembles `trainable`'s step for `plan` on `mesh` resolved over the target's GPUs and exports
-    it for CUDA; raises what the assembly raises (a plan that does not fit the mesh, ...)."""
+    it for CUDA; raises what the assembly raises (a plan that does not fit the mesh, ...).
+    `on_device=True`: the job is for a compile on the target's GPUs themselves, so it may call
+    cuDNN's fused attention (a deviceless compile cannot build it; benchmarks/gpu_step.py)."""
     sizes = mesh.resolve(target.devices)
     abstract = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    if on_device:  # cuDNN's lowering wants devices: this host's stand in for the target's (the mesh's shape)
+        abstract = jax.sharding.Mesh(np.array(jax.devices()[:abstract.size]).reshape(abstract.axis_sizes),
+                                     abstract.axis_names)
     shapes = batch_shapes(batch)
     plan = _plan(plan, trainable, shapes)
     built = assembly.assemble(trainable, plan, abstract, options.assembly(), batch=shapes,
@@ -105,7 +111,7 @@ def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTar
     lrs = jax.ShapeDtypeStruct(lrs.shape, lrs.dtype, sharding=NamedSharding(abstract, PartitionSpec()))
     args = (built.placed_state, placed, lrs)
     jaxpr = built.program.train.trace(*args).jaxpr
-    return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target, options), options)
+    return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target, options, on_device), options)
 
 
 def combine_bytes(options: CompileOptions) -> int:
@@ -117,7 +123,12 @@ def combine_bytes(options: CompileOptions) -> int:
     return backends.GPU_COMBINE_THRESHOLD_BYTES if bucket is None else bucket
 
 
-def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptions) -> dict:
+# the custom calls of cuDNN's fused attention (jax._src.cudnn), outside jax.export's stable list
+CUDNN_TARGETS = tuple(f"__cudnn$fmha{bias}Softmax{dropout}{grad}" for bias in ("", "ScaleBias")
+                      for dropout in ("", "Dropout") for grad in ("", "Backward"))
+
+
+def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptions, on_device: bool = False) -> dict:
     """The child's job: the step exported as a function of its argument leaves."""
     leaves, tree = jax.tree.flatten(args)
     donated = len(jax.tree.leaves(args[0]))
@@ -127,11 +138,13 @@ def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptio
         return jax.tree.leaves(train(*jax.tree.unflatten(tree, xs)))
 
     shardings = tuple(x.sharding for x in leaves)
+
     with warnings.catch_warnings():  # shape-only inputs: donation is decided by the child's compile
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        disabled = [jax.export.DisabledSafetyCheck.custom_call(t) for t in CUDNN_TARGETS] if on_device else []
         exported = jax.export.export(jax.jit(flat, in_shardings=shardings, donate_argnums=tuple(range(donated))),
-                                     platforms=("cuda",))(*leaves)
-    if "cudnn" in exported.mlir_module():  # traced on a GPU host: sdpa chose cuDNN's fused attention
+                                     platforms=("cuda",), disabled_checks=disabled)(*leaves)
+    if not on_device and "cudnn" in exported.mlir_module():  # traced on a GPU host: sdpa chose cuDNN's fused attention
         raise TargetCompileError("the step calls cuDNN fused attention, which XLA does not build without a GPU "
                                  "(jaxlib 0.10.2): prepare it in a process started with JAX_PLATFORMS=cpu, "
                                  "where attention is traced with xtrain's blockwise kernel")

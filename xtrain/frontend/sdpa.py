@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +114,7 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
     dim = query.shape[-1]
     reasons = [why for bad, why in (
         (query.ndim != 4, f"query of rank {query.ndim}, not (batch, heads, length, dim)"),
-        (query.dtype not in _CUDNN_DTYPES, f"{jnp.dtype(query.dtype).name} (cuDNN takes bf16 / fp16)"),
+        (kernel_dtype(query, _CUDNN_DTYPES) is None, f"{jnp.dtype(query.dtype).name} (cuDNN takes bf16 / fp16)"),
         (dropout_p > 0, "dropout"),
         (dim % 8 or dim > 128 or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]}"),
         (attn_mask is not None, "an attention mask (xtrain hands cuDNN causal or unmasked attention)"),
@@ -125,6 +126,25 @@ def choose(backend: str, query, value, attn_mask, dropout_p: float) -> tuple[Imp
     if reasons:
         return Implementation.BLOCKWISE, "not cuDNN: " + ", ".join(reasons)
     return Implementation.CUDNN, ""
+
+
+def kernel_dtype(query, dtypes) -> Any:
+    """The dtype a fused kernel taking `dtypes` runs a call in: the query's own, or the plan's
+    compute dtype for a float32 query under a bf16 / fp16 policy (TraceOptions.autocast); None
+    when neither."""
+    if query.dtype in dtypes:
+        return query.dtype
+    autocast = _OPTIONS.get().autocast
+    if autocast and query.dtype == jnp.float32 and jnp.dtype(autocast) in dtypes:
+        return jnp.dtype(autocast)
+    return None
+
+
+def _autocast(kernel, query, key, value, dtype):
+    """`kernel` on q, k, v cast to `dtype`, its output cast back to the query's dtype."""
+    if query.dtype == dtype:
+        return kernel(query, key, value)
+    return kernel(*(x.astype(dtype) for x in (query, key, value))).astype(query.dtype)
 
 
 def _ulysses_splits(query_heads: int, kv_heads: int, options: TraceOptions) -> bool:
@@ -139,7 +159,7 @@ def _choose_on_neuron(query, value, attn_mask, dropout_p: float) -> tuple[Implem
     dim, length, source = query.shape[-1], query.shape[-2], value.shape[-2]
     reasons = [why for bad, why in (
         (query.ndim != 4, f"query of rank {query.ndim}, not (batch, heads, length, dim)"),
-        (query.dtype not in _NKI_DTYPES,
+        (kernel_dtype(query, _NKI_DTYPES) is None,
          f"{jnp.dtype(query.dtype).name} (the kernel multiplies in bf16: it takes bf16 / fp16, not silently less)"),
         (dropout_p > 0, "dropout (xtrain's dropout masks do not depend on the mesh; the kernel's RNG would)"),
         (attn_mask is not None, "an attention mask (the kernel takes causal or unmasked attention)"),
@@ -191,10 +211,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     kind, why = choose(_backend(), query, value, attn_mask, dropout_p)
     if kind is Implementation.CUDNN:
         with jax.named_scope(markers.name(Site(kind))):
-            return _cudnn(query, key, value, is_causal, scale)
+            return _autocast(lambda q, k, v: _cudnn(q, k, v, is_causal, scale), query, key, value,
+                             kernel_dtype(query, _CUDNN_DTYPES))
     if kind is Implementation.NKI_FLASH:
         with jax.named_scope(markers.name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
-            return _nki_flash(query, key, value, is_causal, scale)
+            return _autocast(lambda q, k, v: _nki_flash(q, k, v, is_causal, scale), query, key, value,
+                             kernel_dtype(query, _NKI_DTYPES))
     return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
 
 

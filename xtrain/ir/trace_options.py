@@ -49,6 +49,11 @@ class TraceOptions:
         ulysses: the devices a sequence split over `context` is turned into a head split over
             for attention (Plan(context="ulysses")): a fused kernel sees whole sequences, and
             its query and key/value heads must split over them (1: no Ulysses).
+        autocast: the dtype the plan's matrix multiplications run in ("bfloat16", "float16"; ""
+            for float32): a fused attention kernel (cuDNN, NKI) takes float32 queries, keys and
+            values cast to it, as torch.autocast runs scaled_dot_product_attention, and its
+            output is cast back (the precision policy narrows the blockwise kernel's matmuls
+            the same way).
     """
 
     head_split: int = 1
@@ -56,6 +61,7 @@ class TraceOptions:
     no_nki: str = ""
     no_cudnn: str = ""
     ulysses: int = 1
+    autocast: str = ""
 
     def __post_init__(self):
         if not isinstance(self.head_split, int) or self.head_split < 1:

@@ -215,8 +215,12 @@ class Plan:
         whole = context > 1 and ulysses == context
         no_cudnn = "" if context == 1 or whole else \
             f"the sequence is split over {CONTEXT!r} (ring attention runs the blockwise kernel)"
+        # a fused kernel runs in the compute dtype, as the policy's matmuls do; with fp32_modules the
+        # blockwise kernel (narrowed per module by the policy) keeps attention inside them float32
+        autocast = "" if self.precision.compute.value == "fp32" or self.precision.fp32_modules else \
+            self.precision.dtype.name
         return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering), no_cudnn=no_cudnn,
-                                   ulysses=ulysses if whole else 1)
+                                   ulysses=ulysses if whole else 1, autocast=autocast)
 
     def check_batch(self, mesh_axes: Mapping[str, int]) -> None:
         """Fails when `batch` names an axis the mesh lacks (or one twice)."""
