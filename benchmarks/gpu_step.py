@@ -95,7 +95,7 @@ def _cudnn_stand_in():
             setattr(module, name, value)
 
 
-def _export(shape: Shape, on_device: bool) -> dict:
+def _export(shape: Shape, on_device: bool, precision: str = "bf16") -> dict:
     import jax
     import numpy as np
     import torch
@@ -113,7 +113,7 @@ def _export(shape: Shape, on_device: bool) -> dict:
     ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), np.int32)
     gpu = GpuTarget("p5e.48xlarge (one GPU)", "p5e.48xlarge", 1, 1, "h200")
     start = time.perf_counter()
-    prepared = request.prepare(trainable, xtrain.Mesh(data=1), xtrain.Plan(precision="bf16"), (ids, ids), gpu,
+    prepared = request.prepare(trainable, xtrain.Mesh(data=1), xtrain.Plan(precision=precision), (ids, ids), gpu,
                                on_device=on_device)
     seconds = time.perf_counter() - start
     args = (prepared.built.placed_state, prepared.batch)
@@ -186,8 +186,11 @@ def prepare(args) -> None:
     variants = {"blockwise": _export(shape, on_device=False)}
     with _cudnn_stand_in():
         variants["cudnn"] = _export(shape, on_device=True)
-    meta = {"shape": dataclasses.asdict(shape), "flags": list(backends.cuda_xla_flags()),
-            "predicted": _predicted(shape), "host": {"jax": jax.__version__, "torch": torch.__version__}}
+        variants["fp8"] = _export(shape, on_device=True, precision="fp8")
+    with _cudnn_stand_in():  # the cost model on the step the GPU host builds (cuDNN attention)
+        predicted = _predicted(shape)
+    meta = {"shape": dataclasses.asdict(shape), "flags": list(backends.cuda_xla_flags()), "predicted": predicted,
+            "predicted_blockwise": _predicted(shape), "host": {"jax": jax.__version__, "torch": torch.__version__}}
     (bundle / "steps.pkl").write_bytes(pickle.dumps(variants))
     (bundle / "meta.json").write_text(json.dumps(meta, indent=1))
     for name, v in variants.items():
@@ -246,7 +249,20 @@ def schedule_facts(text: str) -> dict:
             "triton_gemms": len(re.findall(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', text)),
             "triton_fusions": text.count('"kind":"__triton"'),
             "cudnn_attention": sum(n for t, n in calls.items() if "fmha" in t),
+            "fp8_gemms": sum(n for t, n in calls.items() if "f8" in t) + _fp8_fusions(text),
             "while_loops": entry.count(" while(")}
+
+
+def _fp8_fusions(text: str) -> int:
+    """GEMM fusions (Triton's) with an FP8 operand."""
+    types = dict(re.findall(r"%([\w.\-]+) = ([a-z0-9]+)\[", text))
+    count = 0
+    for line in text.splitlines():
+        if re.search(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', line):
+            operands = re.search(r"fusion\(([^)]*)\)", line)
+            names = re.findall(r"%([\w.\-]+)", operands.group(1)) if operands else []
+            count += any(types.get(n, "").startswith("f8") for n in names)
+    return count
 
 
 def _state_values(avals, paths, buffers: dict, key):
@@ -391,7 +407,7 @@ def run(args) -> None:
                 (out / "deviceless.hlo.txt").write_text(text)
             results["deviceless"] = {**r, "schedule": schedule_facts(text)}
         save()
-    if not parts & {"blockwise", "cudnn", "torch_eager", "torch_compile"}:  # no GPU needed: done
+    if not parts & {"blockwise", "cudnn", "fp8", "torch_eager", "torch_compile"}:  # no GPU needed: done
         print(table(results))
         return
     os.environ["XLA_FLAGS"] = " ".join(flags)
@@ -400,8 +416,8 @@ def run(args) -> None:
     results["device"] = torch.cuda.get_device_name()  # torch does not hold the GPU's memory as JAX does
     peak = next((v for k, v in PEAKS.items() if k in results["device"]), None)
     results["peak"] = peak
-    for name in ("blockwise", "cudnn"):
-        if name not in parts:
+    for name in ("blockwise", "cudnn", "fp8"):
+        if name not in parts or name not in variants:
             continue
         import jax
 
@@ -440,15 +456,19 @@ def table(r: dict) -> str:
              f"GPU host: jax {r.get('jax')}, ptxas {r.get('ptxas', '').splitlines()[-1:] or ''}; steps built on a CPU "
              f"host with jax {meta['host']['jax']}. XLA flags: `{' '.join(r.get('flags', []))}`.", "",
              "| run | step ms | tokens/s | TFLOP/s | MFU | peak GiB | compile s (torch: first step) |", "|---|---|---|---|---|---|---|"]
-    for name in ("xtrain blockwise", "xtrain cudnn", "torch eager", "torch.compile"):
+    for name in ("xtrain blockwise", "xtrain cudnn", "xtrain fp8", "torch eager", "torch.compile"):
         x = r.get(name)
         if x:
             mfu = f"{x['mfu']:.1%}" if x.get("mfu") else ""
             lines.append(f"| {name} | {x['step_s'] * 1e3:.1f} | {x['tokens_per_s']:,.0f} | {x['tflops']:.0f} | {mfu} | "
                          f"{_gib(x.get('peak_bytes_in_use'))} | {x.get('compile_s', x.get('first_step_s', 0)):.1f} |")
     p = meta["predicted"]
-    lines += ["", f"Cost model (p5e profile, one H200): step {p['step_s'] * 1e3:.1f} ms, "
+    lines += ["", f"Cost model (p5e profile, one H200), the cuDNN step: {p['step_s'] * 1e3:.1f} ms, "
               f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}, memory {_gib(p['memory_bytes'])} GiB."]
+    if meta.get("predicted_blockwise"):
+        q = meta["predicted_blockwise"]
+        lines.append(f"The blockwise step (as traced on a CPU host): {q['step_s'] * 1e3:.1f} ms, memory "
+                     f"{_gib(q['memory_bytes'])} GiB.")
     d, b = r.get("deviceless"), r.get("xtrain blockwise")
     if d and b:
         lines += ["", "| memory (GiB) | deviceless | on the GPU | ratio |", "|---|---|---|---|"]
@@ -457,7 +477,7 @@ def table(r: dict) -> str:
             lines.append(f"| {k} | {_gib(d['memory'][k])} | {_gib(b['memory'][k])} | {ratio:.3f} |")
         if d.get("schedule"):
             lines += ["", "| schedule | deviceless | on the GPU |", "|---|---|---|"]
-            for k in ("instructions", "cublas_gemms", "triton_gemms", "triton_fusions", "while_loops"):
+            for k in ("instructions", "cublas_gemms", "triton_gemms", "triton_fusions", "fp8_gemms", "while_loops"):
                 lines.append(f"| {k} | {d['schedule'][k]} | {b['schedule'][k]} |")
             lines.append(f"| fusions | {d['schedule']['fusions']} | {b['schedule']['fusions']} |")
         lines.append(f"\nDeviceless compile {d['seconds']:.1f} s, on the GPU {b['compile_s']:.1f} s.")
@@ -470,7 +490,8 @@ def report(args) -> None:
     """The table again from a run's gpu_step.json, schedules re-read from its HLO texts."""
     out = Path(args.out)
     results = json.loads((out / "gpu_step.json").read_text())
-    for name, key in (("deviceless", "deviceless"), ("blockwise", "xtrain blockwise"), ("cudnn", "xtrain cudnn")):
+    for name, key in (("deviceless", "deviceless"), ("blockwise", "xtrain blockwise"), ("cudnn", "xtrain cudnn"),
+                      ("fp8", "xtrain fp8")):
         text = out / f"{name}.hlo.txt"
         if text.exists() and key in results:
             results[key]["schedule"] = schedule_facts(text.read_text())
@@ -491,7 +512,7 @@ def main(argv=None) -> None:
     b.add_argument("--bundle", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--steps", type=int, default=10)
-    b.add_argument("--parts", default="deviceless,blockwise,cudnn,torch_eager,torch_compile",
+    b.add_argument("--parts", default="deviceless,blockwise,cudnn,fp8,torch_eager,torch_compile",
                    help="what to run (each in a process of its own gives each its own GPU memory peak)")
     b.add_argument("--keep-text", action="store_true", help="write the scheduled HLO texts")
     c = sub.add_parser("report")

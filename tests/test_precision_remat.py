@@ -102,7 +102,7 @@ def test_bf16_with_the_xla_lowering_trains_close_to_fp32():
 
 @pytest.mark.unit
 def test_precision_config_errors_name_field_and_value():
-    with pytest.raises(PlanError, match=r"Precision.compute='int8' must be one of \['fp32', 'bf16', 'fp16'\]"):
+    with pytest.raises(PlanError, match=r"Precision.compute='int8' must be one of \['fp32', 'bf16', 'fp16', 'fp8'\]"):
         xtrain.Plan(precision="int8")
     with pytest.raises(PlanError, match=r"Precision.loss_scale=.* is only used with compute='fp16', not 'bf16'"):
         Precision(compute="bf16", loss_scale=LossScale())

@@ -27,25 +27,31 @@ TFLOPS = 1e12
 _PEAKS: dict[str, dict[str, float]] = {
     # NVIDIA A100 SXM datasheet: 312 BF16/FP16 tensor, 156 TF32 tensor, 19.5 FP32 TFLOP/s.
     "A100": {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
-    # NVIDIA H100 SXM datasheet: 989 BF16/FP16, 494 TF32 tensor, 67 FP32 TFLOP/s (dense).
-    "H100": {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS, "fp32": 67 * TFLOPS},
-    # NVIDIA H100 datasheet, PCIe column: 756 BF16/FP16, 378 TF32, 51 FP32 TFLOP/s (dense).
-    "H100 PCIe": {"bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS, "fp32": 51 * TFLOPS},
-    # NVIDIA H100 NVL / H200 NVL datasheets: 835 BF16/FP16, 418 TF32, 60 FP32 TFLOP/s (dense).
-    "NVL": {"bf16": 835 * TFLOPS, "fp16": 835 * TFLOPS, "tf32": 418 * TFLOPS, "fp32": 60 * TFLOPS},
+    # NVIDIA H100 SXM datasheet: 1979 FP8, 989 BF16/FP16, 494 TF32 tensor, 67 FP32 TFLOP/s (dense:
+    # half the datasheet's with-sparsity figures).
+    "H100": {"fp8": 1979 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS,
+             "fp32": 67 * TFLOPS},
+    # NVIDIA H100 datasheet, PCIe column: 1513 FP8, 756 BF16/FP16, 378 TF32, 51 FP32 TFLOP/s (dense).
+    "H100 PCIe": {"fp8": 1513 * TFLOPS, "bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS,
+                  "fp32": 51 * TFLOPS},
+    # NVIDIA H100 NVL / H200 NVL datasheets: 1671 FP8, 835 BF16/FP16, 418 TF32, 60 FP32 TFLOP/s (dense).
+    "NVL": {"fp8": 1671 * TFLOPS, "bf16": 835 * TFLOPS, "fp16": 835 * TFLOPS, "tf32": 418 * TFLOPS,
+            "fp32": 60 * TFLOPS},
     # NVIDIA V100 datasheet, SXM2 column (the P3 instances' GPU): 125 FP16 tensor, 15.7 FP32
     # TFLOP/s. Volta has neither bfloat16 nor TF32 arithmetic: no bf16 key (plans use fp16).
     "V100": {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS},
-    # NVIDIA H200 datasheet: the H100 SXM's compute (989 BF16, 494 TF32, 67 FP32 dense).
-    "H200": {"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS, "fp32": 67 * TFLOPS},
+    # NVIDIA H200 datasheet: the H100 SXM's compute (1979 FP8, 989 BF16, 494 TF32, 67 FP32 dense).
+    "H200": {"fp8": 1979 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 494 * TFLOPS,
+             "fp32": 67 * TFLOPS},
     # Neuron docs, Trainium architecture: one chip (2 NeuronCore-v2) = 190 FP16/BF16/TF32 and
     # 47.5 FP32 TFLOP/s; a device is one NeuronCore, half of that.
     "trn1": {"bf16": 95 * TFLOPS, "fp16": 95 * TFLOPS, "tf32": 95 * TFLOPS, "fp32": 23.75 * TFLOPS},
-    # Neuron docs, Trainium2 architecture: one chip (8 NeuronCore-v3) = 667 BF16/FP16/TF32 and
-    # 181 FP32 TFLOP/s dense; a device is one logical core (LNC=2, the default), a quarter of the chip.
-    "trn2": {"bf16": 166.75 * TFLOPS, "fp16": 166.75 * TFLOPS, "tf32": 166.75 * TFLOPS, "fp32": 45.25 * TFLOPS},
+    # Neuron docs, Trainium2 architecture: one chip (8 NeuronCore-v3) = 1299 FP8, 667 BF16/FP16/TF32
+    # and 181 FP32 TFLOP/s dense; a device is one logical core (LNC=2, the default), a quarter of the chip.
+    "trn2": {"fp8": 324.75 * TFLOPS, "bf16": 166.75 * TFLOPS, "fp16": 166.75 * TFLOPS, "tf32": 166.75 * TFLOPS,
+             "fp32": 45.25 * TFLOPS},
     # ... or one physical NeuronCore-v3 under LNC=1: an eighth of the chip.
-    "trn2 core": {"bf16": 83.375 * TFLOPS, "fp16": 83.375 * TFLOPS, "tf32": 83.375 * TFLOPS,
+    "trn2 core": {"fp8": 162.375 * TFLOPS, "bf16": 83.375 * TFLOPS, "fp16": 83.375 * TFLOPS, "tf32": 83.375 * TFLOPS,
                   "fp32": 22.625 * TFLOPS},
 }
 # JAX device_kind strings -> the rows above, most specific first (GPUs: "Tesla V100-SXM2-16GB", "NVIDIA A100-SXM4-40GB",
@@ -55,7 +61,8 @@ _KIND_KEYS = (("H100 PCIe", "H100 PCIe"), ("H100 NVL", "NVL"), ("H200 NVL", "NVL
               ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("trn2", "trn2"), ("nc_v3d", "trn2"),
               ("nc_v3", "trn2 core"), ("trainium2", "trn2"), ("trn1", "trn1"), ("nc_v2", "trn1"), ("trainium", "trn1"))
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "f16": "fp16",
-           "float32": "fp32", "fp32": "fp32", "f32": "fp32", "tf32": "tf32", "tfloat32": "tf32"}
+           "float32": "fp32", "fp32": "fp32", "f32": "fp32", "tf32": "tf32", "tfloat32": "tf32",
+           "fp8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "f8e4m3fn": "fp8", "f8e5m2": "fp8"}
 
 
 def _dtype_key(dtype: str) -> str | None:
@@ -68,6 +75,9 @@ def check_device_precision(device_kind: str, compute: str, emulated: topology.In
     if compute == "bf16" and peak_flops(device_kind, "bf16") is None and peak_flops(device_kind, "fp16"):
         raise UnsupportedError(f"{device_kind} has no bfloat16 arithmetic; use Plan(precision='fp16'), which adds "
                                "dynamic loss scaling, or 'fp32'")
+    if compute == "fp8" and peak_flops(device_kind, "bf16") and not peak_flops(device_kind, "fp8"):
+        raise UnsupportedError(f"{device_kind} has no FP8 arithmetic (H100, H200 and Trainium2 have); use "
+                               "Plan(precision='bf16')")
     if emulated is not None and emulated.name in PROFILES:
         PROFILES[emulated.name].check_precision(compute)
 
@@ -134,6 +144,9 @@ class HardwareProfile:
         if compute == "bf16" and not self.has_bf16:
             raise UnsupportedError(f"{self.name} has no bfloat16 arithmetic (NVIDIA V100); use Plan(precision='fp16'), "
                                    "which adds dynamic loss scaling, or 'fp32'")
+        if compute == "fp8" and "fp8" not in self.peak_flops and not self.name.startswith("emulated"):
+            raise UnsupportedError(f"{self.name} has no FP8 arithmetic (FP8 matmuls need H100 / H200, p5, or "
+                                   "Trainium2, trn2); use Plan(precision='bf16')")
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         key = _dtype_key(dtype) or "fp32"

@@ -12,9 +12,16 @@ dynamic loss scale.
            gradients are not finite is skipped (parameters, optimizer state and buffers kept),
            the scale is halved; after `growth_interval` good steps in a row it doubles. The
            scale and the good-step count live in TrainState.loss_scale (checkpointed with it).
+    fp8    as bf16, but matrix multiplications (not convolutions, not attention's kernel)
+           take float8_e4m3fn operands and their output gradients float8_e5m2, each tensor
+           with its current scale (amax / the format's largest value, this step's);
+           `bf16_modules` keep bf16 matmuls (the LM head, say). On H100 / H200 XLA runs them
+           as FP8 GEMMs; on CPU it computes the same values by upcasting
+           (xtrain.lowering.fp8). A100, V100 and Trainium1 have no FP8 arithmetic: refused.
 
 Per-module overrides: `fp32_modules` are fnmatch patterns over torch module paths
-("*.ln*", "lm_head"); matmuls inside a matching module keep float32 operands. The lowering
+("*.ln*", "lm_head"); matmuls inside a matching module keep float32 operands; under fp8,
+`bf16_modules` likewise keep bf16 ones. The lowering
 applies the policy to the traced graph (xtrain.lowering.precision).
 """
 from __future__ import annotations
@@ -33,11 +40,12 @@ class Compute(enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"
 
 
 _DTYPES = {Compute.FP32: np.dtype(np.float32), Compute.BF16: np.dtype(ml_dtypes.bfloat16),
-           Compute.FP16: np.dtype(np.float16)}
-_WIRE = {Compute.FP32: None, Compute.BF16: "bfloat16", Compute.FP16: "float16"}
+           Compute.FP16: np.dtype(np.float16), Compute.FP8: np.dtype(ml_dtypes.bfloat16)}
+_WIRE = {Compute.FP32: None, Compute.BF16: "bfloat16", Compute.FP16: "float16", Compute.FP8: "bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,14 +76,16 @@ class Precision:
     """The precision policy of a Plan (`Plan(precision="bf16")` is shorthand).
 
     Attributes:
-        compute: "fp32", "bf16" or "fp16" (see the module docstring).
+        compute: "fp32", "bf16", "fp16" or "fp8" (see the module docstring).
         fp32_modules: fnmatch patterns over module paths whose matmuls stay float32.
+        bf16_modules: under fp8, fnmatch patterns over module paths whose matmuls run in bf16.
         loss_scale: fp16's dynamic loss scale (default LossScale()); must be None otherwise.
     """
 
     compute: Compute | str = Compute.FP32
     fp32_modules: tuple[str, ...] = ()
     loss_scale: LossScale | None = None
+    bf16_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         try:
@@ -86,6 +96,12 @@ class Precision:
         if isinstance(self.fp32_modules, str):
             object.__setattr__(self, "fp32_modules", (self.fp32_modules,))
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+        if isinstance(self.bf16_modules, str):
+            object.__setattr__(self, "bf16_modules", (self.bf16_modules,))
+        object.__setattr__(self, "bf16_modules", tuple(self.bf16_modules))
+        if self.bf16_modules and self.compute is not Compute.FP8:
+            raise PlanError(f"Precision.bf16_modules={self.bf16_modules!r} is for compute='fp8' (it keeps those "
+                            f"modules' matmuls in bf16), not {self.compute.value!r}")
         if self.compute is Compute.FP16 and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.compute is not Compute.FP16 and self.loss_scale is not None:
@@ -107,3 +123,8 @@ class Precision:
 
     def keeps_fp32(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.fp32_modules)
+
+    def fp8_matmul(self, path: str) -> bool:
+        """Whether the matmuls at module `path` run in FP8."""
+        return self.compute is Compute.FP8 and not self.keeps_fp32(path) and \
+            not any(fnmatch.fnmatchcase(path, p) for p in self.bf16_modules)

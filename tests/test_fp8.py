@@ -1,0 +1,147 @@
+"""Plan(precision="fp8"): matmuls with float8_e4m3fn operands and float8_e5m2 gradients, per-tensor
+current scaling (xtrain.lowering.fp8). On CPU XLA computes FP8 dots by upcasting, so the recipe is
+checked bit for bit against a plain numpy reference, the matmul's gradients exactly on values the
+formats hold, training against bf16, and the program compiled for H100 keeps its FP8 GEMMs."""
+import copy
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import xtrain
+from xtrain.cost import hardware
+from xtrain.errors import PlanError, UnsupportedError
+from xtrain.lowering import fp8
+from xtrain.sharding.precision import Precision
+
+pytestmark = pytest.mark.e2e
+
+
+def _reference(x: np.ndarray, fmt, out) -> np.ndarray:
+    """The recipe in numpy: scale = amax / largest, round x / scale into the format, back times scale."""
+    amax = np.max(np.abs(x)).astype(np.float32)
+    largest = np.float32(ml_dtypes.finfo(fmt).max)
+    scale = amax / largest if amax > 0 else np.float32(1)
+    q = np.clip(x / scale, -largest, largest).astype(fmt)
+    return q.astype(out) * np.asarray(scale).astype(out)
+
+
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_dequantize_equals_a_numpy_reference_bit_for_bit(fmt):
+    rng = np.random.default_rng(0)
+    for x in (rng.normal(size=(64, 48)) * 3, rng.standard_cauchy(size=(128,)), np.zeros((4, 4)),
+              np.exp(rng.uniform(-20, 20, size=(256,))) * rng.choice([-1, 1], size=256)):
+        x = x.astype(np.float32)
+        got = np.asarray(fp8.quantize_dequantize(jnp.asarray(x), fmt, jnp.bfloat16))
+        want = _reference(x, np.dtype(fmt), ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+DIMENSION_NUMBERS = [((4, 8), (8, 16), (((1,), (0,)), ((), ()))),           # x @ w
+                     ((2, 5, 8), (16, 8), (((2,), (1,)), ((), ()))),        # torch's linear: ...a,ba->...b
+                     ((3, 4, 8), (3, 8, 6), (((2,), (1,)), ((0,), (0,)))),  # batched
+                     ((8, 3, 4), (6, 8), (((0,), (1,)), ((), ())))]          # contracting a leading dim
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dims", DIMENSION_NUMBERS)
+def test_fp8_matmul_and_its_gradients_are_exact_on_values_the_formats_hold(x_shape, w_shape, dims):
+    """Operands of e4m3 values whose amax is its largest (scale 1) and a cotangent of e5m2 values
+    scaled by a power of two: the FP8 matmul, its forward and both gradients (the backward's FP8
+    matmuls, transposed by hand for every dimension layout) equal float32's exactly."""
+    rng = np.random.default_rng(1)
+
+    def held(shape, top):
+        v = rng.choice([0.0, 0.5, -1.0, 2.0, -3.0, 1.5, 4.0], size=shape).astype(np.float32)
+        v.flat[0] = top
+        return jnp.asarray(v)
+
+    x, w = held(x_shape, 448.0), held(w_shape, -448.0)
+    out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), x, w)
+    c = held(out.shape, 57344.0) / 1024
+    fp8_loss = lambda a, b: jnp.sum(fp8.matmul(a, b, dims, jnp.dtype(jnp.float32)) * c)
+    plain_loss = lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dims) * c)
+    assert float(fp8_loss(x, w)) == float(plain_loss(x, w))
+    for got, want in zip(jax.grad(fp8_loss, (0, 1))(x, w), jax.grad(plain_loss, (0, 1))(x, w)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _fp8_dots(jaxpr) -> int:
+    from xtrain.ir import walk
+
+    return sum(1 for e, _ in walk.equations(jaxpr, frozenset()) if e.primitive.name == "dot_general"
+               and all(str(v.aval.dtype).startswith("float8") for v in e.invars))
+
+
+def test_fp8_plan_trains_as_bf16_does_on_data_and_tensor_parallel():
+    """A float32 HF Llama under Plan(precision="fp8"): every linear layer's matmul and its two
+    backward matmuls take FP8 operands (one layer's body, shared by both layers, and the LM head:
+    8 x 3 distinct equations; bf16_modules keeps the LM head's in bf16),
+    and 6 AdamW steps track the bf16 plan's losses, on data=8 and on Megatron data=2 x tensor=4
+    (one scale per tensor: the amax of a split tensor is max-reduced over its axes)."""
+    from test_cudnn_attention import _llama
+    from test_hf_models import lm_batches, lm_loss
+    from xtrain import plans
+
+    model = _llama(2, torch.float32)
+    batches = lm_batches(n=6)
+
+    def train(precision, sizes, **policy):
+        m = copy.deepcopy(model)
+        plan = plans.megatron(m, sizes) if "tensor" in sizes else xtrain.Plan()
+        plan = dataclasses.replace(plan, precision=Precision(compute=precision, **policy))
+        step = xtrain.compile(m, xtrain.Mesh(**sizes), optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2),
+                              plan=plan, loss_fn=lm_loss)
+        return step, np.array([step(*b)["loss"] for b in batches])
+
+    _, bf16 = train("bf16", dict(data=8))
+    step, data = train("fp8", dict(data=8))
+    assert _fp8_dots(step.program(*batches[0]).jaxpr) == 8 * 3
+    kept, _ = train("fp8", dict(data=8), bf16_modules=("lm_head",))
+    assert _fp8_dots(kept.program(*batches[0]).jaxpr) == 7 * 3
+    _, tensor = train("fp8", dict(data=2, tensor=4))
+    np.testing.assert_allclose(data, bf16, rtol=5e-3)
+    np.testing.assert_allclose(tensor, data, rtol=5e-3)
+
+
+def test_fp8_is_refused_where_the_hardware_has_none():
+    for instance in ("p4d.24xlarge", "p4de.24xlarge", "trn1.32xlarge"):
+        profile, _ = hardware.target(instance)
+        with pytest.raises(UnsupportedError, match=f"{re.escape(instance)} has no FP8"):
+            profile.check_precision("fp8")
+    for instance in ("p5.48xlarge", "p5e.48xlarge", "trn2.48xlarge"):
+        hardware.target(instance)[0].check_precision("fp8")
+    with pytest.raises(UnsupportedError, match="A100-SXM4-40GB has no FP8"):
+        hardware.check_device_precision("NVIDIA A100-SXM4-40GB", "fp8")
+    hardware.check_device_precision("NVIDIA H100 80GB HBM3", "fp8")
+    assert hardware.peak_flops("NVIDIA H200", "float8_e4m3fn") == pytest.approx(2 * hardware.peak_flops("NVIDIA H200", "bf16"),
+                                                                           rel=1e-3)
+    with pytest.raises(PlanError, match="bf16_modules"):
+        Precision(compute="bf16", bf16_modules=("lm_head",))
+
+
+def test_fp8_gemms_survive_the_gpu_compiler():
+    """Compiled for 8 x H100 (deviceless): the GEMMs of the linear layers take FP8 operands. (A
+    quantize-dequantize round trip feeding a bf16 dot does not: XLA's GPU compiler drops it as
+    excess precision, and the matmul would run in bf16.)"""
+    from test_hf_models import lm_loss
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
+    ids = jax.ShapeDtypeStruct((16, 64), np.int32)
+    program = xtrain.aot.compile(model, xtrain.Mesh(data=-1), target="p5.48xlarge", loss_fn=lm_loss,
+                                 optimizer=torch.optim.AdamW(model.parameters()), plan=xtrain.Plan(precision="fp8"),
+                                 batch=(ids, ids))
+    types = dict(re.findall(r"%([\w.\-]+) = ([a-z0-9]+)\[", program.text))
+    gemms = [re.findall(r"%([\w.\-]+)", re.search(r"fusion\(([^)]*)\)", line).group(1))
+             for line in program.text.splitlines() if '"kind":"__triton_nested_gemm_fusion"' in line]
+    fp8_gemms = [g for g in gemms if any(types.get(n, "").startswith("f8") for n in g)]
+    # 8 linear layers x 3 matmuls (XLA merges those sharing an operand) and attention's 6 float32 ones
+    assert len(fp8_gemms) >= 16 and len(gemms) - len(fp8_gemms) <= 6, (len(fp8_gemms), len(gemms))
