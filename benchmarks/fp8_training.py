@@ -1,0 +1,82 @@
+"""Does an FP8 plan train like bf16? The example GPT, 300 steps, under Plan(precision="bf16") and "fp8".
+
+    python benchmarks/fp8_training.py                 # 8 emulated CPU devices, ~4 min on 2 cores
+    python benchmarks/fp8_training.py --steps 5       # a smoke run (writes nothing)
+
+Trains the example's GPT (examples/gpt_model.py) on the example's corpus and batch stream from the
+same weights under each plan (data=8). FP8 (xtrain.lowering.fp8: e4m3 operands, e5m2 gradients,
+current per-tensor scaling) is computed on CPU by upcasting the FP8 values, so these are the
+recipe's numerics, not an FP8 GEMM's speed (benchmarks/results/gpu_step_h200.md has that).
+Reports the mean loss of the last 20 steps and the eval loss on held-out text, their relative
+difference (the bar: within 2%), and writes benchmarks/results/fp8_training.md (and .json with
+every step's loss) for runs of 100 steps or more.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import xtrain  # noqa: E402
+from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+BAR = 0.02
+
+
+def run(args, precision: str, train_tokens, val_tokens) -> dict:
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=4))
+    step = xtrain.compile(model, xtrain.Mesh(data=-1), plan=xtrain.Plan(precision=precision),
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    rng, losses, start = np.random.default_rng(args.seed), [], time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(step(*sample_batch(train_tokens, rng, args.batch, args.seq))["loss"])
+    x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
+    return {"precision": precision, "losses": losses, "eval_loss": step.eval(x, y)["loss"],
+            "tail_loss": float(np.mean(losses[-min(20, len(losses)):])), "seconds": time.perf_counter() - start}
+
+
+def table(runs: dict, args) -> str:
+    lines = [f"# FP8 vs bf16 plans: example GPT (d_model {args.d_model}, {args.layers} layers), {args.steps} steps, "
+             f"batch {args.batch} x {args.seq}, 8 emulated CPU devices, data=8", "",
+             "| precision | loss, last 20 steps | eval loss | wall s |", "|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['tail_loss']:.4f} | {r['eval_loss']:.4f} | {r['seconds']:.0f} |"
+              for r in runs.values()]
+    bf16, fp8 = runs["bf16"], runs["fp8"]
+    rel = lambda k: abs(fp8[k] - bf16[k]) / bf16[k]
+    lines += ["", f"fp8 / bf16: loss {rel('tail_loss'):.2%} apart, eval loss {rel('eval_loss'):.2%} apart (bar: {BAR:.0%})",
+              f"verdict: {'PASS' if max(rel('tail_loss'), rel('eval_loss')) <= BAR else 'FAIL'}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    xtrain.init(cpu_devices=8)
+    train_tokens, val_tokens = split_corpus(default_corpus())
+    runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in ("fp32", "bf16", "fp8")}
+    text = table(runs, args)
+    print(text)
+    if args.steps >= 100:
+        with open(os.path.join(RESULTS, "fp8_training.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(RESULTS, "fp8_training.json"), "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f)
+
+
+if __name__ == "__main__":
+    main()
