@@ -145,3 +145,32 @@ def test_fp8_gemms_survive_the_gpu_compiler():
     fp8_gemms = [g for g in gemms if any(types.get(n, "").startswith("f8") for n in g)]
     # 8 linear layers x 3 matmuls (XLA merges those sharing an operand) and attention's 6 float32 ones
     assert len(fp8_gemms) >= 16 and len(gemms) - len(fp8_gemms) <= 6, (len(fp8_gemms), len(gemms))
+
+
+def test_the_plan_search_costs_fp8_where_the_target_has_it():
+    """`xtrain plan --precision fp8` (search(precision="fp8")): on p5 the candidates are costed with
+    FP8 matmuls, their MFU against the H100's FP8 peak (twice bf16's: the same model FLOPs over
+    step x peak); on p4d refused, naming the instance."""
+    from test_hf_models import lm_loss
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from xtrain.cost import search
+    from xtrain.frontend.torch_module import wrap
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096,
+                                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                             max_position_embeddings=512, bos_token_id=0, eos_token_id=0))
+    t = wrap(model, torch.optim.AdamW(model.parameters()), lm_loss)
+    ids = jax.ShapeDtypeStruct((64, 512), np.int32)
+    rows = {}
+    for instance, precision in (("p5.48xlarge", "bf16"), ("p5.48xlarge", "fp8"), ("p4d.24xlarge", "fp8")):
+        profile, devices = hardware.target(instance)
+        row, = search.search(t.model, t.tx, (ids, ids), profile, devices, structure=t.structure, precision=precision,
+                             candidate_list=[search.Candidate(data=devices)], prune_remat=False).rows
+        if instance == "p4d.24xlarge":
+            assert row.prediction is None and "p4d.24xlarge has no FP8 arithmetic" in row.reason, row.reason
+        else:
+            assert row.usable, row.reason
+            rows[precision] = row.prediction
+    useful = {k: p.mfu * p.step_s * hardware.peak_flops("H100 80GB HBM3", k) for k, p in rows.items()}
+    assert useful["fp8"] == pytest.approx(useful["bf16"], rel=1e-3), useful

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--compile", type=int, nargs="?", const=3, default=0, metavar="N", dest="compile_top",
                     help="GPU targets: also compile the best N candidates (3 without N) with XLA's GPU compiler, "
                          "print their compiled memory and never pick one that does not fit")
-    pl.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+    pl.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"),
                     help="every candidate's compute precision (default: fp32, or fp16 with loss scaling on a "
                          "GPU without bf16); a precision the target has no arithmetic for is refused")
     pl.add_argument("script")
