@@ -183,3 +183,50 @@ def test_a_step_prepared_for_the_gpu_itself_keeps_cudnn(on_cuda):
                                targets.gpu_target("p5.48xlarge"), on_device=True)
     module = jax.export.deserialize(prepared.job["exported"]).mlir_module()
     assert module.count("__cudnn$fmhaSoftmax(") == 2 and module.count("__cudnn$fmhaSoftmaxBackward(") == 2  # 2 layers
+
+
+def test_the_cost_model_prices_attention_a_gpu_fuses_as_fused(monkeypatch):
+    """Planning for p5 on this CPU host traces attention with the blockwise kernel; the calls a
+    CUDA host hands to cuDNN are marked (Site.fused_on) and priced without their softmax traffic,
+    so the prediction matches the one for the step traced as on the GPU (cuDNN), where pricing
+    the blockwise kernel's traffic made it 1.85x slower for a 1.1B Llama (measured on an H200:
+    benchmarks/results/gpu_step_h200.md). A ring over `context` is not fused: no mark."""
+    import dataclasses
+
+    import xtrain
+    from test_hf_models import lm_loss
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from xtrain.cost import hardware, search
+    from xtrain.cost import model as cost_model
+    from xtrain.frontend.torch_module import wrap
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                             max_position_embeddings=2048, bos_token_id=0, eos_token_id=0))
+    t = wrap(model, torch.optim.AdamW(model.parameters()), lm_loss)
+    ids = jax.ShapeDtypeStruct((8, 2048), jnp.int32)
+    profile, _ = hardware.target("p5.48xlarge")
+
+    def predict(**candidate):
+        row, = search.search(t.model, t.tx, (ids, ids), profile, 8, structure=t.structure, prune_remat=False,
+                             candidate_list=[search.Candidate(precision="bf16", **candidate)]).rows
+        return row.prediction.step_s
+
+    here = predict(data=8)
+    cost = search.step_cost(search.program_mod.abstract_step(
+        search.program_mod.trainable_of(t.model, t.tx), {"data": 8}, xtrain.Plan(precision="bf16"), (ids, ids)),
+        {"data": 8}, 8 * 2048)
+    assert cost.flops.cuda_fused_elementwise > 0.5 * (cost.flops.elementwise + cost.flops.reduce)  # softmax-heavy
+    unfused = dataclasses.replace(profile, name="p5-without-cudnn")
+    assert unfused.fused_attention == "" and profile.fused_attention == "cuda"
+    assert cost_model.compute_seconds(cost.flops, profile) < 0.7 * cost_model.compute_seconds(cost.flops, unfused)
+    ring = search.step_cost(search.program_mod.abstract_step(
+        search.program_mod.trainable_of(t.model, t.tx), {"data": 2, "context": 4}, xtrain.Plan(precision="bf16"),
+        (ids, ids)), {"data": 2, "context": 4}, 8 * 2048)
+    assert ring.flops.cuda_fused_elementwise == 0
+    monkeypatch.setattr(sdpa, "_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a: True)
+    on_gpu = predict(data=8)
+    assert here == pytest.approx(on_gpu, rel=0.1), (here, on_gpu)

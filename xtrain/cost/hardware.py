@@ -139,6 +139,12 @@ class HardwareProfile:
         or the compiler's auto-cast speeds up its matmuls where the hardware has them)."""
         return "fp16" if not self.has_bf16 and "fp16" in self.peak_flops else "fp32"
 
+    @property
+    def fused_attention(self) -> str:
+        """"cuda" on the GPU instances whose GPUs run cuDNN's fused attention (Ampere and later:
+        p4d, p4de, p5, p5e, p5en), where sdpa hands it attention; "" elsewhere."""
+        return "cuda" if self.name.split("[")[0] in _FUSED_ATTENTION else ""
+
     def check_precision(self, compute: str) -> None:
         """Fails for a compute dtype the device has no arithmetic for (bf16 on V100)."""
         if compute == "bf16" and not self.has_bf16:
@@ -304,6 +310,7 @@ def emulated(devices: int | None = None) -> HardwareProfile:
 # -- which profile --------------------------------------------------------------------------------
 # GPU kinds JAX reports ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3",
 # "NVIDIA H200") -> the instance whose profile describes them, most specific first
+_FUSED_ATTENTION = frozenset({"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge"})
 _GPU_INSTANCES = (("A100-SXM4-80GB", "p4de.24xlarge"), ("A100 80GB", "p4de.24xlarge"), ("A100", "p4d.24xlarge"),
                   ("H200", "p5e.48xlarge"), ("H100", "p5.48xlarge"))
 _NEURON_INSTANCES = (("trn2", "trn2.48xlarge"), ("nc_v3", "trn2.48xlarge"), ("trn1", "trn1.32xlarge"),

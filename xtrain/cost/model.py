@@ -140,8 +140,13 @@ def collective_seconds(c: Collective, link: str, profile: HardwareProfile) -> fl
 
 
 def compute_seconds(flops: Flops, profile: HardwareProfile) -> float:
+    """Matmuls at the peak of their dtype, the rest at memory bandwidth; on GPUs with cuDNN's fused
+    attention, the blockwise attention calls it would take keep their softmax traffic on chip."""
     matmul = flops.matmul / profile.matmul_flops_per_s(flops.matmul_dtype)
-    return matmul + ((flops.elementwise + flops.reduce) * ELEMENT_BYTES + flops.moved_bytes) / profile.hbm_bytes_per_s
+    elementwise, moved = flops.elementwise + flops.reduce, flops.moved_bytes
+    if profile.fused_attention == "cuda":
+        elementwise, moved = elementwise - flops.cuda_fused_elementwise, moved - flops.cuda_fused_moved_bytes
+    return matmul + (elementwise * ELEMENT_BYTES + moved) / profile.hbm_bytes_per_s
 
 
 def hidden_context_seconds(c: Collective, seconds: float, cost: StepCost, profile: HardwareProfile) -> float:

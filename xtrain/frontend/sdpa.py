@@ -217,11 +217,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         with jax.named_scope(markers.name(Site(kind, block=nki.seq_tile(query.shape[-2])))):
             return _autocast(lambda q, k, v: _nki_flash(q, k, v, is_causal, scale), query, key, value,
                              kernel_dtype(query, _NKI_DTYPES))
-    return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p), rng=rng)
+    # traced away from a GPU (a plan for a GPU target costed on this host): would CUDA fuse it?
+    fused_on = "cuda" if _backend() not in ("gpu", "cuda") and choose(
+        "gpu", query, value, attn_mask, dropout_p)[0] is Implementation.CUDNN else ""
+    return blockwise_call(query, key, value, attn_mask, scale, why, causal=is_causal, dropout=float(dropout_p),
+                          rng=rng, fused_on=fused_on)
 
 
 def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, causal=False, dropout=0.0, rng=None,
-                   dropped_mask=None):
+                   dropped_mask=None, fused_on: str = ""):
     """The blockwise kernel on (..., heads, length, dim) arrays, inside its report marker.
     `dropped_mask`: a mask the caller found the causal flag to replace (HF eager's constant causal
     mask), used only where calls of this shape share one structure with masks."""
@@ -232,5 +236,5 @@ def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, caus
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
     # calls of one shape share one structure (layers differing only in their masks stay one family)
     b, attn_mask = uniform_attention.adjust(b, query, key, value, attn_mask, band, rng, dropped_mask)
-    with jax.named_scope(markers.name(attention.site(b, why))):
+    with jax.named_scope(markers.name(attention.site(b, why, fused_on))):
         return _blockwise(b, query, key, value, attn_mask, rng)

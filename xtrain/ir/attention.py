@@ -40,6 +40,9 @@ class Site:
         total: pairs a full score matrix would need; blocks < total when a causal mask skips some.
         why: why a fused kernel was not used ("" when it was).
         skipped_by: what let it skip blocks (the causal mask, or a mask's static band).
+        fused_on: "cuda" when this blockwise call, traced on another backend, is one a CUDA host
+            hands to cuDNN's fused kernel (the cost model then prices it as fused: its scores
+            never go through device memory); "" otherwise.
     """
 
     implementation: Implementation
@@ -48,6 +51,7 @@ class Site:
     total: int = 1
     why: str = ""
     skipped_by: str = "causal mask"
+    fused_on: str = ""
 
     def describe(self) -> str:
         if self.implementation is Implementation.CUDNN:

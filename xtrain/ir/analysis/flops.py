@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.extend import core as jcore
 
+from xtrain.ir import attention, markers
 from xtrain.ir.kernels import neuron_attention
 
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
@@ -65,6 +66,10 @@ class Flops:
     moved_bytes: float = 0.0      # read + written by data movement (not FLOPs: not in `total`)
     unknown_loops: int = 0        # while loops counted once (trip count not static)
     matmul_dtypes: dict = dataclasses.field(default_factory=dict)  # operand dtype -> dot + conv FLOPs
+    # of `elementwise + reduce` and `moved_bytes`: the part inside blockwise attention calls that a
+    # CUDA host runs in cuDNN's fused kernel (Site.fused_on), where it never leaves the chip
+    cuda_fused_elementwise: float = 0.0
+    cuda_fused_moved_bytes: float = 0.0
 
     @property
     def matmul(self) -> float:
@@ -76,7 +81,8 @@ class Flops:
         return self.dot + self.conv + self.elementwise + self.reduce
 
     def add(self, other: "Flops", times: float = 1.0) -> None:
-        for f in ("dot", "conv", "elementwise", "transcendental", "reduce", "moved_bytes"):
+        for f in ("dot", "conv", "elementwise", "transcendental", "reduce", "moved_bytes", "cuda_fused_elementwise",
+                  "cuda_fused_moved_bytes"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for dtype, value in other.matmul_dtypes.items():
@@ -157,34 +163,45 @@ def _op(eqn, acc: Flops) -> None:
         acc.moved_bytes += 3 * _bytes(ys) + _bytes(xs)  # zero-fill, write, read back; read
 
 
-def of_eqn(eqn) -> Flops:
+def _fused_on_cuda(eqn, inside: bool) -> bool:
+    """Whether `eqn` is inside a blockwise attention call that CUDA runs fused (Site.fused_on)."""
+    if inside or "xtrain_attention=" not in str(eqn.source_info.name_stack):
+        return inside
+    site = markers.innermost(attention.Site, eqn.source_info.name_stack)
+    return site is not None and site.fused_on == "cuda"
+
+
+def of_eqn(eqn, fused: bool = False) -> Flops:
     """FLOPs of one equation, its sub-jaxprs included (scan bodies x length; `cond` counts its
-    most expensive branch)."""
+    most expensive branch). `fused`: the equation is inside an attention call CUDA fuses."""
     acc = Flops()
     _op(eqn, acc)
+    fused = _fused_on_cuda(eqn, fused)
+    if fused:
+        acc.cuda_fused_elementwise, acc.cuda_fused_moved_bytes = acc.elementwise + acc.reduce, acc.moved_bytes
     subs = list(jcore.jaxprs_in_params(eqn.params))
     if not subs:
         return acc
     if str(eqn.primitive) == "cond":
-        acc.add(max((count(s) for s in subs), key=lambda f: f.total))
+        acc.add(max((count(s, fused) for s in subs), key=lambda f: f.total))
         return acc
     times, known = _trip_count(eqn)
     for sub in subs:
-        acc.add(count(sub), times)
+        acc.add(count(sub, fused), times)
     acc.unknown_loops += 0 if known else 1
     return acc
 
 
-def of_eqns(eqns) -> Flops:
+def of_eqns(eqns, fused: bool = False) -> Flops:
     acc = Flops()
     for eqn in eqns:
-        acc.add(of_eqn(eqn))
+        acc.add(of_eqn(eqn, fused))
     return acc
 
 
-def count(jaxpr) -> Flops:
+def count(jaxpr, fused: bool = False) -> Flops:
     """FLOPs of a jaxpr or ClosedJaxpr, sub-jaxprs included."""
-    return of_eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns)
+    return of_eqns(getattr(jaxpr, "jaxpr", jaxpr).eqns, fused)
 
 
 # -- model FLOPs and MFU (the one definition: module docstring) ---------------------------------

@@ -93,9 +93,9 @@ def blocking_for(length: int, source: int, block: int, *, scale: float, causal: 
     return Blocking(scale, causal, bq, bk, length, source, dropout, visible(bq, bk) if visible else ())
 
 
-def site(b: Blocking, why: str = "") -> Site:
+def site(b: Blocking, why: str = "", fused_on: str = "") -> Site:
     by = "causal mask" if b.causal else "mask's static band"
-    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by)
+    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by, fused_on)
 
 
 def _pad(x, axis: int, size: int):
