@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import xtrain
 from xtrain import plans
@@ -40,31 +40,19 @@ from xtrain.cost.hardware import peak_flops
 from xtrain.frontend.torch_module import wrap
 from xtrain.ir.analysis import flops
 
+import gpu_step  # noqa: E402 - benchmarks/: the Llama's shape, config and loss
+from gpu_step import Shape, lm_loss  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LR = 1e-4
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Shape:
-    """The Llama and batch measured."""
-
-    layers: int = 22
-    hidden: int = 2048
-    intermediate: int = 5632
-    heads: int = 32
-    kv_heads: int = 4
-    vocab: int = 32000
-    seq: int = 2048
-    batch: int = 8           # global batch (sequences)
-
-
-TINY = Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=32, batch=8)
+TINY = dataclasses.replace(gpu_step.TINY, batch=8)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for field in dataclasses.fields(Shape):
-        p.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
+    gpu_step.add_shape_args(p)
     p.add_argument("--tiny", action="store_true", help=f"a tiny model for a CPU check: {TINY}")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--tensor", type=int, default=None, help="tensor-parallel degree of the tp row (default: "
@@ -75,21 +63,12 @@ def parse_args(argv=None):
 
 
 def shape_of(args) -> Shape:
-    base = TINY if args.tiny else Shape()
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if getattr(args, f.name) is not None}
-    return dataclasses.replace(base, **given)
+    return gpu_step.shape_of(args, TINY)
 
 
 def llama(shape: Shape) -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.seq, bos_token_id=0, eos_token_id=0))
-
-
-def lm_loss(model, ids, labels):
-    return model(input_ids=ids, labels=labels).loss  # HF shifts the labels itself
+    return LlamaForCausalLM(gpu_step.llama_config(shape))
 
 
 def batches(shape: Shape, n: int) -> list[tuple]:

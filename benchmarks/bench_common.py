@@ -171,3 +171,49 @@ def emit(framework: str, losses: list[float], seconds: list[float], **extra) -> 
                   faults_per_step=TIMED_FAULTS[0] if TIMED_FAULTS else None,
                   allocator=allocator_in_effect(), **threads, **extra)
     print(RESULT_PREFIX + json.dumps(record), flush=True)
+
+
+# -- the example GPT trained for a few hundred steps (int8_grad_sync.py, fp8_training.py) ---------
+def long_run_args(description: str) -> argparse.ArgumentParser:
+    """The options of a long training comparison on the example GPT (its defaults: 300 steps)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def long_run(args, train_tokens, val_tokens, **compile_options) -> tuple[dict, object]:
+    """Trains the example GPT `args.steps` steps on 8 emulated devices (data=8) from seed
+    `args.seed`'s weights and batches, `xtrain.compile(..., **compile_options)`; returns
+    ({"losses", "eval_loss", "tail_loss" (mean of the last 20), "seconds"}, the step)."""
+    import torch
+
+    import xtrain
+    from gpt_model import GPT, GPTConfig, sample_batch
+
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=4))
+    step = xtrain.compile(model, xtrain.Mesh(data=-1), **compile_options,
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    rng, losses, start = np.random.default_rng(args.seed), [], time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(step(*sample_batch(train_tokens, rng, args.batch, args.seq))["loss"])
+    seconds = time.perf_counter() - start
+    x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
+    return {"losses": losses, "eval_loss": step.eval(x, y)["loss"],
+            "tail_loss": float(np.mean(losses[-min(20, len(losses)):])), "seconds": seconds}, step
+
+
+def save_long_run(name: str, text: str, args, runs) -> None:
+    """Prints the table; for runs of 100 steps or more writes benchmarks/results/NAME.md and
+    NAME.json (the arguments and every step's loss)."""
+    print(text)
+    if args.steps >= 100:
+        results = pathlib.Path(__file__).resolve().parent / "results"
+        (results / f"{name}.md").write_text(text)
+        (results / f"{name}.json").write_text(json.dumps({"args": vars(args), "runs": runs}))

@@ -13,34 +13,16 @@ every step's loss) for runs of 100 steps or more.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
-import numpy as np
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import bench_common  # noqa: E402 - benchmarks/ (it puts examples/ on the path)
 import xtrain  # noqa: E402
-from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus  # noqa: E402
+from gpt_model import default_corpus, split_corpus  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 BAR = 0.02
 
 
 def run(args, precision: str, train_tokens, val_tokens) -> dict:
-    torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=4))
-    step = xtrain.compile(model, xtrain.Mesh(data=-1), plan=xtrain.Plan(precision=precision),
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
-    rng, losses, start = np.random.default_rng(args.seed), [], time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(step(*sample_batch(train_tokens, rng, args.batch, args.seq))["loss"])
-    x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
-    return {"precision": precision, "losses": losses, "eval_loss": step.eval(x, y)["loss"],
-            "tail_loss": float(np.mean(losses[-min(20, len(losses)):])), "seconds": time.perf_counter() - start}
+    result, _ = bench_common.long_run(args, train_tokens, val_tokens, plan=xtrain.Plan(precision=precision))
+    return {"precision": precision, **result}
 
 
 def table(runs: dict, args) -> str:
@@ -57,26 +39,12 @@ def table(runs: dict, args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_common.long_run_args(__doc__.splitlines()[0])
     args = p.parse_args()
     xtrain.init(cpu_devices=8)
     train_tokens, val_tokens = split_corpus(default_corpus())
     runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in ("fp32", "bf16", "fp8")}
-    text = table(runs, args)
-    print(text)
-    if args.steps >= 100:
-        with open(os.path.join(RESULTS, "fp8_training.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(RESULTS, "fp8_training.json"), "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f)
-
+    bench_common.save_long_run("fp8_training", table(runs, args), args, runs)
 
 if __name__ == "__main__":
     main()

@@ -125,11 +125,11 @@ def _export(shape: Shape, on_device: bool, precision: str = "bf16") -> dict:
     model = trainable.model
     model_flops = flops.model_flops(model, model.param_shapes(), model.buffer_shapes(), jax.random.key(0),
                                     (ids, ids))
-    mlir = prepared.job["exported"]
+    exported = prepared.job["exported"]
     return {"job": prepared.job, "paths": paths, "state_out": state_out, "loss_index": loss_index,
             "buffers": _buffers(shape),
             "model_flops": model_flops, "prepare_s": seconds, "plan": repr(prepared.built.plan),
-            "cudnn_calls": jax.export.deserialize(mlir).mlir_module().count("__cudnn$fmha")}
+            "cudnn_calls": jax.export.deserialize(exported).mlir_module().count("__cudnn$fmha")}
 
 
 def _buffers(shape: Shape) -> dict:
@@ -180,7 +180,7 @@ def prepare(args) -> None:
     from xtrain.runtime import backends
 
     xtrain.init()
-    shape = _shape(args)
+    shape = shape_of(args)
     bundle = Path(args.bundle)
     bundle.mkdir(parents=True, exist_ok=True)
     variants = {"blockwise": _export(shape, on_device=False)}
@@ -199,8 +199,15 @@ def prepare(args) -> None:
     print(json.dumps(meta["predicted"]))
 
 
-def _shape(args) -> Shape:
-    base = TINY if args.tiny else Shape()
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """--layers, --hidden, ... (every Shape field), each overriding the base shape."""
+    for field in dataclasses.fields(Shape):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
+
+
+def shape_of(args, tiny: Shape = TINY) -> Shape:
+    """The Shape of parsed arguments: `tiny` under --tiny, else the default, with the fields given."""
+    base = tiny if args.tiny else Shape()
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if getattr(args, f.name) is not None}
     return dataclasses.replace(base, **given)
 
@@ -287,7 +294,6 @@ def _state_values(avals, paths, buffers: dict, key):
 
 def _on_device(variant: dict, shape: Shape, steps: int, peak: float | None, model_flops: float) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
@@ -506,8 +512,7 @@ def main(argv=None) -> None:
     a = sub.add_parser("prepare")
     a.add_argument("--bundle", required=True)
     a.add_argument("--tiny", action="store_true")
-    for field in dataclasses.fields(Shape):
-        a.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
+    add_shape_args(a)
     b = sub.add_parser("run")
     b.add_argument("--bundle", required=True)
     b.add_argument("--out", required=True)

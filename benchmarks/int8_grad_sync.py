@@ -13,38 +13,17 @@ with every step's loss) for runs of 100 steps or more.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
-import numpy as np
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import bench_common  # noqa: E402 - benchmarks/ (it puts examples/ on the path)
 import xtrain  # noqa: E402
-from gpt_model import GPT, GPTConfig, default_corpus, sample_batch, split_corpus  # noqa: E402
+from gpt_model import default_corpus, split_corpus  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 BAR = 0.02  # the int8 run's loss within 2% of fp32's
 
 
 def run(args, comm_dtype: str | None, train_tokens, val_tokens) -> dict:
-    torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(seq=args.seq, layers=args.layers, d_model=args.d_model, heads=4))
-    step = xtrain.compile(model, xtrain.Mesh(data=-1),
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01),
-                          grad_sync=xtrain.GradSync(comm_dtype=comm_dtype))
-    rng, losses, start = np.random.default_rng(args.seed), [], time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(step(*sample_batch(train_tokens, rng, args.batch, args.seq))["loss"])
-    seconds = time.perf_counter() - start
-    x, y = sample_batch(val_tokens, np.random.default_rng(args.seed + 1), args.batch, args.seq)
+    result, step = bench_common.long_run(args, train_tokens, val_tokens, grad_sync=xtrain.GradSync(comm_dtype=comm_dtype))
     wire = sum(c.wire_bytes for c in step.report().collectives if "xtrain.grad_sync" in c.source)
-    return {"comm_dtype": comm_dtype or "float32", "losses": losses, "eval_loss": step.eval(x, y)["loss"],
-            "tail_loss": float(np.mean(losses[-min(20, len(losses)):])), "grad_wire_bytes": wire,
-            "seconds": seconds}
+    return {"comm_dtype": comm_dtype or "float32", **result, "grad_wire_bytes": wire}
 
 
 def table(runs: list[dict], args) -> str:
@@ -63,26 +42,12 @@ def table(runs: list[dict], args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_common.long_run_args(__doc__.splitlines()[0])
     args = p.parse_args()
     xtrain.init(cpu_devices=8)
     train_tokens, val_tokens = split_corpus(default_corpus())
     runs = [run(args, dtype, train_tokens, val_tokens) for dtype in (None, "int8")]
-    text = table(runs, args)
-    print(text)
-    if args.steps >= 100:
-        with open(os.path.join(RESULTS, "int8_grad_sync.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(RESULTS, "int8_grad_sync.json"), "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f)
-
+    bench_common.save_long_run("int8_grad_sync", table(runs, args), args, runs)
 
 if __name__ == "__main__":
     main()

@@ -138,7 +138,6 @@ def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptio
         return jax.tree.leaves(train(*jax.tree.unflatten(tree, xs)))
 
     shardings = tuple(x.sharding for x in leaves)
-
     with warnings.catch_warnings():  # shape-only inputs: donation is decided by the child's compile
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         disabled = [jax.export.DisabledSafetyCheck.custom_call(t) for t in CUDNN_TARGETS] if on_device else []
