@@ -8,7 +8,8 @@ A matmul `x @ w` of the traced graph becomes
 where s(t) = amax(|t|) / (the format's largest finite value), computed from the whole tensor in
 this step (current scaling), and q(t) = convert(clip(t / s(t)), float8_e4m3fn). The backward's
 two matmuls are FP8 too: the cotangent quantized to float8_e5m2 with its own scale, times the
-saved e4m3 operands (which is all the backward keeps: a quarter of float32's bytes). Gradients
+saved e4m3 operands (which is all the backward keeps: a quarter of float32's bytes, saved as
+their bytes, uint8, which jax.checkpoint passes unchanged). Gradients
 pass the quantization unchanged (straight through).
 
 The dots take the FP8 tensors themselves, not "convert back to bf16, then dot": with XLA's
@@ -86,7 +87,11 @@ def _forward(x, w, dimension_numbers, dtype):
     sx, sw = scale_of(x, E4M3), scale_of(w, E4M3)
     qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
     y = jax.lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=jnp.float32) * (sx * sw)
-    return y.astype(dtype), (qx, qw, sx, sw, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+    # the saved operands travel as their bytes: under jax.checkpoint (remat, ZeRO-3's re-gather)
+    # JAX passes a saved FP8 value through reduce_precision(4, 3), an IEEE format whose largest
+    # value is 240, and e4m3fn's 256..448 would come back NaN (e4m3fn has no inf)
+    saved = tuple(jax.lax.bitcast_convert_type(q, jnp.uint8) for q in (qx, qw))
+    return y.astype(dtype), (*saved, sx, sw, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -101,7 +106,8 @@ def _matmul_fwd(x, w, dimension_numbers, dtype):
 
 
 def _matmul_bwd(dimension_numbers, dtype, saved, g):
-    qx, qw, sx, sw, x_type, w_type = saved
+    bx, bw, sx, sw, x_type, w_type = saved
+    qx, qw = (jax.lax.bitcast_convert_type(b, E4M3) for b in (bx, bw))
     sg = scale_of(g, E5M2)
     qg = quantize(g, E5M2, sg)
     (xc, wc), (xb, wb) = dimension_numbers
