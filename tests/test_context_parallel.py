@@ -69,6 +69,18 @@ def test_context_parallel_trains_like_torch(name, padded, seq):
 
 
 @pytest.mark.e2e
+def test_gpt2_on_a_context_only_mesh_keeps_the_sequence_split():
+    """Mesh(context=8), no `data` axis: the batch dim is not split, and GPT-2's Conv1D merges
+    (batch, sequence) into one dim; the context split moves onto the batch for the merge and back
+    (all-to-alls) instead of gathering the sequence, which left attention whole and was refused."""
+    result, step = train("gpt2", False, xtrain.Mesh(context=8))
+    assert_parity(result)
+    kinds = {c.kind for c in step.report().collectives if c.axes == ("context",) and "c_attn" in c.source
+             and not c.source.startswith("xtrain.grad_sync")}
+    assert "all-to-all" in kinds and "all-gather" not in kinds, kinds
+
+
+@pytest.mark.e2e
 def test_context_composes_with_tensor_parallel():
     """Heads split over `tensor`, the sequence over `context` (FSDP over data x context, and a
     padded Llama, pass too: kept out of the suite for its time)."""

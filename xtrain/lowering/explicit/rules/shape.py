@@ -56,9 +56,9 @@ def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]
 def _fold_minor(ctx: Context, x, major: int, minor: int):
     """A merged group's minor dim made whole: a `context` split moved onto the group's major
     dim where the major's local size divides (a (batch, sequence) merge under context
-    parallelism keeps the logits split), else gathered."""
-    if x.layout.dims[minor] == (CONTEXT,) and x.layout.dims[major] and \
-            x.value.shape[major] % x.layout.factor(minor, ctx.sizes) == 0:
+    parallelism keeps the logits split; the batch split over `data` or not split at all, as on
+    Mesh(context=8)), else gathered."""
+    if x.layout.dims[minor] == (CONTEXT,) and x.value.shape[major] % x.layout.factor(minor, ctx.sizes) == 0:
         return C.move_split(ctx, x, minor, major)
     return C.gather_dim(ctx, x, minor)
 
