@@ -46,5 +46,6 @@ def main() -> None:
     runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in ("fp32", "bf16", "fp8")}
     bench_common.save_long_run("fp8_training", table(runs, args), args, runs)
 
+
 if __name__ == "__main__":
     main()

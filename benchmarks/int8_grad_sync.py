@@ -49,5 +49,6 @@ def main() -> None:
     runs = [run(args, dtype, train_tokens, val_tokens) for dtype in (None, "int8")]
     bench_common.save_long_run("int8_grad_sync", table(runs, args), args, runs)
 
+
 if __name__ == "__main__":
     main()
