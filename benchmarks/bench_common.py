@@ -217,3 +217,12 @@ def save_long_run(name: str, text: str, args, runs) -> None:
         results = pathlib.Path(__file__).resolve().parent / "results"
         (results / f"{name}.md").write_text(text)
         (results / f"{name}.json").write_text(json.dumps({"args": vars(args), "runs": runs}))
+
+
+def verdict_lines(label: str, runs: tuple[dict, dict], bar: float) -> list[str]:
+    """The comparison's last lines: how far apart the second run's tail and eval losses are from
+    the first's, and PASS when both are within `bar`."""
+    base, other = runs
+    rel = lambda k: abs(other[k] - base[k]) / base[k]
+    return [f"{label}: loss {rel('tail_loss'):.2%} apart, eval loss {rel('eval_loss'):.2%} apart (bar: {bar:.0%})",
+            f"verdict: {'PASS' if max(rel('tail_loss'), rel('eval_loss')) <= bar else 'FAIL'}"]

@@ -31,10 +31,7 @@ def table(runs: dict, args) -> str:
              "| precision | loss, last 20 steps | eval loss | wall s |", "|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['tail_loss']:.4f} | {r['eval_loss']:.4f} | {r['seconds']:.0f} |"
               for r in runs.values()]
-    bf16, fp8 = runs["bf16"], runs["fp8"]
-    rel = lambda k: abs(fp8[k] - bf16[k]) / bf16[k]
-    lines += ["", f"fp8 / bf16: loss {rel('tail_loss'):.2%} apart, eval loss {rel('eval_loss'):.2%} apart (bar: {BAR:.0%})",
-              f"verdict: {'PASS' if max(rel('tail_loss'), rel('eval_loss')) <= BAR else 'FAIL'}"]
+    lines += ["", *bench_common.verdict_lines("fp8 / bf16", (runs["bf16"], runs["fp8"]), BAR)]
     return "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,10 @@ def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTar
     sizes = mesh.resolve(target.devices)
     abstract = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     if on_device:  # cuDNN's lowering wants devices: this host's stand in for the target's (the mesh's shape)
+        if len(jax.devices()) < abstract.size:
+            raise TargetCompileError(f"prepare(on_device=True) for {target.spec} (mesh {sizes}) lowers on {abstract.size} "
+                                     f"of this host's devices and it has {len(jax.devices())}: call "
+                                     f"xtrain.init(cpu_devices={abstract.size}) first")
         abstract = jax.sharding.Mesh(np.array(jax.devices()[:abstract.size]).reshape(abstract.axis_sizes),
                                      abstract.axis_names)
     shapes = batch_shapes(batch)
