@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=32, help="global batch")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--only", default="", help="comma-separated configuration labels to run (default: all)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -55,7 +56,7 @@ def configs(m: int):
     """(label, mesh, pipeline kwargs or None for pure data parallel)."""
     out = [("data parallel", dict(data=8), None)]
     for pipe in (2, 4):
-        for schedule in ("gpipe", "1f1b", "interleaved"):
+        for schedule in ("gpipe", "1f1b", "interleaved", "zbh1"):
             kwargs = dict(stages=pipe, microbatches=m, schedule=schedule)
             if schedule == "interleaved":
                 kwargs["virtual_stages"] = 2
@@ -91,7 +92,9 @@ def main(argv=None):
     tokens, _ = split_corpus(default_corpus())
     rng = np.random.default_rng(0)
     batches = [sample_batch(tokens, rng, args.batch, args.seq) for _ in range(1 + args.warmup + args.steps)]
-    built = [(label, pipeline, *build(args, mesh, pipeline, batches)) for label, mesh, pipeline in configs(args.microbatches)]
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    chosen = [c for c in configs(args.microbatches) if not only or c[0] in only]
+    built = [(label, pipeline, *build(args, mesh, pipeline, batches)) for label, mesh, pipeline in chosen]
     # rounds: every configuration steps once per round, so load from other processes on a
     # shared machine falls on all of them alike
     seconds = {label: [] for label, *_ in built}

@@ -32,7 +32,9 @@ SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, whi
 SKIPPED_ACT_OFFLOAD = "not lowered: fits with the activations on the device, which saves the host transfers"
 # a candidate's name for what it offloads
 OFFLOAD_NAMES = {Offload.NONE: "", Offload.OPTIMIZER: " offload", Offload.ACTIVATIONS: " act-offload"}
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zbh1")
+# schedules that branch per stage (lax.switch): not on Trainium, which runs no conditionals
+BRANCHING = ("zbh1",)
 # mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices, expert
 # parallel's all-to-alls next
 DEFAULT_ORDER = ("data", "pipe", "context", "expert", "tensor")
@@ -60,7 +62,7 @@ class Candidate:
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
         pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
-        schedule: the pipeline schedule, "gpipe" or "1f1b".
+        schedule: the pipeline schedule, "gpipe", "1f1b" or "zbh1" (zero bubble; not on Trainium).
         order: the mesh axes from outermost to innermost (device ids are numbered row-major
             over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
         precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with
@@ -98,9 +100,10 @@ class Candidate:
         if self.pipe == 1 and (self.microbatches, self.schedule) != (1, "gpipe"):
             raise PlanError(f"Candidate(pipe=1, microbatches={self.microbatches}, schedule={self.schedule!r}): "
                             "microbatches and schedule belong to a pipeline; set pipe >= 2")
-        if self.schedule == "1f1b" and self.remat:
-            raise PlanError("Candidate(schedule='1f1b', remat=True): 1F1B always recomputes each stage from its "
-                            "input; use remat=False")
+        if self.schedule != "gpipe" and self.remat:
+            raise PlanError(f"Candidate(schedule={self.schedule!r}, remat=True): remat is GPipe's per-stage "
+                            "checkpoint (1F1B always recomputes each stage from its input; zero bubble keeps the "
+                            "forward's residuals for its B and W); use remat=False")
 
     def _check_offload(self) -> None:
         names = [o.value for o in Offload]
@@ -184,8 +187,9 @@ class Candidate:
     @property
     def saves_memory_only(self) -> bool:
         """Remat, 1F1B and offload never make a step faster (recomputation, lockstep ticks,
-        host transfers)."""
-        return self.remat or self.schedule != "gpipe" or self.offload is not Offload.NONE
+        host transfers); a zero-bubble schedule can (it runs each matmul once, no bubble ticks
+        beyond the warm-up's)."""
+        return self.remat or self.schedule == "1f1b" or self.offload is not Offload.NONE
 
     @property
     def plain(self) -> "Candidate":
@@ -254,7 +258,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     (Offload.ACTIVATIONS needs a layer scan: leave it out for a model without repeated blocks).
 
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
-    of `microbatches` (default (p, 2p, 4p)) and of `schedules`; remat there is GPipe's
+    of `microbatches` (default (p, 2p, 4p)) and of `schedules` (on Trainium without the
+    zero-bubble ones, which branch); remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
     add expert-parallel points, with and without a pipeline (inside one, each stage's experts
     split over `expert`); `context`: context-parallel degrees
@@ -266,6 +271,8 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     if bad:
         raise PlanError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
                         f"divisors of {devices}, e.g. {_divisors(devices)}")
+    if _neuron(profile):  # no conditionals there
+        schedules = [s for s in schedules if s not in BRANCHING]
     out = []
     for p, c in ((p, c) for p in pipe_degrees for c in context):
         for t in (t for t in tensor_degrees or _tensor_degrees(devices, profile) if devices % (t * p * c) == 0):
@@ -275,6 +282,11 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
                 out += [dataclasses.replace(x, expert=e, context=c, ulysses=u) for x in points
                         for u in (_divisors(c) if ulysses and p == 1 else (1,))]
     return out
+
+
+def _neuron(profile: HardwareProfile) -> bool:
+    kind = topology.INSTANCES.get(profile.name.split("[")[0])
+    return bool(kind and kind.backend is topology.Backend.NEURON)
 
 
 def _tensor_degrees(devices: int, profile: HardwareProfile) -> list[int]:

@@ -199,6 +199,7 @@ def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
     target = target or (Target.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else Target())
     sizes = dict(mesh.shape)
     _check_context(plan, sizes)
+    _check_schedule(plan, target)
     traced = trainable.model.specialised(plan.trace_options(sizes, options.lowering))  # head split, kernels
     model = precision.apply_policy(traced, plan.precision)
     shapes = model.param_shapes()
@@ -208,6 +209,14 @@ def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
     layout = layout_mod.resolve(plan, sizes, shapes, optimized=trainable.optimized,
                                 lr_groups=trainable.lr_groups, scan_layers=scan)
     return plan, model, layout
+
+
+def _check_schedule(plan: Plan, target: Target) -> None:
+    """A zero-bubble schedule branches per stage (lax.switch): Trainium runs no conditionals."""
+    pipe = plan.pipeline
+    if pipe is not None and pipe.schedule in schedule.ZERO_BUBBLE and target.platform == "neuron":
+        raise PlanError(f"Pipeline(schedule={pipe.schedule!r}) branches on what each stage does at each tick, and "
+                        "Trainium (Neuron) runs no conditionals: use schedule='1f1b' or 'interleaved' there")
 
 
 def _check_context(plan: Plan, sizes: dict[str, int]) -> None:

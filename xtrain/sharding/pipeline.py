@@ -7,7 +7,7 @@ from typing import Sequence, Union
 from xtrain.errors import PlanError
 
 Split = Union[str, tuple[str, ...]]
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the tables of xtrain.lowering.pipeline.schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")  # the tables of xtrain.lowering.pipeline.schedule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,7 +20,10 @@ class Pipeline:
             batch is cut into (global batch = data degree x m x microbatch size).
         schedule: "gpipe" (all forwards, then all backwards), "1f1b" (one forward, one
             backward: at most p - s microbatches held at stage s) or "interleaved" (1F1B over
-            `virtual_stages` chunks per stage; m must be divisible by `stages`).
+            `virtual_stages` chunks per stage; m must be divisible by `stages`) or "zbh1" (zero
+            bubble: each backward split into its input-gradient and weight-gradient halves, the
+            latter filling the ticks 1F1B idles; CPU and GPU, not Trainium, which has no
+            conditionals).
         split: "auto" (balance the stages by FLOPs and bytes measured on the traced graph) or
             the module paths where stages 1..p-1 start, e.g. ("blocks.2", "blocks.5").
         virtual_stages: chunks per stage for "interleaved" (v >= 2); 1 otherwise.

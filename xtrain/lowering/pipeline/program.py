@@ -109,7 +109,8 @@ class PipelineProgram:
         lines = [f"pipeline: {p.schedule}, {p.stages} stages x {p.microbatches} microbatches"
                  + (f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else "")
                  + f", {len(table.ticks)} ticks, bubble {table.bubble():.1%} "
-                 f"(GPipe/1F1B ideal (p-1)/(m+p-1) = {(p.stages - 1) / (p.microbatches + p.stages - 1):.1%})"]
+                 f"(lockstep, F = B = W = 1; GPipe/1F1B ideal (p-1)/(m+p-1) = "
+                 f"{(p.stages - 1) / (p.microbatches + p.stages - 1):.1%})"]
         if self.cut.blocks.variants:
             lines.append(f"  {self.cut.blocks.prefix}: one family; {self.cut.blocks.variants.describe()}")
         for vs in range(p.chunks):
@@ -126,9 +127,13 @@ class PipelineProgram:
                          + f": {', '.join(mods)}; {cost.flops / 1e6:.2f} MFLOP per microbatch (all of it, before data/tensor splits), params "
                          f"{cost.param_bytes / 2**20:.2f} MiB, activations {cost.activation_bytes / 2**20:.2f} MiB")
         held = [table.held(s) for s in range(p.stages)]
-        lines.append(f"  activations held per stage (microbatch inputs): {held}; lockstep SPMD: "
-                     + ("a tick runs a forward or a backward" if p.schedule == "gpipe"
-                        else "every tick runs a forward and a backward (vjp) on every stage, masked"))
+        if table.split_backward:
+            lines.append(f"  microbatches held per stage (the forward's residuals, from F to W): {held}; lockstep "
+                         "SPMD: a tick runs one F, B or W per stage (lax.switch), no masked or recomputed work")
+        else:
+            lines.append(f"  activations held per stage (microbatch inputs): {held}; lockstep SPMD: "
+                         + ("a tick runs a forward or a backward" if p.schedule == "gpipe"
+                            else "every tick runs a forward and a backward (vjp) on every stage, masked"))
         if self.storage:
             lines.append(f"  block parameters stored on their stages: {len(self.storage.groups)} families, rows split over "
                          f"'{p.axis}' (each stage stores only its layers; gradients reduced over the data axes); the "

@@ -1,17 +1,29 @@
 """Pipeline schedules as explicit tables: at each tick, what each pipeline stage does.
 
 A table has one row per tick and one entry per stage (device along the `pipe` axis): the
-forward or backward of one microbatch (of one virtual chunk, for the interleaved schedule),
-or nothing. Every entry is one unit of time, a forward and a backward alike, so a table's
-bubble is its share of idle entries. Tables are built by running each stage's Megatron-style
-order of work greedily: a stage does its next action as soon as what it depends on finished
-at an earlier tick (the forward on the previous virtual stage, the backward on the next).
+forward (F) or backward of one microbatch (of one virtual chunk, for the interleaved schedule),
+or nothing. The zero-bubble schedule splits the backward in two: B, the input gradient (what
+the previous stage waits for), and W, the weight gradient (which nothing waits for, so it can
+fill the ticks where a stage would idle); the other schedules run B and W as one backward.
+
+Durations: F = B = W = 1 (a backward's two matmuls per forward matmul, one each), so a
+combined backward lasts 2. A table's bubble is the idle share of stage-time when each entry
+starts as soon as its stage and its inputs are ready (`Table.time`): GPipe's and 1F1B's is
+(p - 1) / (m + p - 1). Tables are built by running each stage's order of work greedily: a
+stage does its next action as soon as what it depends on finished at an earlier tick (the
+forward on the previous virtual stage, the backward on the next).
 
     GPipe        all forwards, then all backwards (reverse order, as autodiff gives)
     1F1B         min(p - s - 1, m) warm-up forwards at stage s, then one forward / one
                  backward alternately, then the remaining backwards: p - s microbatches held
     interleaved  v chunks per stage, virtual stage c * p + s on stage s; warm-up
                  (p - s - 1) * 2 + (v - 1) * p; needs m divisible by p
+    zbh1         zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, its
+                 H1 schedule's idea): a stage does a ready B first, else its next F while it
+                 holds fewer than min(p - s, ...) microbatches before their B (1F1B's limit) and
+                 at most p + 1 in all (one more than 1F1B's first stage), else a pending W. The
+                 W's move into the cool-down, where 1F1B idles: for m >= p the table is
+                 3m + p - 1 ticks against 1F1B's 3(m + p - 1) units of time
 """
 from __future__ import annotations
 
@@ -25,8 +37,12 @@ from xtrain.sharding.pipeline import SCHEDULES
 class Kind(enum.IntEnum):
     IDLE = 0
     FORWARD = 1
-    BACKWARD = 2
+    BACKWARD = 2   # the whole backward, or B (the input gradient) in a zero-bubble table
+    WEIGHT = 3     # W: the weight gradient of a zero-bubble table
 
+
+ZERO_BUBBLE = ("zbh1",)  # schedules whose backward is split into B and W
+_TAGS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.WEIGHT: "W"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +54,7 @@ class Op:
     chunk: int = 0
 
     def __str__(self) -> str:
-        tag = "F" if self.kind == Kind.FORWARD else "B"
-        return f"{tag}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{_TAGS[self.kind]}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +74,53 @@ class Table:
     def virtual_stage(self, stage: int, chunk: int) -> int:
         return chunk * self.stages + stage
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward runs as B and W (a zero-bubble table)."""
+        return self.name in ZERO_BUBBLE
+
+    def duration(self, op: Op | None) -> int:
+        """Units of time of one entry: F = B = W = 1, a combined backward 2, idle 0."""
+        if op is None:
+            return 0
+        return 2 if op.kind == Kind.BACKWARD and not self.split_backward else 1
+
+    def time(self) -> int:
+        """Units of time from the first entry's start to the last one's end, each entry starting
+        as soon as its stage is free and what it depends on has finished (the table's order
+        per stage kept): the schedule's own length, as a pipeline without lockstep runs it."""
+        free, end = [0] * self.stages, {}
+        for row in self.ticks:
+            for s, op in enumerate(row):
+                if op is None:
+                    continue
+                vs = self.virtual_stage(s, op.chunk)
+                after = [free[s]]
+                if op.kind == Kind.FORWARD and vs:
+                    after.append(end[(Kind.FORWARD, op.microbatch, vs - 1)])
+                if op.kind == Kind.BACKWARD and vs < self.virtual_stages - 1:
+                    after.append(end[(Kind.BACKWARD, op.microbatch, vs + 1)])
+                free[s] = end[(op.kind, op.microbatch, vs)] = max(after) + self.duration(op)
+        return max(free)
+
     def bubble(self) -> float:
-        """Share of (tick, stage) entries that are idle."""
-        slots = len(self.ticks) * self.stages
-        return sum(op is None for row in self.ticks for op in row) / slots
+        """Idle share of stage-time over `time()` (durations: `duration`). The lockstep
+        executors run a tick as long as its longest entry and, for 1F1B and interleaved, a
+        whole vjp on every tick: what that costs is in the step's program, not here."""
+        busy = sum(self.duration(op) for row in self.ticks for op in row)
+        return 1 - busy / (self.time() * self.stages)
 
     def held(self, stage: int) -> int:
         """Peak number of (microbatch, chunk) activations stage `stage` holds: forward done,
-        backward not yet."""
+        backward (W, in a zero-bubble table) not yet."""
+        last = Kind.WEIGHT if self.split_backward else Kind.BACKWARD
         live, peak = set(), 0
         for row in self.ticks:
             op = row[stage]
             if op is not None and op.kind == Kind.FORWARD:
                 live.add((op.microbatch, op.chunk))
                 peak = max(peak, len(live))
-            elif op is not None:
+            elif op is not None and op.kind == last:
                 live.discard((op.microbatch, op.chunk))
         return peak
 
@@ -121,11 +168,43 @@ def _ready(table: Table, op: Op, stage: int, done: dict) -> bool:
     return vs == table.virtual_stages - 1 or ("B", op.microbatch, vs + 1) in done
 
 
+def _zero_bubble_op(p: int, m: int, s: int, count: dict, done: dict, t: int) -> Op | None:
+    """What stage s does at tick t of the zero-bubble table (module docstring): count holds
+    (kind, stage) -> how many it did, done (tag, microbatch, stage) -> tick."""
+    f, b, w = (count[(k, s)] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT))
+    earlier = lambda key: done.get(key, t) < t
+    if b < f and earlier(("F", b, s)) and (s == p - 1 or earlier(("B", b, s + 1))):
+        return Op(Kind.BACKWARD, b)
+    if f < m and (s == 0 or earlier(("F", f, s - 1))) and f - b < p - s and f - w < p + 1:
+        return Op(Kind.FORWARD, f)
+    if w < b and earlier(("B", w, s)):
+        return Op(Kind.WEIGHT, w)
+    return None
+
+
+def _zero_bubble(name: str, p: int, m: int) -> Table:
+    count = {(k, s): 0 for k in Kind for s in range(p)}
+    done: dict = {}
+    rows: list[tuple] = []
+    while any(count[(Kind.WEIGHT, s)] < m for s in range(p)):
+        row = tuple(_zero_bubble_op(p, m, s, count, done, len(rows)) for s in range(p))
+        if not any(row):
+            raise AssertionError(f"{name} schedule deadlocked at tick {len(rows)}")
+        for s, op in enumerate(row):
+            if op is not None:
+                count[(op.kind, s)] += 1
+                done[(_TAGS[op.kind], op.microbatch, s)] = len(rows)
+        rows.append(row)
+    return Table(name, p, m, 1, tuple(rows))
+
+
 def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
-    """The schedule table `name` ("gpipe", "1f1b", "interleaved") for p stages, m microbatches
-    and v chunks per stage (interleaved only)."""
+    """The schedule table `name` ("gpipe", "1f1b", "interleaved", "zbh1") for p stages, m
+    microbatches and v chunks per stage (interleaved only)."""
     if name not in SCHEDULES:
         raise PlanError(f"pipeline schedule {name!r} is not one of {SCHEDULES}")
+    if name in ZERO_BUBBLE:
+        return _zero_bubble(name, stages, microbatches)
     chunks = chunks if name == "interleaved" else 1
     orders = _orders(name, stages, microbatches, chunks)
     shape = Table(name, stages, microbatches, chunks, ())
@@ -138,8 +217,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
             row.append(order.pop(0) if ok else None)
         for s, op in enumerate(row):
             if op is not None:
-                tag = "F" if op.kind == Kind.FORWARD else "B"
-                done[(tag, op.microbatch, shape.virtual_stage(s, op.chunk))] = len(rows)
+                done[(_TAGS[op.kind], op.microbatch, shape.virtual_stage(s, op.chunk))] = len(rows)
         if not any(row):
             raise AssertionError(f"{name} schedule deadlocked at tick {len(rows)}")
         rows.append(tuple(row))

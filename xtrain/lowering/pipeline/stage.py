@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -23,6 +24,7 @@ from xtrain.lowering.explicit.layer_scan import layer_path, scan_with_stable_car
 from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.context import Context
 from xtrain.lowering.sharded import Sharded
+from xtrain.lowering.pipeline.branching import switch
 from xtrain.lowering.pipeline.graph import Cut
 
 
@@ -53,10 +55,13 @@ class Layers:
 
 
 class Stage:
-    """Interprets the cut graph for one microbatch: prologue -> this chunk's layers -> epilogue."""
+    """Interprets the cut graph for one microbatch: prologue -> this chunk's layers -> epilogue.
 
-    def __init__(self, ctx: Context, cut: Cut, consts):
-        self.ctx, self.cut, self.consts = ctx, cut, consts
+    `conditionals`: the target runs branches (CPU, GPU: the zero-bubble executor), so only the
+    last stage evaluates the epilogue (a branch on `last`) instead of every stage, masked."""
+
+    def __init__(self, ctx: Context, cut: Cut, consts, conditionals: bool = False):
+        self.ctx, self.cut, self.consts, self.conditionals = ctx, cut, consts, conditionals
         self.carry_layouts = None  # layouts of the activation passed between stages (set by `prologue`)
 
     def prologue(self, env: dict) -> list[Sharded]:
@@ -110,6 +115,12 @@ class Stage:
         picker = Picker(self.ctx, self.cut.blocks.variants, env.__getitem__, stacked=True)
         out, counts = self.layers(carry, shared, picker, params, *slots)
         env.update(zip(self.cut.blocks.outputs, out))
+        if self.conditionals:
+            closed, shapes = jax.make_jaxpr(lambda: self.epilogue(env), return_shape=True)()  # interpreted once
+            epilogue = lambda: tuple(jax.core.eval_jaxpr(closed.jaxpr, closed.consts))
+            nothing = lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
+            total, count = switch(last.astype(jnp.int32), [nothing, epilogue])
+            return [o.value for o in out], total, count, counts
         total, count = self.epilogue(env)
         zero = jnp.zeros((), total.dtype)
         return [o.value for o in out], jnp.where(last, total, zero), jnp.where(last, count, zero), counts

@@ -47,7 +47,7 @@ from xtrain.lowering.findings import Findings, collected
 from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.options import StepOptions
-from xtrain.lowering.pipeline import executors
+from xtrain.lowering.pipeline import executors, zero_bubble
 from xtrain.lowering.pipeline.program import PipelineProgram
 from xtrain.lowering.pipeline.stage import Layers, Stage, layer_counts, stack_layers, stage_rows, take
 from xtrain.lowering.state import TrainState
@@ -178,7 +178,7 @@ class PipelineStrategy:
         closed, cut, args = program.trace(training, shapes)
         ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes,
                          fallback=self.fallback, context=self.context, capacity_factor=self.capacity_factor)
-        return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts)
+        return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts, self.program.table.split_backward)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):
         """(run, x0): run(chunk params, other params, x, (batch_mb, i), chunk) for this device,
@@ -219,11 +219,12 @@ class PipelineStrategy:
         return loss, g_block, g_other, counts
 
     def _table_grads(self, run, rows, block, other, x0, mbs):
-        """The 1F1B-family table: gradients of the loss *sum*, divided by the total count at the
+        """The 1F1B-family and zero-bubble tables: gradients of the loss *sum*, divided by the total count at the
         end (the count is known only after the last forward; the scaling is linear)."""
         pipe = self.pipeline
         chunks, pull = jax.vjp(rows, block)
-        total, count, g_chunks, g_other, counts = executors.table_grads(
+        grads_of = zero_bubble.split_grads if self.program.table.split_backward else executors.table_grads
+        total, count, g_chunks, g_other, counts = grads_of(
             run, chunks, other, x0, mbs, self.program.ticks, pipe.stages, pipe.virtual_stages, pipe.axis)
         (g_block,) = pull(g_chunks)
         total, count = collectives.all_reduce(total, (pipe.axis,)), collectives.all_reduce(count, (pipe.axis,))

@@ -1,0 +1,144 @@
+"""Zero-bubble pipelines: the zbh1 table (every F, B and W once, in dependency order, W's in
+1F1B's bubbles), durations and the lockstep bubble of every schedule, the backward split into B
+and W without doing work twice, the dependence analysis that decides which residuals a stage
+keeps, and the refusal on Trainium. The training parity of zbh1 is in test_zero_bubble_parity.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import xtrain
+from xtrain.errors import PlanError
+from xtrain.ir.analysis import depends, flops
+from xtrain.lowering.pipeline import schedule
+from xtrain.lowering.pipeline.executors import tick_tables
+from xtrain.lowering.pipeline.schedule import Kind
+from xtrain.lowering.pipeline.split_backward import SplitBackward
+
+pytestmark = pytest.mark.unit
+
+SIZES = [(2, 4), (4, 8), (4, 16), (3, 5), (8, 16), (4, 2), (4, 1)]
+
+
+def _when(table):
+    seen = {}
+    for t, row in enumerate(table.ticks):
+        for s, op in enumerate(row):
+            if op is not None:
+                key = (op.kind, op.microbatch, s)
+                assert key not in seen, f"{key} scheduled twice"
+                seen[key] = t
+    return seen
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zbh1_runs_every_f_b_w_once_in_dependency_order(p, m):
+    table = schedule.build("zbh1", p, m)
+    when = _when(table)
+    assert len(when) == 3 * m * p
+    for i in range(m):
+        for s in range(p):
+            f, b, w = (when[(k, i, s)] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT))
+            assert f < b < w
+            if s:
+                assert when[(Kind.FORWARD, i, s - 1)] < f
+            if s < p - 1:
+                assert when[(Kind.BACKWARD, i, s + 1)] < b
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 5)])
+def test_zbh1_reaches_the_zero_bubble_length_and_holds_at_most_p_plus_1(p, m):
+    """3m + p - 1 unit ticks (F = B = W = 1): the bubble is only the warm-up's p - 1 ticks,
+    against 1F1B's p - 1 ticks of F + B + W."""
+    table, one_f_one_b = schedule.build("zbh1", p, m), schedule.build("1f1b", p, m)
+    assert len(table.ticks) == table.time() == 3 * m + p - 1
+    assert table.bubble() == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert table.bubble() < 0.6 * one_f_one_b.bubble()
+    assert max(table.held(s) for s in range(p)) <= p + 1
+    assert max(table.held(s) for s in range(p)) <= max(one_f_one_b.held(s) for s in range(p)) + 1
+
+
+def test_durations_a_whole_backward_lasts_two():
+    """F = B = W = 1 and a combined backward 2: GPipe's and 1F1B's time is 3(m + p - 1) units
+    and their bubble (p - 1) / (m + p - 1), zbh1's 3m + p - 1 units."""
+    p, m = 4, 8
+    for name in ("gpipe", "1f1b"):
+        table = schedule.build(name, p, m)
+        assert table.duration(schedule.Op(Kind.BACKWARD, 0)) == 2
+        assert table.time() == 3 * (m + p - 1) and table.bubble() == pytest.approx((p - 1) / (m + p - 1))
+    zero = schedule.build("zbh1", p, m)
+    assert [zero.duration(schedule.Op(k, 0)) for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)] == [1, 1, 1]
+
+
+def test_zbh1_prints_its_w_entries_and_buffers_stay_flat():
+    text = str(schedule.build("zbh1", 2, 4))
+    assert "W3" in text and "bubble 7.7%" in text
+    assert tick_tables(schedule.build("zbh1", 4, 8)).slots == tick_tables(schedule.build("zbh1", 4, 32)).slots
+
+
+# -- which residuals depend on the microbatch -------------------------------------------------
+
+def test_dependence_follows_scans_and_calls():
+    def f(w, x):
+        wt = w.T * 2.0                                          # the weights alone
+        y, per_layer = lax.scan(lambda h, _: (jnp.tanh(h @ wt), h.sum()), x, None, length=3)
+        cast = jax.jit(lambda a: a.astype(jnp.bfloat16))(w)     # a call of the weights alone
+        return wt, y, per_layer, cast, w
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert depends.outputs(closed, [False, True]) == [False, True, True, False, False]
+    assert depends.outputs(closed, [True, False]) == [True, True, True, True, True]
+
+
+# -- B and W: the backward cut in two ----------------------------------------------------------
+
+def _layers(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w["a"]) @ w["b"] + h, None
+
+    return lax.scan(layer, x, ws)[0].sum()
+
+
+def test_split_backward_equals_the_whole_backward_and_does_no_work_twice():
+    L, d, n = 3, 8, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    ws = {"a": jax.random.normal(keys[0], (L, d, 2 * d)), "b": jax.random.normal(keys[1], (L, 2 * d, d)) / 4}
+    x = jax.random.normal(keys[2], (n, d))
+    _, pull = jax.vjp(_layers, ws, x)
+    leaves = jax.tree.leaves(pull)
+    tree = jax.tree.structure(pull)
+
+    def backward(res, ct):
+        dw, dx = jax.tree.unflatten(tree, res)(ct)
+        return dx, dw
+
+    closed = jax.make_jaxpr(backward)(leaves, jnp.float32(1.0))
+    split = SplitBackward(closed, [True] + [False] * (len(closed.out_avals) - 1))
+    (dx,), edge = split.b(*leaves, jnp.float32(1.0))
+    dw = split.w(edge, *leaves, jnp.float32(1.0))
+    want_dw, want_dx = pull(jnp.float32(1.0))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6)
+    for got, want in zip(dw, jax.tree.leaves(want_dw)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # matmul FLOPs: B + W = the whole backward; W holds only the weight-gradient matmuls
+    whole = flops.count(closed).matmul
+    b_flops = flops.count(jax.make_jaxpr(lambda *a: split.b(*a))(*leaves, jnp.float32(1.0))).matmul
+    w_flops = flops.count(jax.make_jaxpr(lambda e, *a: split.w(e, *a))(edge, *leaves, jnp.float32(1.0))).matmul
+    weight_grads = L * 2 * (2 * n * d * 2 * d)  # dA and dB per layer
+    assert w_flops == weight_grads and b_flops + w_flops == whole
+
+
+def test_zero_bubble_is_refused_for_trainium():
+    import torch
+
+    from models import GPT
+    from xtrain.cost.program import abstract_step, trainable_of
+    from xtrain.frontend.torch_module import wrap
+
+    model = GPT(layers=2)
+    wrapped = wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = (np.zeros((8, 16), np.int32),) * 2
+    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule="zbh1")
+    with pytest.raises(PlanError, match="zbh1.*Trainium.*1f1b"):
+        abstract_step(trainable_of(wrapped.model, wrapped.tx), {"pipe": 2}, plan, batch, platform="neuron")
