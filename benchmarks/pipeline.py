@@ -12,7 +12,10 @@ Per configuration:
   per tick        step / ticks: what one lockstep tick really costs. A GPipe tick runs a
                   forward or a backward; a 1F1B / interleaved tick runs a forward and a
                   backward (one vjp) on every stage, masked where the table says idle or the
-                  other kind, so it costs about F + B (plus the recompute of the forward)
+                  other kind, so it costs about F + B (plus the recompute of the forward); a
+                  zbh1 tick runs one F, B or W per stage (lax.switch), nothing masked
+  matmul GFLOP    per device and step, from the traced program (the busiest stage's ticks for
+                  zbh1, whose branches run one at a time), masked and recomputed work included
   temporaries     XLA's compiled memory analysis, per device
 Emulated devices share the host's cores, so step times add up the work of all 8 devices:
 they measure total work (bubble ticks included, as every device executes them), not the
@@ -81,8 +84,19 @@ def build(args, mesh, pipeline, batches):
     return step, time.perf_counter() - start, step.compiled(*batches[0]).memory_analysis()
 
 
+def matmul_flops(step, pipeline) -> float:
+    """Matmul FLOPs one device runs per step (the busiest stage for a zero-bubble schedule)."""
+    from xtrain.ir.analysis import flops
+    from xtrain.lowering.pipeline import zero_bubble
+
+    if pipeline is not None and step.built.table.split_backward:
+        return max(zero_bubble.stage_matmul_flops(step.program(), step.built.table))
+    return flops.count(step.program()).matmul
+
+
 def main(argv=None):
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     import numpy as np
 
     import xtrain
@@ -110,26 +124,37 @@ def main(argv=None):
         table = None if pipeline is None else step.built.table
         r = dict(step_ms=1e3 * statistics.median(seconds[label]), compile_s=compile_s, temp=memory.temp_size_in_bytes,
                  args=memory.argument_size_in_bytes, ticks=1 if table is None else len(table.ticks),
-                 bubble=0.0 if table is None else table.bubble(), loss=losses[label])
+                 bubble=0.0 if table is None else table.bubble(), loss=losses[label],
+                 gflop=matmul_flops(step, pipeline) / 1e9)
         rows.append((label, r))
         print(f"{label:24s} step {r['step_ms']:8.1f} ms  ticks {r['ticks']:3d}  bubble {r['bubble']:6.1%}  "
               f"per tick {r['step_ms'] / r['ticks']:7.1f} ms  temporaries {r['temp'] / 2**20:7.2f} MiB  "
-              f"arguments {r['args'] / 2**20:6.2f} MiB  loss {r['loss']:.4f}  (first step {r['compile_s']:.0f} s)",
+              f"arguments {r['args'] / 2**20:6.2f} MiB  matmul {r['gflop']:.3f} GFLOP  loss {r['loss']:.4f}  "
+              f"(first step {r['compile_s']:.0f} s)",
               flush=True)
     write(args, rows)
 
 
 def write(args, rows):
     lines = [f"# Pipeline schedules on 8 emulated CPU devices ({datetime.date.today()})", "",
+             f"`python benchmarks/pipeline.py {' '.join(args.argv)}`".replace(" `", "`"), "",
              f"GPT (examples/gpt_model.py): {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
              f"global batch {args.batch}, {args.microbatches} microbatches, SGD; median of {args.steps} steps.",
              "Emulated devices share the host's cores: a step's time is the work of all 8 devices (bubble "
              "ticks included), not a real pipeline's overlap. Configurations take turns step by step.", "",
-             "| configuration | step ms | ticks | bubble | ms per tick | temporaries MiB | arguments MiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| configuration | step ms | ticks | bubble | ms per tick | matmul GFLOP per device | temporaries MiB | "
+             "arguments MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, r in rows:
         lines.append(f"| {label} | {r['step_ms']:.1f} | {r['ticks']} | {r['bubble']:.1%} | "
-                     f"{r['step_ms'] / r['ticks']:.1f} | {r['temp'] / 2**20:.2f} | {r['args'] / 2**20:.2f} |")
+                     f"{r['step_ms'] / r['ticks']:.1f} | {r['gflop']:.3f} | {r['temp'] / 2**20:.2f} | "
+                     f"{r['args'] / 2**20:.2f} |")
+    by = dict(rows)
+    for pipe in (2, 4):
+        zero, gpipe = by.get(f"pipe={pipe} zbh1"), by.get(f"pipe={pipe} gpipe")
+        if zero and gpipe:
+            lines.append(f"\npipe={pipe}: zbh1 / GPipe step time {zero['step_ms'] / gpipe['step_ms']:.2f}, matmul FLOPs "
+                         f"{zero['gflop'] / gpipe['gflop']:.2f}, temporaries {zero['temp'] / gpipe['temp']:.2f}")
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
