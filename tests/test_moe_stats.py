@@ -65,15 +65,16 @@ def test_expert_tokens_from_a_layer_scan_summed_over_micro_batches():
 
 @pytest.mark.e2e
 def test_expert_tokens_under_the_pipeline_schedules():
-    """Qwen3-MoE on 2 stages x 2 microbatches, 1F1B with expert parallel inside the stages and
-    GPipe over data=4: each layer's counts come from its stage, only from the ticks that run a
-    real forward (not the bubble's, nor a backward tick's recomputation), summed over the
-    microbatches and the devices: torch's router counts on the same batch."""
+    """Qwen3-MoE on 2 stages x 2 microbatches, 1F1B and zbh1 with expert parallel inside the
+    stages and GPipe over data=4: each layer's counts come from its stage, only from the ticks
+    that run a real forward (not the bubble's, nor a backward tick's recomputation), summed over
+    the microbatches and the devices: torch's router counts on the same batch."""
     model, make_opt, loss_fn, batches, _ = case("qwen3_moe")
     paths = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     expected = torch_expert_tokens(model, loss_fn, batches[0], paths)
     assert sum(map(sum, expected.values())) == batches[0][0].numel() * TOP_K * 2
-    for mesh, schedule in ((xtrain.Mesh(pipe=2, data=2, expert=2), "1f1b"), (xtrain.Mesh(pipe=2, data=4), "gpipe")):
+    for mesh, schedule in ((xtrain.Mesh(pipe=2, data=2, expert=2), "1f1b"), (xtrain.Mesh(pipe=2, data=4), "gpipe"),
+                           (xtrain.Mesh(pipe=2, data=2, expert=2), "zbh1")):
         m = copy.deepcopy(model)
         step = xtrain.compile(m, mesh, optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
                               plan=xtrain.Plan().with_pipeline(2, 2, schedule=schedule))

@@ -1,5 +1,5 @@
 """Pipeline parallelism trains like one device: GPipe, 1F1B and interleaved on pipe=2 and 4,
-uneven stages, pipe x tensor x data on HF GPT-2 (tied embeddings) and Llama, memory that stays
+uneven stages, pipe x tensor x data on HF GPT-2 (tied embeddings; 1F1B and zero bubble) and Llama, memory that stays
 flat in the number of microbatches for 1F1B, and the errors."""
 import dataclasses
 import functools
@@ -124,7 +124,7 @@ def hf_case(name):
     return model, make_opt, batches, torch_reference(model, make_opt, batches, lm_loss)
 
 
-@pytest.mark.parametrize("name,schedule", [("gpt2", "1f1b"), ("llama", "gpipe")])
+@pytest.mark.parametrize("name,schedule", [("gpt2", "1f1b"), ("llama", "gpipe"), ("gpt2", "zbh1")])
 def test_pipe_tensor_data_on_hf_models(name, schedule):
     model, make_opt, batches, reference = hf_case(name)
     mesh = dict(pipe=2, tensor=2, data=2)
