@@ -1,5 +1,5 @@
 """Plan(precision="fp8"): matmuls with float8_e4m3fn operands and float8_e5m2 gradients, per-tensor
-or rowwise current scaling (xtrain.lowering.fp8). On CPU XLA computes FP8 dots by upcasting, so the recipe is
+current scaling (xtrain.lowering.fp8). On CPU XLA computes FP8 dots by upcasting, so the recipe is
 checked bit for bit against a plain numpy reference, the matmul's gradients exactly on values the
 formats hold, training against bf16, and the program compiled for H100 keeps its FP8 GEMMs."""
 import copy
@@ -42,27 +42,6 @@ def test_quantize_dequantize_equals_a_numpy_reference_bit_for_bit(fmt):
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-def _rowwise_reference(x: np.ndarray, fmt, axes: tuple) -> np.ndarray:
-    """Rowwise: one scale per slice along the dims not in `axes` (amax over `axes`)."""
-    amax = np.max(np.abs(x), axis=axes, keepdims=True).astype(np.float32)
-    largest = np.float32(ml_dtypes.finfo(fmt).max)
-    scale = np.where(amax > 0, amax * np.float32(1 / largest), np.float32(1)).astype(np.float32)
-    return np.clip(x / scale, -largest, largest).astype(fmt), scale
-
-
-@pytest.mark.parametrize("axes", [(1,), (0,), (0, 2)])
-def test_rowwise_scales_and_quantization_equal_a_numpy_reference_bit_for_bit(axes):
-    rng = np.random.default_rng(2)
-    x = (rng.standard_cauchy(size=(16, 12, 4)) * np.exp(rng.uniform(-8, 8, size=(16, 1, 1)))).astype(np.float32)
-    x[3] = 0.0  # an all-zero row: scale 1
-    for fmt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-        scale = fp8.scale_along(jnp.asarray(x), fmt, axes)
-        q = fp8.quantize(jnp.asarray(x), fmt, scale)
-        want_q, want_scale = _rowwise_reference(x, np.dtype(fmt), axes)
-        np.testing.assert_array_equal(np.asarray(scale), want_scale)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
-
-
 DIMENSION_NUMBERS = [((4, 8), (8, 16), (((1,), (0,)), ((), ()))),           # x @ w
                      ((2, 5, 8), (16, 8), (((2,), (1,)), ((), ()))),        # torch's linear: ...a,ba->...b
                      ((3, 4, 8), (3, 8, 6), (((2,), (1,)), ((0,), (0,)))),  # batched
@@ -94,35 +73,6 @@ def test_fp8_matmul_and_its_gradients_are_exact_on_values_the_formats_hold(x_sha
         loss = fp8_loss if policy is None else jax.checkpoint(fp8_loss, policy=policy)
         for got, expected in zip(jax.grad(loss, (0, 1))(x, w), want):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-
-
-@pytest.mark.parametrize("x_shape,w_shape,dims", DIMENSION_NUMBERS)
-def test_rowwise_fp8_matmul_and_its_gradients_are_exact_on_values_the_formats_hold(x_shape, w_shape, dims):
-    """Every row of every operand, along any dims, holds its format's largest value (so every
-    rowwise scale is exact: 1 for e4m3, 2^-10 for the e5m2 cotangent): the rowwise FP8 matmul and
-    both gradients (each backward matmul quantized again along its own rows) equal float32's."""
-    rng = np.random.default_rng(3)
-
-    def held(shape, top):
-        v = rng.choice([0.0, 0.5, -1.0, 2.0, -3.0, 1.5, 4.0], size=shape).astype(np.float32)
-        parity = np.indices(shape).sum(axis=0) % 2 == 0  # every fiber of length >= 2 meets one
-        return jnp.asarray(np.where(parity, np.float32(top), v))
-
-    x, w = held(x_shape, 448.0), held(w_shape, -448.0)
-    out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), x, w)
-    c = held(out.shape, 57344.0) / 1024
-    fp8_loss = lambda a, b: jnp.sum(fp8.rowwise_matmul(a, b, dims, jnp.dtype(jnp.float32)) * c)
-    plain_loss = lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dims) * c)
-    assert float(fp8_loss(x, w)) == float(plain_loss(x, w))
-    for got, want in zip(jax.grad(fp8_loss, (0, 1))(x, w), jax.grad(plain_loss, (0, 1))(x, w)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # and a row's outlier no longer coarsens the other rows, as one per-tensor scale does
-    big = np.ones(x_shape, np.float32) * 0.01
-    big.flat[0] = 1000.0
-    ones = jnp.ones(w_shape, jnp.float32)
-    exact = jax.lax.dot_general(jnp.asarray(big), ones, dims)
-    err = lambda fn: float(jnp.abs(fn(jnp.asarray(big), ones, dims, jnp.dtype(jnp.float32)) - exact).max())
-    assert err(fp8.rowwise_matmul) < err(fp8.matmul)
 
 
 def _fp8_dots(jaxpr) -> int:
@@ -163,11 +113,8 @@ def test_fp8_plan_trains_as_bf16_does_on_data_and_tensor_parallel():
     kept = compiled("fp8", dict(data=8), bf16_modules=("lm_head",))  # traced, not run
     assert _fp8_dots(kept.program(*batches[0]).jaxpr) == 7 * 3
     _, tensor = train("fp8", dict(data=2, tensor=4))
-    step, rowwise = train("fp8", dict(data=2, tensor=4), scaling="rowwise")
-    assert _fp8_dots(step.program(*batches[0]).jaxpr) == 8 * 3
     np.testing.assert_allclose(data, bf16, rtol=5e-3)
     np.testing.assert_allclose(tensor, data, rtol=5e-3)
-    np.testing.assert_allclose(rowwise, bf16, rtol=5e-3)
     m = copy.deepcopy(model)  # ZeRO-3 with its backward re-gather (a jax.checkpoint policy)
     zero3 = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2),
                            plan=xtrain.Plan(zero=3, precision="fp8"), loss_fn=lm_loss)
@@ -188,16 +135,10 @@ def test_fp8_is_refused_where_the_hardware_has_none():
                                                                            rel=1e-3)
     with pytest.raises(PlanError, match="bf16_modules"):
         Precision(compute="bf16", bf16_modules=("lm_head",))
-    with pytest.raises(PlanError, match="delayed scaling.*not built yet"):
-        Precision(compute="fp8", scaling="delayed")
-    with pytest.raises(PlanError, match="scaling='rowwise' is for compute='fp8'"):
-        Precision(compute="bf16", scaling="rowwise")
 
 
-@pytest.mark.parametrize("scaling", ["current", "rowwise"])
-def test_fp8_gemms_survive_the_gpu_compiler(scaling):
-    """Compiled for 8 x H100 (deviceless): the GEMMs of the linear layers take FP8 operands, with
-    per-tensor and with rowwise scales (an outer product on the float32 product). (A
+def test_fp8_gemms_survive_the_gpu_compiler():
+    """Compiled for 8 x H100 (deviceless): the GEMMs of the linear layers take FP8 operands. (A
     quantize-dequantize round trip feeding a bf16 dot does not: XLA's GPU compiler drops it as
     excess precision, and the matmul would run in bf16.)"""
     from test_hf_models import lm_loss
@@ -209,8 +150,8 @@ def test_fp8_gemms_survive_the_gpu_compiler(scaling):
                                              max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
     ids = jax.ShapeDtypeStruct((16, 64), np.int32)
     program = xtrain.aot.compile(model, xtrain.Mesh(data=-1), target="p5.48xlarge", loss_fn=lm_loss,
-                                 optimizer=torch.optim.AdamW(model.parameters()),
-                                 plan=xtrain.Plan(precision=Precision(compute="fp8", scaling=scaling)), batch=(ids, ids))
+                                 optimizer=torch.optim.AdamW(model.parameters()), plan=xtrain.Plan(precision="fp8"),
+                                 batch=(ids, ids))
     types = dict(re.findall(r"%([\w.\-]+) = ([a-z0-9]+)\[", program.text))
     gemms = [re.findall(r"%([\w.\-]+)", re.search(r"fusion\(([^)]*)\)", line).group(1))
              for line in program.text.splitlines() if '"kind":"__triton_nested_gemm_fusion"' in line]

@@ -18,18 +18,8 @@ redundant, and the matmul would silently run in bf16 (found compiling for H100 h
 dot is what XLA's GPU compiler turns into an FP8 GEMM on Hopper; XLA:CPU computes it by
 upcasting, so every number is checkable on CPU.
 
-Rowwise scaling (`Precision(scaling="rowwise")`) gives each operand one scale per slice along
-the dims the matmul keeps (a token's row of activations, an output channel's row of weights):
-its amax is taken over the contracted dims only, so one outlier spoils its own row, not the
-tensor. The scales multiply the float32 product as an outer product. The backward's matmuls
-contract other dims (the dgrad contracts the weight's output channels, the wgrad the tokens), so
-there the operands are quantized again from their high-precision values along the new
-contracted dims, and the backward keeps x and w as they came (torchao's rowwise recipe keeps
-them too).
-
-A tensor split over mesh axes gets one scale (per row: one per row): its amax is a reduction
-over the whole tensor (over the contracted dims), which the lowering max-reduces over the axes
-it is split on, as it does any reduction.
+A tensor split over mesh axes gets one scale: its amax is a reduction over the whole tensor,
+which the lowering max-reduces over the axes it is split on, as it does any reduction.
 
 Sources: NVIDIA Transformer Engine's FP8 primer (E4M3 forward, E5M2 gradients, per-tensor
 scaling); JAX's and XLA's FP8 GEMM pattern (openxla/xla gemm_rewriter, "FP8 GEMM" patterns).
@@ -56,43 +46,6 @@ def scale_of(x, dtype):
     x / scale spans the format; 1 for an all-zero tensor. float32 scalar."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     return jnp.where(amax > 0, amax / np.float32(largest(dtype)), np.float32(1.0))
-
-
-def scale_along(x, dtype, axes):
-    """Rowwise current scaling: amax(|x|) over `axes` (kept as size-1 dims) over the largest
-    finite value of `dtype`; 1 where a row is all zero. float32, broadcastable against x."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(axes), keepdims=True)
-    # times the reciprocal, as XLA computes a division by a constant (so a reference can match it)
-    return jnp.where(amax > 0, amax * np.float32(1 / largest(dtype)), np.float32(1.0))
-
-
-def _out_scale(scale, contract, batch, lhs: bool, free_other: int):
-    """A rowwise scale of one dot_general operand (size 1 on its contracted dims) laid out
-    against the dot's output: (batch..., lhs free..., rhs free...)."""
-    ndim = scale.ndim
-    free = [d for d in range(ndim) if d not in contract and d not in batch]
-    out = jnp.transpose(scale, list(batch) + free + list(contract))
-    out = out.reshape(out.shape[:len(batch) + len(free)])
-    ones = (1,) * free_other
-    shape = out.shape[:len(batch)] + (out.shape[len(batch):] + ones if lhs else ones + out.shape[len(batch):])
-    return out.reshape(shape)
-
-
-def scaled_dot(a, b, dimension_numbers, a_fmt, b_fmt, rowwise: bool):
-    """dot_general(a, b) on FP8 operands (`a_fmt`, `b_fmt`), each quantized with its current
-    scale (per tensor, or per row along the dims this dot keeps), float32 out, rescaled."""
-    (ca, cb), (ba, bb) = dimension_numbers
-    if rowwise:
-        sa, sb = scale_along(a, a_fmt, ca), scale_along(b, b_fmt, cb)
-    else:
-        sa, sb = scale_of(a, a_fmt), scale_of(b, b_fmt)
-    out = jax.lax.dot_general(quantize(a, a_fmt, sa), quantize(b, b_fmt, sb), dimension_numbers,
-                              preferred_element_type=jnp.float32)
-    if not rowwise:
-        return out * (sa * sb)
-    free_a = a.ndim - len(ca) - len(ba)
-    free_b = b.ndim - len(cb) - len(bb)
-    return out * _out_scale(sa, ca, ba, True, free_b) * _out_scale(sb, cb, bb, False, free_a)
 
 
 def quantize(x, dtype, scale):
@@ -126,21 +79,6 @@ def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool):
     g_other = list(range(start, start + len(other_kept)))
     out = jax.lax.dot_general(g, other, ((g_other, other_kept), (list(range(n)), list(other_batch))),
                               preferred_element_type=jnp.float32)
-    unsorted = list(batch) + kept + list(np.take(contract, np.argsort(other_contract)).astype(int))
-    return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
-
-
-def _rowwise_cotangent(g, other, ndim: int, dimension_numbers, swap: bool):
-    """As _cotangent, with g (e5m2) and `other` (e4m3) quantized per row along the dims this
-    backward matmul keeps, from their high-precision values."""
-    (contract, other_contract), (batch, other_batch) = dimension_numbers
-    kept = [d for d in range(ndim) if d not in contract and d not in batch]
-    other_kept = [d for d in range(other.ndim) if d not in other_contract and d not in other_batch]
-    n = len(batch)
-    start = n if swap else n + len(kept)
-    g_other = list(range(start, start + len(other_kept)))
-    dims = ((g_other, other_kept), (list(range(n)), list(other_batch)))
-    out = scaled_dot(g, other, dims, E5M2, E4M3, rowwise=True)
     unsorted = list(batch) + kept + list(np.take(contract, np.argsort(other_contract)).astype(int))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
@@ -181,30 +119,7 @@ def _matmul_bwd(dimension_numbers, dtype, saved, g):
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rowwise_matmul(x, w, dimension_numbers, dtype):
-    """As `matmul` with rowwise scales; its backward quantizes again along each matmul's rows."""
-    return scaled_dot(x, w, dimension_numbers, E4M3, E4M3, rowwise=True).astype(dtype)
-
-
-def _rowwise_fwd(x, w, dimension_numbers, dtype):
-    return rowwise_matmul(x, w, dimension_numbers, dtype), (x, w)
-
-
-def _rowwise_bwd(dimension_numbers, dtype, saved, g):
-    x, w = saved
-    (xc, wc), (xb, wb) = dimension_numbers
-    dx = _rowwise_cotangent(g, w, x.ndim, dimension_numbers, swap=False)
-    dw = _rowwise_cotangent(g, x, w.ndim, ((wc, xc), (wb, xb)), swap=True)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-rowwise_matmul.defvjp(_rowwise_fwd, _rowwise_bwd)
-
-
-def dot(bind, eqn, ins, dtype, scaling: str = "current") -> list:
-    """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16);
-    `scaling`: "current" (per tensor) or "rowwise"."""
+def dot(bind, eqn, ins, dtype) -> list:
+    """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16)."""
     x, w = ins
-    fn = rowwise_matmul if scaling == "rowwise" else matmul
-    return [fn(x, w, eqn.params["dimension_numbers"], jnp.dtype(dtype))]
+    return [matmul(x, w, eqn.params["dimension_numbers"], jnp.dtype(dtype))]

@@ -49,7 +49,7 @@ def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str) -> list:
         return _eval(body, consts, [_cast(x, v.aval.dtype) for x, v in zip(ins, body.invars)], policy, paths, path)
     if eqn.primitive.name == "dot_general" and policy.fp8_matmul(path) and all(
             jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars):
-        return fp8.dot(walk.bind_eqn, eqn, ins, policy.dtype, policy.scaling)
+        return fp8.dot(walk.bind_eqn, eqn, ins, policy.dtype)
     if eqn.primitive.name in _MATMULS and not policy.keeps_fp32(path):
         # the product in the compute dtype too (its consumers cast it back): then the
         # backward matmuls, fed its cotangent, also run in the compute dtype

@@ -71,9 +71,6 @@ class LossScale:
             raise PlanError(f"LossScale.factor={self.factor!r} must be > 1 (2.0 halves on overflow)")
 
 
-SCALINGS = ("current", "rowwise")  # FP8 scaling recipes (xtrain.lowering.fp8)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
     """The precision policy of a Plan (`Plan(precision="bf16")` is shorthand).
@@ -83,15 +80,12 @@ class Precision:
         fp32_modules: fnmatch patterns over module paths whose matmuls stay float32.
         bf16_modules: under fp8, fnmatch patterns over module paths whose matmuls run in bf16.
         loss_scale: fp16's dynamic loss scale (default LossScale()); must be None otherwise.
-        scaling: under fp8, "current" (one scale per tensor, from this step's amax) or
-            "rowwise" (one per row along the dims each matmul keeps: xtrain.lowering.fp8).
     """
 
     compute: Compute | str = Compute.FP32
     fp32_modules: tuple[str, ...] = ()
     loss_scale: LossScale | None = None
     bf16_modules: tuple[str, ...] = ()
-    scaling: str = "current"
 
     def __post_init__(self):
         try:
@@ -108,13 +102,6 @@ class Precision:
         if self.bf16_modules and self.compute is not Compute.FP8:
             raise PlanError(f"Precision.bf16_modules={self.bf16_modules!r} is for compute='fp8' (it keeps those "
                             f"modules' matmuls in bf16), not {self.compute.value!r}")
-        if self.scaling not in SCALINGS:
-            hint = (" (delayed scaling, from an amax history kept as training state, is not built yet: use "
-                    "'current' or 'rowwise')" if self.scaling == "delayed" else "")
-            raise PlanError(f"Precision.scaling={self.scaling!r} must be one of {SCALINGS}{hint}")
-        if self.scaling != "current" and self.compute is not Compute.FP8:
-            raise PlanError(f"Precision.scaling={self.scaling!r} is for compute='fp8' (how its matmuls' operands are "
-                            f"scaled), not {self.compute.value!r}")
         if self.compute is Compute.FP16 and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.compute is not Compute.FP16 and self.loss_scale is not None:
