@@ -172,6 +172,11 @@ def _predicted(shape: Shape) -> dict:
             "reason": result.rows[0].reason}
 
 
+# what `prepare` can export: the deviceless compile's step and the GPU host's (cuDNN attention)
+# under each precision policy
+VARIANTS = {"blockwise": "bf16", "cudnn": "bf16", "fp8": "fp8"}
+
+
 def prepare(args) -> None:
     import jax
     import torch
@@ -183,14 +188,19 @@ def prepare(args) -> None:
     shape = shape_of(args)
     bundle = Path(args.bundle)
     bundle.mkdir(parents=True, exist_ok=True)
-    variants = {"blockwise": _export(shape, on_device=False)}
+    wanted = set(args.variants.split(","))
+    unknown = wanted - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: {sorted(unknown)} are not among {list(VARIANTS)}")
+    variants = {"blockwise": _export(shape, on_device=False)} if "blockwise" in wanted else {}
     with _cudnn_stand_in():
-        variants["cudnn"] = _export(shape, on_device=True)
-        variants["fp8"] = _export(shape, on_device=True, precision="fp8")
+        for name in (n for n in VARIANTS if n != "blockwise" and n in wanted):
+            variants[name] = _export(shape, on_device=True, precision=VARIANTS[name])
     with _cudnn_stand_in():  # the cost model on the step the GPU host builds (cuDNN attention)
         predicted = _predicted(shape)
     meta = {"shape": dataclasses.asdict(shape), "flags": list(backends.cuda_xla_flags()), "predicted": predicted,
-            "predicted_blockwise": _predicted(shape), "host": {"jax": jax.__version__, "torch": torch.__version__}}
+            "predicted_blockwise": _predicted(shape) if "blockwise" in wanted else None,
+            "host": {"jax": jax.__version__, "torch": torch.__version__}}
     (bundle / "steps.pkl").write_bytes(pickle.dumps(variants))
     (bundle / "meta.json").write_text(json.dumps(meta, indent=1))
     for name, v in variants.items():
@@ -413,7 +423,7 @@ def run(args) -> None:
                 (out / "deviceless.hlo.txt").write_text(text)
             results["deviceless"] = {**r, "schedule": schedule_facts(text)}
         save()
-    if not parts & {"blockwise", "cudnn", "fp8", "torch_eager", "torch_compile"}:  # no GPU needed: done
+    if not parts & {*VARIANTS, "torch_eager", "torch_compile"}:  # no GPU needed: done
         print(table(results))
         return
     os.environ["XLA_FLAGS"] = " ".join(flags)
@@ -422,7 +432,8 @@ def run(args) -> None:
     results["device"] = torch.cuda.get_device_name()  # torch does not hold the GPU's memory as JAX does
     peak = next((v for k, v in PEAKS.items() if k in results["device"]), None)
     results["peak"] = peak
-    for name in ("blockwise", "cudnn", "fp8"):
+    flops_of = next(iter(variants.values()))["model_flops"]  # the same model in every variant
+    for name in VARIANTS:
         if name not in parts or name not in variants:
             continue
         import jax
@@ -430,7 +441,7 @@ def run(args) -> None:
         results["jax"] = jax.__version__
         print(f"xtrain {name} on the GPU ...", flush=True)
         try:
-            r, text = _on_device(variants[name], shape, args.steps, peak, variants["blockwise"]["model_flops"])
+            r, text = _on_device(variants[name], shape, args.steps, peak, flops_of)
             if args.keep_text:
                 (out / f"{name}.hlo.txt").write_text(text)
             results[f"xtrain {name}"] = r
@@ -443,7 +454,7 @@ def run(args) -> None:
             continue
         print(f"{name} ...", flush=True)
         try:
-            results[name] = _torch_run(shape, args.steps, compiled, variants["blockwise"]["model_flops"], peak)
+            results[name] = _torch_run(shape, args.steps, compiled, flops_of, peak)
         except Exception as e:  # noqa: BLE001
             results["errors"][name] = f"{type(e).__name__}: {str(e)[:3000]}"
         save()
@@ -462,7 +473,7 @@ def table(r: dict) -> str:
              f"GPU host: jax {r.get('jax')}, ptxas {r.get('ptxas', '').splitlines()[-1:] or ''}; steps built on a CPU "
              f"host with jax {meta['host']['jax']}. XLA flags: `{' '.join(r.get('flags', []))}`.", "",
              "| run | step ms | tokens/s | TFLOP/s | MFU | peak GiB | compile s (torch: first step) |", "|---|---|---|---|---|---|---|"]
-    for name in ("xtrain blockwise", "xtrain cudnn", "xtrain fp8", "torch eager", "torch.compile"):
+    for name in (*(f"xtrain {v}" for v in VARIANTS), "torch eager", "torch.compile"):
         x = r.get(name)
         if x:
             mfu = f"{x['mfu']:.1%}" if x.get("mfu") else ""
@@ -496,8 +507,7 @@ def report(args) -> None:
     """The table again from a run's gpu_step.json, schedules re-read from its HLO texts."""
     out = Path(args.out)
     results = json.loads((out / "gpu_step.json").read_text())
-    for name, key in (("deviceless", "deviceless"), ("blockwise", "xtrain blockwise"), ("cudnn", "xtrain cudnn"),
-                      ("fp8", "xtrain fp8")):
+    for name, key in (("deviceless", "deviceless"), *((v, f"xtrain {v}") for v in VARIANTS)):
         text = out / f"{name}.hlo.txt"
         if text.exists() and key in results:
             results[key]["schedule"] = schedule_facts(text.read_text())
@@ -512,6 +522,7 @@ def main(argv=None) -> None:
     a = sub.add_parser("prepare")
     a.add_argument("--bundle", required=True)
     a.add_argument("--tiny", action="store_true")
+    a.add_argument("--variants", default="blockwise,cudnn,fp8", help=f"which of {list(VARIANTS)} to export")
     add_shape_args(a)
     b = sub.add_parser("run")
     b.add_argument("--bundle", required=True)
