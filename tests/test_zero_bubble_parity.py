@@ -3,6 +3,7 @@ standard, AdamW), runs each stage's forward, input-gradient and weight-gradient 
 microbatch (no masked or recomputed matmuls, unlike 1F1B's lockstep executor), and says so in
 its report."""
 import copy
+import re
 
 import pytest
 import torch
@@ -47,3 +48,13 @@ def test_zbh1_matches_torch_and_runs_each_matmul_once():
     text = str(step.report())
     assert "pipeline: zbh1, 4 stages x 8 microbatches, 27 ticks, bubble 11.1%" in text
     assert "a tick runs one F, B or W per stage (lax.switch)" in text
+    # memory: what 1F1B needs plus the buffers that keep residuals from F to W (the report's figure)
+    held = re.search(r"buffers for (\d+) microbatches, a scratch slot and the tick's own: ([\d.]+) MiB per device",
+                     text)
+    assert held and int(held.group(1)) == max(step.built.table.held(s) for s in range(4))
+    other = copy.deepcopy(model)
+    one_f_one_b = xtrain.compile(other, xtrain.Mesh(data=2, pipe=4), optimizer=adamw(other.parameters()),
+                                 loss_fn=lm_loss,
+                                 plan=xtrain.Plan().with_pipeline(stages=4, microbatches=8, schedule="1f1b"))
+    temporaries = lambda s: s.compiled(*batches[0]).memory_analysis().temp_size_in_bytes
+    assert temporaries(step) <= temporaries(one_f_one_b) + float(held.group(2)) * 2**20

@@ -218,14 +218,16 @@ class PipelineStrategy:
         (loss, counts), (g_block, g_other) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(block, other)
         return loss, g_block, g_other, counts
 
-    def _table_grads(self, run, rows, block, other, x0, mbs):
+    def _table_grads(self, run, rows, block, other, x0, mbs, note=None):
         """The 1F1B-family and zero-bubble tables: gradients of the loss *sum*, divided by the total count at the
         end (the count is known only after the last forward; the scaling is linear)."""
         pipe = self.pipeline
         chunks, pull = jax.vjp(rows, block)
-        grads_of = zero_bubble.split_grads if self.program.table.split_backward else executors.table_grads
-        total, count, g_chunks, g_other, counts = grads_of(
-            run, chunks, other, x0, mbs, self.program.ticks, pipe.stages, pipe.virtual_stages, pipe.axis)
+        args = (run, chunks, other, x0, mbs, self.program.ticks, pipe.stages, pipe.virtual_stages, pipe.axis)
+        if self.program.table.split_backward:
+            total, count, g_chunks, g_other, counts = zero_bubble.split_grads(*args, note=note)
+        else:
+            total, count, g_chunks, g_other, counts = executors.table_grads(*args)
         (g_block,) = pull(g_chunks)
         total, count = collectives.all_reduce(total, (pipe.axis,)), collectives.all_reduce(count, (pipe.axis,))
         scale = lambda g: g / count.astype(g.dtype)
@@ -248,8 +250,10 @@ class PipelineStrategy:
             other = {n: w for n, w in params.items() if n not in in_block}
             rows = lambda block: _chunk_rows(runner.cut, self.program.layers, self.storage, block, index,
                                              self.pipeline.virtual_stages)
-            grads_of = self._gpipe_grads if self.pipeline.schedule == "gpipe" else self._table_grads
-            loss, g_block, g_other, counts = grads_of(run, rows, block, other, x0, mbs)
+            if self.pipeline.schedule == "gpipe":
+                loss, g_block, g_other, counts = self._gpipe_grads(run, rows, block, other, x0, mbs)
+            else:
+                loss, g_block, g_other, counts = self._table_grads(run, rows, block, other, x0, mbs, stage.ctx.note)
             grads = {n: g for n, g in {**g_block, **g_other}.items() if n in state.params}
             blocks = runner.cut.blocks  # each MoE layer's tokens per expert, under its own module path
             counts = layer_counts(counts, self.program.layers, index, blocks.prefix, blocks.length, self.pipeline.axis,

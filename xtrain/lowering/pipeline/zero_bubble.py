@@ -24,6 +24,8 @@ refuses zero-bubble schedules for Neuron.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,8 +168,9 @@ def zeros_of(avals) -> list:
 
 
 def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: TickTables, p: int, v: int,
-                axis: str):
-    """As executors.table_grads (same arguments and results) for a zero-bubble table."""
+                axis: str, note=None):
+    """As executors.table_grads (same arguments and results) for a zero-bubble table; `note`
+    tells the report what the buffers hold."""
     stage = lax.axis_index(axis)
     send_forward, send_backward = ring(axis, p, 1), ring(axis, p, -1)
     K = tables.slots
@@ -178,6 +181,12 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
                   x0, other, chunk_avals, axis)
     shapes = lambda t: ([a.shape for a in t.fwd.kept_avals], [a.shape for a in t.split.boundary_avals()])
     params = (lambda c: [w[0] for w in chunks]) if v == 1 else (lambda c: [w[c] for w in chunks])
+    if note is not None:
+        size = lambda avals: sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals) / 2**20
+        kept, edge = size(probe.fwd.kept_avals), size(probe.split.boundary_avals())
+        note(f"zero bubble: per microbatch a stage keeps {kept:.2f} MiB of its forward's residuals from F to W, and B "
+             f"hands W {edge:.2f} MiB (the layers' output cotangents); buffers for {K} microbatches, a scratch slot "
+             f"and the tick's own: {v * (K + 2) * (kept + edge):.2f} MiB per device")
     def tick(carry, t):
         inputs, residuals, edges, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
