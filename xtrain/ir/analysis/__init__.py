@@ -7,4 +7,5 @@
     detour.py      low-rank detours (LoRA) in the dimension flow
     per_head.py    attention kernels (cuDNN, NKI) that carry the dimension flow's head split
     reshapes.py    how a reshape's dimensions correspond, for the dimension flow
+    depends.py     which outputs of a jaxpr depend on which inputs (forward data dependence)
 """

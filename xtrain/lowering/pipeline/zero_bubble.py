@@ -88,15 +88,14 @@ class _Tick:
     """A stage's forward, B and W traced for one tick's operands (their mesh-axis variance is
     the tick's): the forward with its kept residuals, the backward split into B and W."""
 
-    def __init__(self, run, args: tuple, x0: list, other: dict, chunk_avals: list, axis: str, saved=None,
-                 slots: int = 1):
+    def __init__(self, run, args: tuple, x0: list, axis: str, saved=None, slots: int = 1):
         """`saved`: the tick's (kept residuals, cotangents, last); zeros (the probe) if None."""
         self.fwd = fwd = _Forward(run, args)
         self.real = [jnp.issubdtype(x.dtype, jnp.inexact) for x in x0]
         self.y_avals = fwd.out_avals[:len(x0)]
         self.s_aval, self.n_aval = fwd.out_avals[len(x0)], fwd.out_avals[len(x0) + 1]
         self.counts_avals = jax.tree.unflatten(fwd.out_tree, fwd.out_avals)[3]
-        self.other, self.chunk_avals, self.slots = other, chunk_avals, slots
+        self.slots = slots
         if saved is None:
             kept = [widen(z, varying(a)) for z, a in zip(zeros_of(fwd.kept_avals), fwd.kept_avals)]
             gy = [widen(z, varying(a)) for a, r in zip(self.y_avals, self.real) if r
@@ -129,16 +128,17 @@ class _Tick:
         """One branch's results: zeros where the branch has none; the gradient accumulators as
         they came (`ops`) but in W, which adds to them in place."""
         pick = lambda value, avals: zeros_of(avals) if value is None else value
-        return (pick(y, self.y_avals), pick(kept, self.fwd.kept_avals), pick(s, [self.s_aval])[0] if s is None else s,
-                pick(n, [self.n_aval])[0] if n is None else n,
+        scalar = lambda value, aval: jnp.zeros(aval.shape, aval.dtype) if value is None else value
+        return (pick(y, self.y_avals), pick(kept, self.fwd.kept_avals), scalar(s, self.s_aval), scalar(n, self.n_aval),
                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.counts_avals) if counts is None else counts,
                 pick(dx, [a for a, r in zip(self.y_avals, self.real) if r]), pick(edge, self.split.boundary_avals()),
                 ops[5] if grads is None else grads)
 
     def branches(self, args) -> list:
-        """idle, F, B, W over (inputs, residuals, cotangents, edges, last) -- the buffers, read
-        inside the branch that needs them -- returning `outputs` (edge: what B hands to W).
-        `args(inputs)`: the stage function's arguments (w, o, x, batch_mb, i, c)."""
+        """idle, F, B, W over (inputs, residuals, cotangents, edges, last, (chunk grads, other
+        grads)): the buffers are read inside the branch that needs them, the gradients added in
+        W's; each returns `outputs` (edge: what B hands to W). `args(inputs)`: the stage
+        function's arguments (w, o, x, batch_mb, i, c)."""
         def saved(ops):
             inputs, residuals, cotangents, edges, last, _ = ops
             c, i = args(inputs)[5], args(inputs)[4]
@@ -174,11 +174,10 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     stage = lax.axis_index(axis)
     send_forward, send_backward = ring(axis, p, 1), ring(axis, p, -1)
     K = tables.slots
-    chunk_avals = [jax.ShapeDtypeStruct(w.shape[1:], w.dtype) for w in chunks]
     # the buffers' shapes: each tick traces its stage again at its operands' mesh-axis variance,
     # which the scan's carry settles
     probe = _Tick(run, ([w[0] for w in chunks], other, list(x0), microbatch(batch, 0), jnp.int32(0), jnp.int32(0)),
-                  x0, other, chunk_avals, axis)
+                  x0, axis)
     shapes = lambda t: ([a.shape for a in t.fwd.kept_avals], [a.shape for a in t.split.boundary_avals()])
     params = (lambda c: [w[0] for w in chunks]) if v == 1 else (lambda c: [w[c] for w in chunks])
     if note is not None:
@@ -187,6 +186,7 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         note(f"zero bubble: per microbatch a stage keeps {kept:.2f} MiB of its forward's residuals from F to W, and B "
              f"hands W {edge:.2f} MiB (the layers' output cotangents); buffers for {K} microbatches, a scratch slot "
              f"and the tick's own: {v * (K + 2) * (kept + edge):.2f} MiB per device")
+
     def tick(carry, t):
         inputs, residuals, edges, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
@@ -194,7 +194,7 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         read = lambda buffers: [b[c, slot] for b in buffers]
         args = lambda inputs: (params(c), other, read(inputs), microbatch(batch, i), i, c)
         # traced at this tick's operands (their mesh-axis variance); these reads feed only the trace
-        here = _Tick(run, args(inputs), x0, other, chunk_avals, axis, (read(residuals), read(cotangents), last), K)
+        here = _Tick(run, args(inputs), x0, axis, (read(residuals), read(cotangents), last), K)
         if shapes(here) != shapes(probe):
             raise AssertionError("zero-bubble: the stage's residuals differ between two traces")
         y, kept, s, n, counts, dx, edge, (g_chunks, g_other) = switch(
