@@ -282,4 +282,15 @@ def test_zero_bubble_candidates_are_costed_on_gpus_and_left_out_on_trainium():
     assert zero.cost.pipeline.bubble_fraction == pytest.approx(1 / 13)             # 3m + p - 1 = 13 ticks
     assert gpipe.cost.pipeline.bubble_fraction == pytest.approx(1 / 5)
     assert zero.prediction.memory_bytes > 0 and zero.prediction.step_s > 0
+    # the search lowers a zbh1 candidate only where its GPipe form, without its bubble, could win
+    listed = [c for c in listed if c.pipe == 1 or (c.data == 2 and not c.remat and c.schedule != "1f1b")]
+    result = search.search(net, tx, gpt_batch(), gpu, DEVICES, structure=describe(model), candidate_list=listed)
+    by = {r.candidate.schedule if r.candidate.pipe > 1 else r.candidate.name: r for r in result.rows}
+    fastest = min(r.prediction.step_s for r in result.rows if r.usable and r.candidate.schedule != "zbh1")
+    could_win = by["gpipe"].prediction.step_s * (1 - by["gpipe"].cost.pipeline.bubble_fraction) < fastest
+    assert (by["zbh1"].prediction is not None) == could_win
+    assert could_win or by["zbh1"].reason.startswith("not lowered: its GPipe form, even without its bubble")
+    unpruned = search.search(net, tx, gpt_batch(), gpu, DEVICES, structure=describe(model), candidate_list=listed,
+                             prune_remat=False)
+    assert all(r.prediction is not None for r in unpruned.rows if r.candidate.schedule == "zbh1")
 

@@ -28,6 +28,8 @@ SKIPPED_REMAT = "not lowered: fits without remat, which would only add recomputa
 # (xtrain/lowering/pipeline/executors.py)
 SKIPPED_1F1B = "not lowered: fits as GPipe; 1F1B only saves memory (each lockstep tick runs forward and backward)"
 SKIPPED_REJECTED = "not lowered: same collectives as its plain plan, which the target's checker rejects"
+SKIPPED_ZERO_BUBBLE = ("not lowered: its GPipe form, even without its bubble (all zero bubble can save), is slower "
+                       "than the best candidate")
 SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, which saves the host transfers"
 SKIPPED_ACT_OFFLOAD = "not lowered: fits with the activations on the device, which saves the host transfers"
 # a candidate's name for what it offloads
@@ -190,6 +192,11 @@ class Candidate:
         host transfers); a zero-bubble schedule can (it runs each matmul once, no bubble ticks
         beyond the warm-up's)."""
         return self.remat or self.schedule == "1f1b" or self.offload is not Offload.NONE
+
+    @property
+    def zero_bubble(self) -> bool:
+        """A zero-bubble schedule: lowered after the rest, when its GPipe form could win (search)."""
+        return self.schedule in BRANCHING
 
     @property
     def plain(self) -> "Candidate":

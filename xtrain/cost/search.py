@@ -55,8 +55,8 @@ from xtrain.cost import model as cost_model
 from xtrain.cost import listing, placement
 from xtrain.cost import program as program_mod
 # the search space lives in cost.candidates; its public names are the search's too
-from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, Candidate, candidates, context_degrees,
-                                    pipeline_degrees)
+from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, SKIPPED_ZERO_BUBBLE, Candidate, candidates,
+                                    context_degrees, pipeline_degrees)
 from xtrain.cost.hardware import HardwareProfile
 from xtrain.ir.structure import Structure
 from xtrain.lowering import accounting, offload
@@ -270,7 +270,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`,
             with context-parallel points where the batch's sequence is long: `context_degrees`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
-        prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit.
+        prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit,
+            and a zero-bubble one only when its GPipe form without a bubble would beat the best.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
         experts: the model's MoE expert weights (Trainable.experts): the default candidates then
@@ -306,7 +307,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             return Row(candidate=c, reason=f"{STATE_ALONE} {listing.size(need)} > {listing.size(profile.hbm_bytes)}")
         return evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
                         model_flops=facts.matmul_flops, experts=experts)
-    done = {c: lower(c) for c in candidate_list if not c.saves_memory_only}
+    done = {c: lower(c) for c in candidate_list if not c.saves_memory_only and not c.zero_bubble}
     for c in candidate_list:
         if c.saves_memory_only:
             plain = done.get(c.plain)
@@ -319,6 +320,15 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
                 done[c] = Row(candidate=placed, reason=c.skipped)
             else:
                 done[c] = lower(c)
+    fastest = min((r.prediction.step_s for r in done.values() if r.usable), default=None)
+    for c in (c for c in candidate_list if c.zero_bubble):
+        # zero bubble can at best remove the GPipe form's bubble: worth lowering only if that could win
+        gpipe = done.get(c.plain)
+        if prune_remat and gpipe is not None and gpipe.usable and fastest is not None and \
+                gpipe.prediction.step_s * (1 - gpipe.cost.pipeline.bubble_fraction) > fastest:
+            done[c] = Row(candidate=dataclasses.replace(c, order=gpipe.candidate.order), reason=SKIPPED_ZERO_BUBBLE)
+        else:
+            done[c] = lower(c)
     rows = [done[c] for c in candidate_list]
     if verify is not None:
         plan_of = lambda c: c.plan(tensor_plan(model, batch) if structure is not None else None,
