@@ -36,6 +36,11 @@ def test_zbh1_matches_torch_and_runs_each_matmul_once():
                           loss_fn=lm_loss)
     losses = [step(*b)["loss"] for b in batches]
     assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
+    trained = llama4()  # eval runs the GPipe forward loop over the same stages (no backward)
+    trained.load_state_dict(reference[1])
+    with torch.no_grad():
+        expected = lm_loss(trained.eval(), *batches[0]).item()
+    assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
 
     # per stage, the matmuls its ticks' branches run: one F, B and W per microbatch. Summed over
     # the stages that is the model's training FLOPs of one data shard's batch, plus only the
