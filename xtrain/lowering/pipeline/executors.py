@@ -130,7 +130,7 @@ def _like(cotangents, primals):
     return jax.tree.map(one, cotangents, primals)
 
 
-def _store(buffer, arrived, entry):
+def store(buffer, arrived, entry):
     """Writes `arrived` into buffer[chunk, slot] when entry's valid flag is set."""
     ok, c, slot = entry[0] == 1, entry[1], entry[2]
     old = buffer[c, slot]
@@ -154,7 +154,7 @@ def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
         y, s, c, counts = run(x, (microbatch(batch, i), i), active)
         zero = jnp.zeros_like(s)
         total, count = total + jnp.where(active, s, zero), count + jnp.where(active, c, zero)
-        return ([send(v) for v in y], total, count), _masked(counts, active)
+        return ([send(v) for v in y], total, count), masked(counts, active)
 
     zero = jnp.zeros((), jnp.float32)
     (_, total, count), counts = scan_tree(tick, ([lax.stop_gradient(v) for v in x0], zero, zero),
@@ -162,7 +162,7 @@ def gpipe_forward(run, x0: list, batch: list, p: int, m: int, axis: str):
     return total, count, {key: c.sum(axis=0)[None] for key, c in counts.items()}
 
 
-def _masked(counts: dict, keep, chunk=None, chunks: int = 1) -> dict:
+def masked(counts: dict, keep, chunk=None, chunks: int = 1) -> dict:
     """A tick's layer counts where it is a real forward (zero otherwise), at row `chunk` of
     (chunks, Lc, ...) when given."""
     out = {key: jnp.where(keep, c, jnp.zeros_like(c)) for key, c in counts.items()}
@@ -171,7 +171,7 @@ def _masked(counts: dict, keep, chunk=None, chunks: int = 1) -> dict:
     return {key: jnp.zeros((chunks,) + c.shape, c.dtype).at[chunk].set(c) for key, c in out.items()}
 
 
-def _with_aux(out):
+def with_aux(out):
     """Splits a stage function's (activation, sum, count, layer counts) for jax.vjp's has_aux."""
     return out[:3], out[3]
 
@@ -200,8 +200,8 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         keep = (kind == Kind.FORWARD) & last_stage(c)
         total, count = total + jnp.where(keep, s, jnp.zeros_like(s)), count + jnp.where(keep, n, jnp.zeros_like(n))
         act_in = take(tables.act_in, t)[stage]
-        inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
-        return (inputs, cotangents, g_chunks, g_other, total, count), _masked(counts, kind == Kind.FORWARD, c, v)
+        inputs = [store(b, forward(a), act_in) for b, a in zip(inputs, y)]
+        return (inputs, cotangents, g_chunks, g_other, total, count), masked(counts, kind == Kind.FORWARD, c, v)
 
     def tick(carry, t):
         inputs, cotangents, g_chunks, g_other, total, count = carry
@@ -210,7 +210,7 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         x = [b[c, slot] for b in inputs]
         mb = (microbatch(batch, i), i)
         params_c = [w[c] for w in chunks]
-        (y, s, n), vjp, counts = jax.vjp(lambda w, o, x: _with_aux(run(w, o, x, mb, c)), params_c, other, x,
+        (y, s, n), vjp, counts = jax.vjp(lambda w, o, x: with_aux(run(w, o, x, mb, c)), params_c, other, x,
                                          has_aux=True)
         is_b, is_f, last = kind == Kind.BACKWARD, kind == Kind.FORWARD, last_stage(c)
         gy = iter(_like([jnp.where(is_b & ~last, b[c, slot], jnp.zeros_like(b[c, slot])) for b in cotangents],
@@ -223,9 +223,9 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         zero = jnp.zeros_like(s)
         total, count = total + jnp.where(is_f & last, s, zero), count + jnp.where(is_f & last, n, zero)
         act_in, grad_in = take(tables.act_in, t)[stage], take(tables.grad_in, t)[stage]
-        inputs = [_store(b, forward(a), act_in) for b, a in zip(inputs, y)]
-        cotangents = [_store(b, backward(d), grad_in) for b, d in zip(cotangents, [d for d, r in zip(dx, real) if r])]
-        return (inputs, cotangents, g_chunks, g_other, total, count), _masked(counts, is_f, c, v)
+        inputs = [store(b, forward(a), act_in) for b, a in zip(inputs, y)]
+        cotangents = [store(b, backward(d), grad_in) for b, d in zip(cotangents, [d for d, r in zip(dx, real) if r])]
+        return (inputs, cotangents, g_chunks, g_other, total, count), masked(counts, is_f, c, v)
 
     zero = jnp.zeros((), jnp.float32)
     init = (buf(x0), buf([x for x, r in zip(x0, real) if r]), [jnp.zeros_like(w) for w in chunks], jax.tree.map(jnp.zeros_like, other), zero, zero)

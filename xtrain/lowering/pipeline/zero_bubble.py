@@ -35,7 +35,7 @@ from jax.extend import core as jcore
 from xtrain.ir.analysis import depends, flops
 from xtrain.lowering.pipeline import split_backward
 from xtrain.lowering.pipeline.branching import evaluator, switch, varying, widen
-from xtrain.lowering.pipeline.executors import TickTables, _masked, _store, _with_aux, scan_tree
+from xtrain.lowering.pipeline.executors import TickTables, masked, scan_tree, store, with_aux
 from xtrain.lowering.pipeline.schedule import Kind, Table
 from xtrain.lowering.pipeline.stage import microbatch, ring, take
 
@@ -48,7 +48,7 @@ class _Forward:
         box = {}
 
         def forward(w, o, x, batch_mb, i, c):
-            (y, s, n), pull, counts = jax.vjp(lambda w, o, x: _with_aux(run(w, o, x, (batch_mb, i), c)), w, o, x,
+            (y, s, n), pull, counts = jax.vjp(lambda w, o, x: with_aux(run(w, o, x, (batch_mb, i), c)), w, o, x,
                                               has_aux=True)
             leaves, box["tree"] = jax.tree.flatten(pull)
             return (y, s, n, counts), leaves
@@ -204,9 +204,9 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         # a write the tick does not make goes to the scratch slot K
         residuals = [r.at[c, jnp.where(is_f, slot, K)].set(k) for r, k in zip(residuals, kept)]
         edges = [e.at[c, jnp.where(is_b, slot, K)].set(k) for e, k in zip(edges, edge)]
-        inputs = [_store(b, send_forward(a), take(tables.act_in, t)[stage]) for b, a in zip(inputs, y)]
-        cotangents = [_store(b, send_backward(d), take(tables.grad_in, t)[stage]) for b, d in zip(cotangents, dx)]
-        return (inputs, residuals, edges, cotangents, g_chunks, g_other, total, count), _masked(counts, is_f, c, v)
+        inputs = [store(b, send_forward(a), take(tables.act_in, t)[stage]) for b, a in zip(inputs, y)]
+        cotangents = [store(b, send_backward(d), take(tables.grad_in, t)[stage]) for b, d in zip(cotangents, dx)]
+        return (inputs, residuals, edges, cotangents, g_chunks, g_other, total, count), masked(counts, is_f, c, v)
 
     buf = lambda avals, extra=0: [jnp.zeros((v, K + extra) + tuple(a.shape), a.dtype) for a in avals]
     zero = jnp.zeros((), jnp.float32)
