@@ -118,6 +118,9 @@ class Monitor:
         if rec.get("expert_tokens"):
             rec.update(expert_load(rec["expert_tokens"]))
             rec["expert_tokens"] = {p: [int(c) for c in counts] for p, counts in rec["expert_tokens"].items()}
+        for name in ("expert_dropped", "attention_blocks"):  # per-layer counts: plain ints for the log
+            if isinstance(rec.get(name), dict):
+                rec[name] = {p: np.asarray(c).tolist() for p, c in rec[name].items()}
         if tokens is not None:
             rec["tokens_per_s"] = tokens / rec["step_time_s"]
         if lr is not None:

@@ -11,12 +11,15 @@ apply, else the blockwise kernel (xtrain.ir.kernels.blockwise), traced inside a
 marker naming the choice (xtrain.ir.attention) for `step.report()`. A boolean mask the program
 builds from positions (HF's sliding window) lets the kernel skip the key blocks its static
 bound hides (xtrain.frontend.static_mask); calls of one shape whose masks differ share one
-structure (xtrain.frontend.uniform_attention).
+structure (xtrain.frontend.uniform_attention). A mask of packed documents (HF's from restarting
+position_ids) reaches the kernel as its per-token comparisons (xtrain.frontend.token_mask):
+no L x S mask, and the key blocks of other documents skipped at run time.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 from typing import Any
 
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from xtrain.errors import UnsupportedOpError
-from xtrain.frontend import static_mask, uniform_attention
+from xtrain.frontend import static_mask, token_mask, uniform_attention
 from xtrain.ir.kernels import blockwise as attention
 from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.ir import markers
@@ -195,7 +198,10 @@ def _blockwise(b: attention.Blocking, query, key, value, attn_mask, rng):
     *batch, hq, length, dim = query.shape
     hk = key.shape[-3]
     q = query.reshape(*batch, hk, hq // hk, length, dim)  # (..., Hk, G, L, D)
-    mask = None if attn_mask is None else _grouped_mask(attn_mask, hq, hk, q.ndim)
+    if isinstance(attn_mask, token_mask.Factors):
+        mask = tuple(_grouped_mask(x, hq, hk, q.ndim) for x in attn_mask.operands)
+    else:
+        mask = None if attn_mask is None else _grouped_mask(attn_mask, hq, hk, q.ndim)
     return attention.blockwise(q, key, value, mask, rng, b).reshape(*batch, hq, length, value.shape[-1])
 
 
@@ -234,6 +240,11 @@ def blockwise_call(query, key, value, attn_mask, scale: float, why: str, *, caus
     band = static_mask.bound(attn_mask)  # a sliding window built from positions: skip blocks outside it
     b = attention.blocking_for(length, source, block, scale=scale, causal=causal, dropout=dropout,
                                visible=lambda bq, bk: static_mask.visible_blocks(band, length, source, bq, bk))
+    documents = token_mask.factors(attn_mask)
+    if documents is not None:  # packed documents: each block's mask from its tokens, disjoint ones skipped
+        b = dataclasses.replace(b, factors=documents.ops, skip_at_run_time=_backend() != "neuron" and b.pairs() > 1)
+        with jax.named_scope(markers.name(attention.site(b, why, fused_on))):
+            return _blockwise(b, query, key, value, documents, rng)
     # calls of one shape share one structure (layers differing only in their masks stay one family)
     b, attn_mask = uniform_attention.adjust(b, query, key, value, attn_mask, band, rng, dropped_mask)
     with jax.named_scope(markers.name(attention.site(b, why, fused_on))):

@@ -92,6 +92,14 @@ def _additive(walk: _Walk, mask) -> np.ndarray | None:
     return seen if seen.any(axis=-1).all() else None
 
 
+def constant(t) -> np.ndarray | None:
+    """t's value when the traced program computes it from constants only, else None."""
+    try:
+        return _Walk().constant(t)
+    except Exception:
+        return None
+
+
 def bound(mask) -> np.ndarray | None:
     """A static bound of a mask being traced (see the module docstring), or None: boolean masks,
     and additive masks that are constants of the program (HF's eager sliding window)."""

@@ -43,6 +43,8 @@ class Site:
         fused_on: "cuda" when this blockwise call, traced on another backend, is one a CUDA host
             hands to cuDNN's fused kernel (the cost model then prices it as fused: its scores
             never go through device memory); "" otherwise.
+        documents: how a mask of packed documents is computed (xtrain.frontend.token_mask);
+            "" for other masks.
     """
 
     implementation: Implementation
@@ -52,6 +54,7 @@ class Site:
     why: str = ""
     skipped_by: str = "causal mask"
     fused_on: str = ""
+    documents: str = ""
 
     def describe(self) -> str:
         if self.implementation is Implementation.CUDNN:
@@ -62,7 +65,9 @@ class Site:
             return f"eager matmul-softmax-matmul left as written (full score matrix): {self.why}"
         skipped = f", {self.total - self.blocks} of {self.total} blocks skipped by the {self.skipped_by}" \
             if self.blocks < self.total else ""
-        return f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}){'; ' + self.why if self.why else ''}"
+        documents = f"; {self.documents}" if self.documents else ""
+        return (f"blockwise (block {self.block}, {self.blocks} block pairs{skipped}{documents})"
+                f"{'; ' + self.why if self.why else ''}")
 
 
 def sites(jaxpr, module_paths: frozenset[str]) -> dict[str, Site]:

@@ -36,6 +36,7 @@ from jax import lax
 from xtrain.errors import InputError, UnsupportedError
 from xtrain.ir.kernels import attention_dropout as dm
 from xtrain.ir.kernels import blockwise as bw
+from xtrain.ir.kernels import documents
 from xtrain.lowering import collectives
 
 
@@ -73,9 +74,14 @@ class Ring:
     def block(self) -> int:
         return min(self.call.block_q, self.chunk)
 
-    def piece(self, length: int, source: int, causal: bool) -> bw.Blocking:
+    def piece(self, length: int, source: int, causal: bool, masked: bool = False) -> bw.Blocking:
+        """The blocking of one chunk's call; `masked`: it takes the call's mask (a mask of packed
+        documents: its factors and their run-time skip)."""
         b = self.call
-        return bw.Blocking(b.scale, causal, min(self.block, length), min(self.block, source), length, source, b.dropout)
+        bq, bk = min(self.block, length), min(self.block, source)
+        factors = b.factors if masked else ()
+        skip = bool(factors) and b.skip_at_run_time and (-(-length // bq)) * (-(-source // bk)) > 1
+        return bw.Blocking(b.scale, causal, bq, bk, length, source, b.dropout, factors=factors, skip_at_run_time=skip)
 
     def pairs(self, hop: int) -> list[tuple[int, int]]:
         """Each device sends to the one `hop` places further round the ring."""
@@ -137,11 +143,21 @@ def _rows(x, start: int, size: int):
 
 
 def _mask_cols(ring: Ring, mask, source):
-    """The mask's columns of the key chunk held by ring position `source` (non-causal ring)."""
+    """The mask's columns of the key chunk held by ring position `source` (non-causal ring);
+    a mask of packed documents: each factor operand's (one with a single column as it is)."""
     if mask is None:
         return None
     n = ring.chunk
-    return lax.dynamic_slice_in_dim(mask, source * n, n, axis=mask.ndim - 1)
+    cut = lambda x: lax.dynamic_slice_in_dim(x, source * n, n, axis=x.ndim - 1) if x.shape[-1] > 1 else x
+    return tuple(cut(x) for x in mask) if isinstance(mask, tuple) else cut(mask)
+
+
+def executed_blocks(ring: Ring, q_rows: int, mask):
+    """The block pairs this device's pieces compute over the ring's steps (int32), for a mask
+    of packed documents (the blocks a piece skips at run time left out)."""
+    here = ring.position()
+    piece = ring.piece(q_rows, ring.chunk, False, masked=True)
+    return sum(documents.executed_blocks(piece, _mask_cols(ring, mask, (here - t) % ring.size)) for t in ring.steps)
 
 
 def _pad_rows(x, before: int, after: int):
@@ -212,7 +228,7 @@ def _late_backward(ring: Ring, lower, q, k, v, out, lse, d_out, d):
 def _step_forward(ring: Ring, t: int, here, source, q, k, v, mask, drop):
     n, d = q.shape[-2], _placed(drop, here, source, q.shape[-2], ring)
     if not ring.call.causal:
-        return _piece_forward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), d)
+        return _piece_forward(ring.piece(n, n, False, mask is not None), q, k, v, _mask_cols(ring, mask, source), d)
     if t == 0:
         return _piece_forward(ring.piece(n, n, True), q, k, v, None, d)
     return _late_forward(ring, source < here, q, k, v, d)
@@ -221,7 +237,8 @@ def _step_forward(ring: Ring, t: int, here, source, q, k, v, mask, drop):
 def _step_backward(ring: Ring, t: int, here, source, q, k, v, mask, drop, out, lse, d_out):
     n, d = q.shape[-2], _placed(drop, here, source, q.shape[-2], ring)
     if not ring.call.causal:
-        return _piece_backward(ring.piece(n, n, False), q, k, v, _mask_cols(ring, mask, source), out, lse, d_out, d)
+        return _piece_backward(ring.piece(n, n, False, mask is not None), q, k, v, _mask_cols(ring, mask, source),
+                               out, lse, d_out, d)
     if t == 0:
         return _piece_backward(ring.piece(n, n, True), q, k, v, None, out, lse, d_out, d)
     return _late_backward(ring, source < here, q, k, v, out, lse, d_out, d)

@@ -260,7 +260,8 @@ class TrainStep:
     def __call__(self, *batch: Any) -> dict[str, float]:
         """One optimizer step on a global batch: {"loss": float}, "grad_norm" (before clipping) and
         "skipped" when the step can skip updates (clipping, detect_nan, input checks, fp16), "loss_scale"
-        under fp16, "expert_tokens" ({MoE layer: tokens per expert}); a skipped step raises unless fp16 skipped it."""
+        under fp16, "expert_tokens" ({MoE layer: tokens per expert}), "attention_blocks" ({attention: block
+        pairs computed} where a mask of packed documents skips blocks); a skipped step raises unless fp16 skipped it."""
         if self._intercept is not None:
             intercept, self._intercept = self._intercept, None
             if intercept.build:

@@ -14,6 +14,14 @@ of every product, so a split of either over a mesh axis stays local.
 Shapes: q (..., Hk, G, L, D), k (..., Hk, S, D), v (..., Hk, S, Dv), mask (or additive bias)
 broadcastable to (..., Hk, G, L, S) with the same rank as q.
 
+A mask built from per-token comparisons (documents packed into one row: `seg_q == seg_k`
+and `pos_k <= pos_q`, from HF's position_ids) can come as its factors instead
+(`Blocking.factors`, xtrain.frontend.token_mask): pairs of operands of q's rank, each with a
+query or a key length of 1, so no L x S array exists; each block computes its own mask from its
+rows and columns. With `Blocking.skip_at_run_time`, a key block whose factors cannot hold for
+any of its pairs (disjoint documents: `documents.block_visibility`) is skipped by `lax.cond`
+(conditionals run on CPU and GPU; Neuron computes every block, masked).
+
 The explicit lowering keeps a loop carry at the layout it starts with, so every carry starts
 as arithmetic on q (`_zeros_like_rows`), in q's layout; a constant would be replicated and
 each step's carry gathered back to it.
@@ -29,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from xtrain.ir.kernels import attention_dropout as dropout_mask
+from xtrain.ir.kernels import documents
 from xtrain.ir import markers
 from xtrain.ir.attention import Implementation, Site
 
@@ -46,6 +55,9 @@ class Blocking:
         dropout: probability of dropping an attention weight (0: none).
         visible: per query block, the [start, stop) key blocks a static bound of the mask
             leaves visible (a sliding window: xtrain.frontend.static_mask); () = all.
+        factors: the mask as per-token comparisons (lax comparison names, "eq", "le", ...): the
+            mask operand is then 2 arrays per factor, `a op b` (see the module docstring).
+        skip_at_run_time: skip, with lax.cond, the key blocks the factors hide for every pair.
     """
 
     scale: float
@@ -56,6 +68,8 @@ class Blocking:
     source: int
     dropout: float = 0.0
     visible: tuple[tuple[int, int], ...] = ()
+    factors: tuple[str, ...] = ()
+    skip_at_run_time: bool = False
 
     @property
     def n_q(self) -> int:
@@ -95,7 +109,11 @@ def blocking_for(length: int, source: int, block: int, *, scale: float, causal: 
 
 def site(b: Blocking, why: str = "", fused_on: str = "") -> Site:
     by = "causal mask" if b.causal else "mask's static band"
-    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by, fused_on)
+    documents = "" if not b.factors else (
+        "packed documents: each block's mask from its tokens, the blocks of other documents skipped at run time"
+        if b.skip_at_run_time else "packed documents: each block's mask from its tokens, every block computed")
+    return Site(Implementation.BLOCKWISE, max(b.block_q, b.block_k), b.pairs(), b.n_q * b.n_k, why, by, fused_on,
+                documents)
 
 
 def _pad(x, axis: int, size: int):
@@ -157,25 +175,56 @@ def _dropped(b: Blocking, p, key, i: int, j):
     a chunk of the call (ring attention)."""
     if not b.dropout:
         return p
-    drop = key if isinstance(key, dropout_mask.Drop) else dropout_mask.Drop(key)
+    drop = key if isinstance(key, dropout_mask.Drop) else \
+        dropout_mask.Drop(*key) if isinstance(key, tuple) else dropout_mask.Drop(key)
     keep = dropout_mask.kept(drop, b.dropout, p.shape, i * b.block_q, j * b.block_k)
     return jnp.where(keep, p / (1.0 - b.dropout), 0.0)
 
 
-def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
+def _masks(b: Blocking, mask, rows: slice, start: int, count: int):
+    """(per key block operands for the scan, operands fixed over the key blocks) of one query
+    block's mask: a dense mask's blocks, or the factors' (see _factor_stack)."""
+    if mask is None:
+        return None, None
+    if not b.factors:
+        return _mask_stack(mask, rows, start, count, b.block_k), None
+    return documents.factor_stack(documents.factor_rows(mask, rows), start, count, b.block_k)
+
+
+def _block_mask(b: Blocking, mask_j, fixed):
+    return documents.factor_mask(b, documents.factor_block(b, mask_j, fixed)) if b.factors and fixed is not None else mask_j
+
+
+def _skipping(b: Blocking, compute, seen, skip):
+    """The scan step: `compute`, or under `skip_at_run_time` a lax.cond that runs `skip` for a
+    key block its factors hide (`seen`: the query block's row of block_visibility)."""
+    if seen is None:
+        return compute
+
+    def step(carry, x):
+        return lax.cond(seen[x[3]], compute, skip, carry, x)
+    return step
+
+
+def _seen(b: Blocking, mask):
+    """block_visibility of a call that skips at run time, else None."""
+    return documents.block_visibility(b, mask) if b.factors and b.skip_at_run_time and not b.keeps_weights else None
+
+
+def _forward_block(b: Blocking, q, k, v, mask, key, i: int, seen=None):
     """Output (..., bq, Dv), log-sum-exp (..., bq) and, for one block, the weights of query block i."""
     rows = slice(i * b.block_q, (i + 1) * b.block_q)
     q_i, blocks = q[..., rows, :], b.key_blocks(i)
     start, count = blocks.start, len(blocks)
-    xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k),
-          None if mask is None else _mask_stack(mask, rows, start, count, b.block_k),
+    mask_xs, fixed = _masks(b, mask, rows, start, count)
+    xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k), mask_xs,
           jnp.arange(start, start + count, dtype=jnp.int32))
     zero = _zeros_like_rows(q_i, 1, jnp.float32)[..., 0]  # (..., bq)
 
-    def step(carry, x):
+    def compute(carry, x):
         m, l, acc = carry
         k_j, v_j, mask_j, j = x
-        s = _scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k)
+        s = _scores(b, q_i, k_j, _block_mask(b, mask_j, fixed), i * b.block_q, j * b.block_k)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row masked so far: no NaN from -inf - -inf
         p = jnp.exp(s - m_safe[..., None])
@@ -185,6 +234,7 @@ def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
                         preferred_element_type=jnp.float32)
         return (m_new, l, acc * fade[..., None] + pv), (p if b.keeps_weights else None)
 
+    step = _skipping(b, compute, None if seen is None else seen[i], lambda carry, x: (carry, None))
     init = (zero - jnp.inf, zero, _zeros_like_rows(q_i, v.shape[-1], jnp.float32))
     (m, l, acc), p = _scan(step, init, xs, count)
     seen = l > 0  # a fully masked row gives zeros (as torch's SDPA does), not 0/0
@@ -196,7 +246,8 @@ def _forward_block(b: Blocking, q, k, v, mask, key, i: int):
 
 def _forward(b: Blocking, q, k, v, mask, key):
     """Padded inputs -> (out (..., Lp, Dv), lse (..., Lp), weights (1, ..., L, S) of one block or None)."""
-    parts = [_forward_block(b, q, k, v, mask, key, i) for i in range(b.n_q)]
+    seen = _seen(b, mask)
+    parts = [_forward_block(b, q, k, v, mask, key, i, seen) for i in range(b.n_q)]
     return (jnp.concatenate([o for o, _, _ in parts], axis=-2), jnp.concatenate([s for _, s, _ in parts], axis=-1),
             parts[0][2])
 
@@ -207,7 +258,7 @@ def _reduce_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool):
+def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool, seen=None):
     """dq of query block i and, per key block it sees, (dk, dv, dmask) blocks."""
     q, k, v, mask, key, out, lse, weights = res
     rows = slice(i * b.block_q, (i + 1) * b.block_q)
@@ -215,13 +266,14 @@ def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool):
     delta = jnp.sum(do_i.astype(jnp.float32) * out[..., rows, :].astype(jnp.float32), axis=-1)  # (..., bq)
     blocks = b.key_blocks(i)
     start, count = blocks.start, len(blocks)
-    mask_xs = None if mask is None else _mask_stack(mask, rows, start, count, b.block_k)
+    mask_xs, fixed = _masks(b, mask, rows, start, count)
     xs = (_key_stack(k, start, count, b.block_k), _key_stack(v, start, count, b.block_k), mask_xs,
           jnp.arange(start, start + count, dtype=jnp.int32), weights)
-    want_dmask = want_dmask and mask is not None and mask.dtype != jnp.bool_
+    want_dmask = want_dmask and mask is not None and not b.factors and mask.dtype != jnp.bool_
 
-    def step(dq, x):
+    def compute(dq, x):
         k_j, v_j, mask_j, j, kept = x
+        mask_j = _block_mask(b, mask_j, fixed)
         p = kept if kept is not None else \
             jnp.exp(_scores(b, q_i, k_j, mask_j, i * b.block_q, j * b.block_k) - lse_i[..., None])
         dp = jnp.einsum("...hgqd,...hkd->...hgqk", do_i, v_j, preferred_element_type=jnp.float32)
@@ -233,6 +285,13 @@ def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool):
         dmask = _reduce_to(ds, mask_j.shape) if want_dmask else None
         return dq, (dk, dv, dmask)
 
+    def skip(dq, x):
+        k_j, v_j = x[0], x[1]
+        axes = documents.varying(q_i, do_i, lse_i, delta, x, fixed)  # what compute's dk, dv vary over (shard_map)
+        zeros = lambda y: documents.widened(jnp.zeros(q_i.shape[:-4] + y.shape[-3:], jnp.float32), axes)  # (..., Hk, bk, d)
+        return dq, (zeros(k_j), zeros(v_j), None)
+
+    step = _skipping(b, compute, None if seen is None else seen[i], skip)
     dq, (dk, dv, dmask) = _scan(step, _zeros_like_rows(q_i, q.shape[-1], jnp.float32), xs, count)
     return dq, dk, dv, dmask
 
@@ -253,8 +312,9 @@ def _backward(b: Blocking, res, d_out, want_dmask: bool = True):
     dq_parts, dk = [], [None] * b.n_k
     dv, dmask = [None] * b.n_k, [[None] * b.n_k for _ in range(b.n_q)]
     add = lambda acc, x: x if acc is None else acc + x
+    seen = _seen(b, mask)
     for i in range(b.n_q):
-        dq_i, dk_i, dv_i, dm_i = _backward_block(b, res, d_out, i, want_dmask)
+        dq_i, dk_i, dv_i, dm_i = _backward_block(b, res, d_out, i, want_dmask, seen)
         dq_parts.append(dq_i)
         for t, j in enumerate(b.key_blocks(i)):
             dk[j], dv[j] = add(dk[j], dk_i[t]), add(dv[j], dv_i[t])
@@ -266,7 +326,8 @@ def _backward(b: Blocking, res, d_out, want_dmask: bool = True):
     dq = jnp.concatenate(dq_parts, axis=-2).astype(q.dtype)
     dk = jnp.concatenate(dk, axis=-2).astype(k.dtype)
     dv = jnp.concatenate(dv, axis=-2).astype(v.dtype)
-    d_mask = None if not want_dmask or mask is None or mask.dtype == jnp.bool_ else _assemble_dmask(b, mask, dmask)
+    d_mask = None if not want_dmask or mask is None or b.factors or mask.dtype == jnp.bool_ \
+        else _assemble_dmask(b, mask, dmask)
     return dq, dk, dv, d_mask
 
 
@@ -278,8 +339,11 @@ def _attention(b: Blocking, q, k, v, mask, key):
 def _attention_fwd(b: Blocking, q, k, v, mask, key):
     """With symbolic zeros: each input comes with whether it is differentiated; a mask that is not
     (HF's, built from positions and the batch) gets no L x S cotangent computed for it."""
-    perturbed = mask is not None and mask.perturbed
-    q, k, v, mask, key = (None if x is None else x.value for x in (q, k, v, mask, key))
+    perturbed = mask is not None and not b.factors and mask.perturbed
+    value = lambda x: None if x is None else x.value
+    q, k, v = (value(x) for x in (q, k, v))
+    key = tuple(value(x) for x in key) if isinstance(key, tuple) else value(key)  # (key, lead): placed
+    mask = tuple(value(x) for x in mask) if b.factors else value(mask)
     out, lse, weights = _forward(b, q, k, v, mask, key)
     return out, ((q, k, v, mask, key, out, lse, weights), (jnp.zeros((0,)),) if perturbed else ())
 
@@ -290,20 +354,31 @@ def _attention_bwd(b: Blocking, saved, d_out):
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
         d_out = jnp.zeros(q.shape[:-1] + (res[2].shape[-1],), q.dtype)
     dq, dk, dv, d_mask = _backward(b, res, d_out, bool(perturbed))
-    return dq, dk, dv, d_mask, None
+    if b.factors:  # the factors (positions, documents) get no cotangent
+        d_mask = tuple(None for _ in res[3])
+    return dq, dk, dv, d_mask, (tuple(None for _ in res[4]) if isinstance(res[4], tuple) else None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def attention_call(b: Blocking, q, k, v, mask, key):
+    """The kernel's call on inputs padded to whole blocks (a lowering running it on shards):
+    (..., Hk, G, Lp, Dv). `key`: the dropout key, or (key, flat index of q's leading positions)."""
+    return _attention(b, q, k, v, mask, key)
 
 
 def blockwise(q, k, v, mask, key, b: Blocking):
     """Attention of q (..., Hk, G, L, D) over k, v (..., Hk, S, D|Dv): (..., Hk, G, L, Dv).
 
     `mask`: None, boolean (True = attend) or additive, broadcastable to the scores with q's
-    rank; `key`: the dropout key (unused when b.dropout is 0)."""
+    rank, or under `b.factors` the factor operands (a tuple); `key`: the dropout key (unused
+    when b.dropout is 0)."""
     lp, sp = b.n_q * b.block_q, b.n_k * b.block_k
     q, k, v = _pad(q, -2, lp), _pad(k, -2, sp), _pad(v, -2, sp)
-    if mask is not None:
+    if b.factors:
+        mask = tuple(_pad(_pad(x, -1, sp), -2, lp) for x in mask)
+    elif mask is not None:
         # the key dim is blocked, so it is made whole; a broadcast query dim stays 1
         mask = jnp.broadcast_to(mask, mask.shape[:-1] + (b.source,))
         mask = _pad(_pad(mask, -1, sp), -2, lp)

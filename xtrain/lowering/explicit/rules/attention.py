@@ -25,7 +25,7 @@ from jax import lax
 from xtrain.errors import UnsupportedError
 from xtrain.ir import markers
 from xtrain.ir.kernels import attention_dropout as dropout_mask
-from xtrain.ir.kernels import blockwise
+from xtrain.ir.kernels import blockwise, documents
 from xtrain.ir.kernels import neuron_attention as nki
 from xtrain.lowering import collectives
 from xtrain.lowering import ring_attention as ra
@@ -120,17 +120,17 @@ def _splits_sequence(args) -> bool:
     return CONTEXT in q.layout.dims[-2] or CONTEXT in k.layout.dims[-2]
 
 
-def _targets(q: Sharded, mask: Sharded | None):
+def _targets(q: Sharded, mask: list[Sharded]):
     """q (..., Hk, G, L, D) with its leading splits and the sequence over `context`; k, v
-    (..., Hk, S, D) alike; a mask with q's splits where it is not broadcast, keys whole."""
+    (..., Hk, S, D) alike; each mask operand (a mask, or a packed-documents mask's factors) with
+    q's splits where it is not broadcast, its rows over `context`, keys whole."""
     n = q.ndim
     lead = tuple(tuple(a for a in d if a != CONTEXT) for d in q.layout.dims[:n - 2])
     tq = Layout(lead + ((CONTEXT,), ()))
     tk = Layout(lead[:n - 3] + ((CONTEXT,), ()))
-    if mask is None:
-        return tq, tk, None
-    dims = tuple(lead[d] if mask.shape[d] == q.shape[d] else () for d in range(n - 2))
-    return tq, tk, Layout(dims + ((CONTEXT,) if mask.shape[n - 2] > 1 else (), ()))
+    tm = [Layout(tuple(lead[d] if m.shape[d] == q.shape[d] else () for d in range(n - 2))
+                 + ((CONTEXT,) if m.shape[n - 2] > 1 else (), ())) for m in mask]
+    return tq, tk, tm
 
 
 def _check_not_gathered(ctx: Context, ring, args) -> None:
@@ -163,24 +163,24 @@ def _lead_index(ctx: Context, q: Sharded, heads: us.Ulysses | None = None, lead:
     return dropout_mask.flat_index(q.value.shape[:-2], _lead_offsets(ctx, q), q.shape[:-2])
 
 
-def _ulysses(ctx: Context, ring: ra.Ring, q: Sharded, mask):
-    """The head split of this call (None: a ring alone) and the mask's rows of the Ulysses
-    group's sequence chunk (a mask must be the same for every head)."""
+def _ulysses(ctx: Context, ring: ra.Ring, q: Sharded, mask: list[Sharded]):
+    """The head split of this call (None: a ring alone) and each mask operand's rows of the
+    Ulysses group's sequence chunk (a mask must be the same for every head)."""
     if ring.inner == 1:
-        return None, None if mask is None else mask.value
+        return None, [m.value for m in mask]
     where, n = ctx.path or "<top level>", q.ndim
     heads = us.Ulysses(CONTEXT, ring.inner, ring.size, heads=q.value.shape[n - 4], group=q.value.shape[n - 3])
     heads.check(where, q.shape[n - 4] * q.shape[n - 3])
-    if mask is None:
-        return heads, None
-    if any(mask.shape[d] > 1 for d in (n - 4, n - 3)):
-        raise UnsupportedError(f"attention in {where!r}: a mask (or bias) of shape {mask.shape} differs per head; "
-                               f"Ulysses splits the heads over {CONTEXT!r}. Use Plan(context='ring')")
-    whole = C.relayout(ctx, mask, Layout(mask.layout.dims[:n - 2] + ((), ()))).value
-    if mask.shape[n - 2] == 1:
-        return heads, whole
     rows = ring.call.length // ring.size  # the group's chunk of the sequence
-    return heads, lax.dynamic_slice_in_dim(whole, ring.position() * rows, rows, axis=n - 2)
+    out = []
+    for m in mask:
+        if any(m.shape[d] > 1 for d in (n - 4, n - 3)):
+            raise UnsupportedError(f"attention in {where!r}: a mask (or bias) of shape {m.shape} differs per head; "
+                                   f"Ulysses splits the heads over {CONTEXT!r}. Use Plan(context='ring')")
+        whole = C.relayout(ctx, m, Layout(m.layout.dims[:n - 2] + ((), ()))).value
+        out.append(whole if m.shape[n - 2] == 1 else
+                   lax.dynamic_slice_in_dim(whole, ring.position() * rows, rows, axis=n - 2))
+    return heads, out
 
 
 def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int) -> None:
@@ -198,11 +198,39 @@ def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int) -> None
                 if skipped else ""))
 
 
+def _count_blocks(ctx: Context, b: blockwise.Blocking, q: Sharded, factors: list[Sharded]) -> None:
+    """Records the block pairs this call computes on this device (skipped ones left out), a
+    pending sum over the axes that split its rows, for the step's outputs."""
+    count = documents.executed_blocks(b, tuple(f.value for f in factors))
+    ctx.count("attention_blocks", C.Sharded(count, Layout((), q.layout.split_axes()), (), count.dtype))
+
+
+def documents_attention(ctx: Context, eqn, b: blockwise.Blocking, args):
+    """The blockwise kernel with a mask of packed documents (Blocking.factors) on each device's
+    own batch and heads, sequences whole: its run-time skip (lax.cond) then decides on the
+    device's own documents, with no collective. The block pairs computed are counted."""
+    args = list(C.resolve_all(ctx, args))
+    key = args.pop() if b.dropout else None
+    q, n = args[0], args[0].ndim
+    lead = tuple(tuple(d) for d in q.layout.dims[:n - 2])
+    tq, tk = Layout(lead + ((), ())), Layout(lead[:n - 3] + ((), ()))
+    q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
+    factors = [C.relayout(ctx, f, Layout(tuple(lead[d] if f.shape[d] == q.shape[d] else () for d in range(n - 2))
+                                         + ((), ()))) for f in args[3:]]
+    drop = None if key is None else (C.relayout(ctx, key, Layout.replicated(key.ndim)).value, _lead_index(ctx, q))
+    out = blockwise.attention_call(b, q.value, k.value, v.value, tuple(f.value for f in factors), drop)
+    _count_blocks(ctx, b, q, factors)
+    return wrap(eqn, [out], [tq])
+
+
 def context_attention(ctx: Context, eqn, args):
     """The blockwise kernel's call on a sequence split over `context`: ring attention
-    (xtrain.lowering.ring_attention), balanced under a causal mask. None when the sequence is
-    not split (the call is interpreted as any other)."""
+    (xtrain.lowering.ring_attention), balanced under a causal mask. A call with a mask of packed
+    documents runs on each device's rows (documents_attention) where the sequence is whole.
+    None otherwise (the call is interpreted as any other)."""
     b = markers.innermost(blockwise.Blocking, eqn.source_info.name_stack)
+    if b is not None and b.factors and (ctx.sizes.get(CONTEXT, 1) == 1 or not _splits_sequence(args)):
+        return documents_attention(ctx, eqn, b, args)
     if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
     if b.causal and len(args) > (4 if b.dropout else 3):
@@ -215,11 +243,12 @@ def context_attention(ctx: Context, eqn, args):
         return None
     ra.check(ring, ctx.path or "<top level>")
     args = list(C.resolve_all(ctx, args))
-    key = args.pop() if b.dropout else None  # the kernel's operands: q, k, v[, mask][, dropout key]
-    mask = args[3] if len(args) > 3 else None
+    key = args.pop() if b.dropout else None  # the kernel's operands: q, k, v[, mask | factors][, dropout key]
+    mask = args[3:]
     tq, tk, tm = _targets(args[0], mask)
     q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
-    heads, m = _ulysses(ctx, ring, q, None if mask is None else C.relayout(ctx, mask, tm))
+    heads, m = _ulysses(ctx, ring, q, [C.relayout(ctx, a, t) for a, t in zip(mask, tm)])
+    m = tuple(m) if b.factors else (m[0] if m else None)
     qv, kv, vv = (q.value, k.value, v.value) if heads is None else (
         heads.queries(q.value), heads.keys(k.value), heads.keys(v.value))
     if key is not None:
@@ -232,5 +261,9 @@ def context_attention(ctx: Context, eqn, args):
         out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), ring, dim)
     else:
         out = ra.ring_attention(ring, qv, kv, vv, m, drop)
+    if b.factors:
+        count = ra.executed_blocks(ring, qv.shape[-2], m)
+        ctx.count("attention_blocks", C.Sharded(count, Layout((), tuple(dict.fromkeys(
+            q.layout.split_axes() + (CONTEXT,)))), (), count.dtype))
     _note(ctx, ring, heads, c)
     return wrap(eqn, [out if heads is None else heads.output(out)], [tq])
