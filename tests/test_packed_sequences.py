@@ -196,3 +196,45 @@ def test_on_neuron_every_block_is_computed_masked(blocks_of_16, monkeypatch):
     assert int(out["attention_blocks"][PATH]) == 8 * 12 * 12
     notes = [n for n in step.report().notes if n.startswith(f"attention in {PATH!r}: blockwise")]
     assert notes and "packed documents: each block's mask from its tokens, every block computed" in notes[0], notes
+
+
+class DocumentModel(torch.nn.Module):
+    """A model written by hand taking document ids: attention within each document, causal."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, ids, docs):
+        b, t = ids.shape
+        x = self.embed(ids)
+        q, k, v = (y.reshape(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        order = torch.arange(t, device=ids.device)
+        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & (order[None, None, None, :] <= order[None, None, :, None])
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + self.out(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def document_id_loss(model, ids, docs):
+    return torch.nn.functional.cross_entropy(model(ids, docs).reshape(-1, VOCAB), ids.roll(-1, 1).reshape(-1))
+
+
+@pytest.mark.e2e
+def test_a_document_id_argument_of_a_model_written_by_hand(blocks_of_16):
+    """The mask built from a document-id batch argument is read the same way: parity with torch
+    (which computes the masked attention itself) and the documents' block pairs only."""
+    torch.manual_seed(0)
+    model = DocumentModel()
+    g = torch.Generator().manual_seed(1)
+    docs = torch.arange(DOCS).repeat_interleave(DOC)[None].expand(8, -1)
+    data = [(torch.randint(0, VOCAB, (8, SEQ), generator=g), docs) for _ in range(4)]
+    want = torch_reference(model, adamw, data, document_id_loss)
+    model = copy.deepcopy(model)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=document_id_loss)
+    outs = [step(*b) for b in data]
+    assert_parity(ParityResult([o["loss"] for o in outs], want[0], step.state_dict(), want[1], 5e-5))
+    assert {p: int(n) for p, n in outs[0]["attention_blocks"].items()} == {"<top level>": 8 * DOCUMENT_PAIRS}
