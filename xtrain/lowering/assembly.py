@@ -261,7 +261,8 @@ def _config(trainable: Trainable, plan: Plan, options: AssemblyOptions, layout: 
     grad_tx = GradTransforms.of(options.step, trainable.lr_groups, plan.precision.loss_scale)
     return StepConfig(tx=trainable.tx, options=options.step, grad_tx=grad_tx,
                       sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
-                      remat=plan.layer_remat(), capacity_factor=plan.capacity_factor, context=plan.context,
+                      remat=plan.layer_remat(), capacity_factor=plan.capacity_factor,
+                      router_bias_rate=plan.router_bias_rate, context=plan.context,
                       regather=options.regather,
                       fallback=plan.fallback_policy(),
                       offload_optimizer=layout.offload_optimizer)

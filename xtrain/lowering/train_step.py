@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.lowering import collectives, gradient_sync, input_checks, offload
+from xtrain.lowering import collectives, gradient_sync, input_checks, offload, router_bias
 from xtrain.lowering import neuron_lowering, ordering  # noqa: F401  (neuron_lowering: its lowering rule)
 from xtrain.lowering.findings import Findings
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
@@ -58,6 +58,8 @@ class StepConfig:
         offload_optimizer: the optimizer state arrives in host memory and goes back there
             (xtrain.lowering.offload).
         capacity_factor: MoE layers' expert capacity (Plan.capacity_factor); None: drop-free.
+        router_bias_rate: auxiliary-loss-free balancing of MoE layers (Plan.router_bias_rate;
+            xtrain.lowering.router_bias); None: off.
         context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
         fallback: where an op without a partition rule may run replicated (Plan.fallback_policy()).
     """
@@ -70,6 +72,7 @@ class StepConfig:
     regather: bool = True
     offload_optimizer: bool = False
     capacity_factor: float | None = None
+    router_bias_rate: float | None = None
     context: ContextParallel = ContextParallel()
     fallback: FallbackPolicy = FallbackPolicy()
 
@@ -227,7 +230,10 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
             old = _fetched(state, config)  # an offloaded optimizer state reaches the device only now
             params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale,
                                                                  out.shards)
-            new = dataclasses.replace(state, params=params, buffers={**state.buffers, **out.buffers},
+            buffers = {**state.buffers, **out.buffers}
+            if config.router_bias_rate is not None:  # each MoE layer's selection bias, towards balance
+                buffers = router_bias.updated(buffers, out.counts.get("expert_tokens", {}), config.router_bias_rate)
+            new = dataclasses.replace(state, params=params, buffers=buffers,
                                       opt_state=opt_state, grad_residual=_stored(state.grad_residual,
                                                                                  {**dropped, **scattered}))
             new, outputs = finish_step(old, new, out.loss, norm, config.grad_tx)
