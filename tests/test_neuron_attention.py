@@ -159,14 +159,14 @@ def test_nki_path_equals_softmax_attention(on_neuron, heads, causal):
         np.testing.assert_allclose(g.astype(jnp.float32), w, atol=6e-2, rtol=3e-2)
 
 
-def _llama_step(sizes, **compile_kwargs):
+def _llama_step(sizes, plan=None, **compile_kwargs):
     import xtrain
     from test_hf_models import lm_loss, llama
     from xtrain import plans
 
     torch.manual_seed(0)
     model = llama().to(torch.bfloat16)
-    plan = plans.megatron(model, sizes) if "tensor" in sizes else None
+    plan = plans.megatron(model, sizes) if "tensor" in sizes else plan
     return model, xtrain.compile(model, xtrain.Mesh(**sizes), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                  plan=plan, loss_fn=lm_loss, **compile_kwargs)
 
@@ -204,6 +204,38 @@ def test_nki_attention_runs_on_each_devices_shard(monkeypatch, on_neuron):
     # loss bound is loose and the attention weights' 3 updates are the sharp check: an update near
     # half a bf16 weight ulp rounds either way (measured: <= 6% of the update's norm; non-causal: >= 70%)
     np.testing.assert_allclose(nki_losses, block_losses, rtol=1e-3)
+    got, want = step.state_dict(), blockwise.state_dict()
+    for name, p0 in start.items():
+        moved = want[name].float() - p0
+        assert float((got[name].float() - p0 - moved).norm()) <= 0.2 * float(moved.norm()) + 1e-6, name
+
+
+@pytest.mark.e2e
+def test_nki_attention_under_ulysses_sees_whole_sequences(monkeypatch, on_neuron):
+    """Plan(context="ulysses") on data=2 x context=4: the sequence split over `context` becomes a
+    head split around the NKI kernels (all-to-alls, no all-gather over `context` in attention);
+    each device launches them on (2 samples, 1 of 4 heads) over all 512 tokens, and training
+    matches the blockwise kernel's under the same plan within bf16 rounding."""
+    import xtrain
+    from test_hf_models import lm_batches
+    from xtrain.step import explain
+
+    sizes, plan = dict(data=2, context=4), xtrain.Plan(context="ulysses")
+    STAND_IN.forward.grids.clear()
+    model, step = _llama_step(sizes, plan=plan)
+    batches = lm_batches(n=3, batch=4, seq=512)
+    sites = markers.sites(step.program(*batches[0]).jaxpr, step.model.module_paths())
+    assert {s.implementation for s in sites.values()} == {NKI}, sites
+    inside = {(c.kind, c.axes) for c in explain.collectives(step, *batches[0]) if "self_attn" in c.source}
+    assert ("all-to-all", ("context",)) in inside and ("all-gather", ("context",)) not in inside, inside
+    assert any("Ulysses over 'context'=4" in n and "NKI" in n for n in step.report(*batches[0]).notes)
+    start = {n: p.float() for n, p in model.state_dict().items() if "self_attn" in n}
+    nki_losses = [float(step(*b)["loss"]) for b in batches]
+    assert set(STAND_IN.forward.grids) == {(2, 1)}, STAND_IN.forward.grids
+    monkeypatch.setattr(sdpa, "_backend", lambda: "cpu")
+    _, blockwise = _llama_step(sizes, plan=plan)
+    block_losses = [float(blockwise(*b)["loss"]) for b in batches]
+    np.testing.assert_allclose(nki_losses, block_losses, rtol=1e-3)  # bf16: see the test above
     got, want = step.state_dict(), blockwise.state_dict()
     for name, p0 in start.items():
         moved = want[name].float() - p0

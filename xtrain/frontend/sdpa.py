@@ -170,6 +170,8 @@ def _choose_on_neuron(query, value, attn_mask, dropout_p: float) -> tuple[Implem
         (not nki.seq_tile(length), f"sequence {length} (the kernel tiles it by a multiple of {nki.MIN_TILE})"),
         (dim > nki.MAX_DIM or value.shape[-1] != dim, f"head dim {dim} / {value.shape[-1]} (at most {nki.MAX_DIM})"),
         (bool(_OPTIONS.get().no_nki), _OPTIONS.get().no_nki),
+        (query.ndim == 4 and not _ulysses_splits(query.shape[-3], query.shape[-3], _OPTIONS.get()),
+         f"{query.shape[-3]} query heads do not split over Ulysses' {_OPTIONS.get().ulysses} devices"),
     ) if bad]
     if not reasons:
         reasons = [why for why in (nki.unavailable(),) if why]

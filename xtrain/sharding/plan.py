@@ -88,6 +88,11 @@ class Plan:
             the rest are dropped (their expert output is zero; `step(...)["expert_dropped"]`
             counts them) and expert parallel's all-to-all buffers shrink to that capacity.
             None (default): drop-free, as torch computes.
+        router_bias_rate: auxiliary-loss-free load balancing of MoE layers (DeepSeek-V3): after
+            each step every expert's selection bias (the router's `e_score_correction_bias`
+            buffer, as HF DeepSeek-V3 has it) moves by this rate towards balance, up for an
+            expert below the mean load, down above it (xtrain.lowering.router_bias); e.g. 1e-3.
+            None (default): the buffer stays as torch leaves it.
         fallback: what a split operand reaching a primitive without a partition rule does
             (xtrain.sharding.fallback): "error" (default: the first step raises
             UnsupportedOpError naming the op, module, split and the bytes a replicated run
@@ -116,6 +121,7 @@ class Plan:
     pipeline: Pipeline | None = None
     offload: Offload | str = "none"
     capacity_factor: float | None = None
+    router_bias_rate: float | None = None
     fallback: Fallback | str = "error"
     fallback_modules: tuple[str, ...] = ()
     context: ContextParallel | str = "ring"
@@ -145,6 +151,9 @@ class Plan:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise PlanError(f"Plan(capacity_factor={self.capacity_factor!r}): give a positive factor (e.g. 1.25), "
                             "or None for drop-free MoE layers")
+        if self.router_bias_rate is not None and not self.router_bias_rate > 0:
+            raise PlanError(f"Plan(router_bias_rate={self.router_bias_rate!r}): give a positive rate (DeepSeek-V3 "
+                            "used 1e-3), or None to leave the routers' selection bias as it is")
 
     def _check_remat(self) -> None:
         if callable(self.remat) and not isinstance(self.remat, Remat):
@@ -209,7 +218,8 @@ class Plan:
     def trace_options(self, mesh_axes: Mapping[str, int], lowering: str) -> TraceOptions:
         """The trace options of a step of this plan on a mesh of `mesh_axes` lowered by
         `lowering`: the plan's own, plus why the fused kernels are ruled out there. Under
-        Ulysses over the whole `context` axis cuDNN sees whole sequences and may run."""
+        Ulysses over the whole `context` axis the fused kernels (cuDNN, NKI) see whole sequences
+        and may run."""
         context = mesh_axes.get(CONTEXT, 1)
         ulysses = self.context.degrees(context)[0] if context > 1 else 1
         whole = context > 1 and ulysses == context
@@ -219,7 +229,7 @@ class Plan:
         # blockwise kernel (narrowed per module by the policy) keeps attention inside them float32
         autocast = "" if self.precision.compute.value == "fp32" or self.precision.fp32_modules else \
             self.precision.dtype.name
-        return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering), no_cudnn=no_cudnn,
+        return dataclasses.replace(self.trace, no_nki=no_nki(mesh_axes, lowering, whole), no_cudnn=no_cudnn,
                                    ulysses=ulysses if whole else 1, autocast=autocast)
 
     def check_batch(self, mesh_axes: Mapping[str, int]) -> None:
@@ -283,11 +293,12 @@ class PendingPlan(Plan):
                            "step's first call (plans.megatron(..., example=batch) derives them now)", *rest])
 
 
-def no_nki(mesh_axes: Mapping[str, int], lowering: str) -> str:
+def no_nki(mesh_axes: Mapping[str, int], lowering: str, ulysses: bool = False) -> str:
     """Why a step's attention must not use Neuron's NKI kernels ("" when it may): a sequence split
-    over `context` runs ring attention (blockwise); XLA's partitioner sees the kernel call as
-    opaque and would gather its operands onto every device."""
-    if mesh_axes.get(CONTEXT, 1) != 1:
+    over `context` runs ring attention (blockwise), unless Ulysses over the whole axis (`ulysses`)
+    gives each device whole sequences; XLA's partitioner sees the kernel call as opaque and would
+    gather its operands onto every device."""
+    if mesh_axes.get(CONTEXT, 1) != 1 and not ulysses:
         return f"the sequence is split over {CONTEXT!r} (ring attention runs the blockwise kernel)"
     if lowering != "explicit":
         return f"lowering={lowering!r} (XLA's partitioner cannot split the kernel call)"

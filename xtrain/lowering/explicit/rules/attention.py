@@ -93,21 +93,40 @@ def fused_attention(ctx: Context, eqn, args):
 register(fused_attention, "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper")
 
 
+def _nki_to_heads(ctx: Context, x: Sharded) -> Sharded:
+    """Ulysses: a (B, H, L, D) operand whose sequence is split over the whole `context` axis moved
+    to a head split (one all-to-all); the log-sum-exp (B, H, 128, L / 128) stays as the forward
+    kernel left it (head split)."""
+    whole = x.ndim == 4 and x.layout.dims[2][-1:] == (CONTEXT,) and ctx.context.degrees(ctx.sizes[CONTEXT])[1] == 1
+    return C.move_split(ctx, x, 2, 1, (CONTEXT,)) if whole else x  # else refused below, naming the fix
+
+
 def nki_attention(ctx: Context, eqn, args):
     """The NKI forward or backward kernel on each device's batch / head shard: every operand is
-    4-D with batch and heads first; the grid is computed from the per-device shapes when lowered."""
-    args = C.resolve_all(ctx, args)
+    4-D with batch and heads first; the grid is computed from the per-device shapes when lowered.
+    Under Ulysses the sequence split over `context` becomes a head split around the kernel (one
+    all-to-all per (B, H, L, D) operand and result: q, k, v and the output; the backward's
+    dq, dk, dv), the log-sum-exp kept head-split between the two kernels."""
+    args = [_nki_to_heads(ctx, a) for a in C.resolve_all(ctx, args)]
+    ulysses = CONTEXT in args[0].layout.dims[1] and ctx.sizes.get(CONTEXT, 1) > 1
     # the query's batch / head splits (an operand split otherwise is moved to them; a whole one sliced)
     batch, heads = (tuple(args[0].layout.dims[d]) for d in (0, 1))
     if ctx.sizes.get(CONTEXT, 1) > 1 and CONTEXT not in batch + heads:
         raise UnsupportedError(
             f"attention in {ctx.path or '<top level>'!r}: Neuron's NKI flash-attention kernel on a mesh "
-            f"with {CONTEXT!r}={ctx.sizes[CONTEXT]}; it computes whole sequences, so context parallelism "
-            f"would not split them. Compile through xtrain.compile (with {CONTEXT!r} in the mesh, "
-            f"attention runs the blockwise kernel as ring attention), or leave {CONTEXT!r} out of the mesh")
+            f"with {CONTEXT!r}={ctx.sizes[CONTEXT]}; it computes whole sequences, so a ring over the split "
+            f"sequence cannot run it. Use Plan(context='ulysses') (whole sequences per device, heads split "
+            f"over {CONTEXT!r}), or compile through xtrain.compile (with {CONTEXT!r} in the mesh and a ring, "
+            f"attention runs the blockwise kernel), or leave {CONTEXT!r} out of the mesh")
     target = Layout((batch, heads, (), ()))
     args = [C.relayout(ctx, a, target) for a in args]
-    return wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [target] * len(eqn.outvars))
+    results = wrap(eqn, bind(ctx, eqn, [a.value for a in args]), [target] * len(eqn.outvars))
+    if not ulysses:
+        return results
+    ctx.note(f"attention in {ctx.path or '<top level>'!r}: Ulysses over {CONTEXT!r}={ctx.sizes[CONTEXT]} "
+             "(all-to-all to a head split) around the NKI flash-attention kernels")
+    lse = 1 if eqn.primitive is nki.forward_p else None  # the forward's log-sum-exp stays head-split
+    return [r if n == lse else C.move_split(ctx, r, 1, 2, (CONTEXT,)) for n, r in enumerate(results)]
 
 
 register(nki_attention, nki.forward_p.name, nki.backward_p.name)
