@@ -229,6 +229,10 @@ def test_the_plan_search_offers_context_candidates_for_long_sequences():
     piped = [c.name for c in space.candidates(8, hardware.emulated(8), context=[1, 2], pipe_degrees=(1, 2),
                                               remat=(False,), zero_stages=(0,), schedules=("gpipe",))]
     assert "dp2xpp2xcp2 gpipe m2" in piped and "dp1xpp2xcp2xtp2 gpipe m4" in piped  # context inside stages
+    assert "dp2xpp2xcp2 gpipe m2 ulysses" in piped  # Ulysses inside stages too (the whole axis: no hybrid there)
+    deep = [c for c in space.candidates(8, hardware.emulated(8), context=[4], pipe_degrees=(2,), remat=(False,),
+                                        zero_stages=(0,), schedules=("gpipe",), microbatches=(2,))]
+    assert sorted({c.ulysses for c in deep}) == [1, 4]
 
 
 @pytest.mark.unit

@@ -82,7 +82,7 @@ def test_trace_options_are_printable_plain_data():
     assert plan.trace_options(dict(data=4, context=2), "explicit") == dataclasses.replace(
         trace, no_nki=ring, no_cudnn=ring)
     ulysses = dataclasses.replace(plan, context="ulysses").trace_options(dict(data=4, context=2), "explicit")
-    assert ulysses == dataclasses.replace(trace, no_nki=ring, ulysses=2)  # cuDNN sees whole sequences
+    assert ulysses == dataclasses.replace(trace, ulysses=2)  # cuDNN and NKI see whole sequences
     assert "heads split 2 ways over 'context' (Ulysses)" in str(ulysses)
     assert plan.trace_options(dict(data=8), "xla").no_nki.startswith("lowering='xla'")
     assert plan.trace_options(dict(data=8), "explicit") == trace

@@ -128,9 +128,9 @@ def test_ulysses_composes_with_tensor_parallel_and_runs_inside_pipeline_stages(w
         mesh, layers = xtrain.Mesh(data=2, context=2, tensor=2), 1
         plan = lambda m, mesh: dataclasses.replace(plans.megatron(m, mesh), context="ulysses")
     else:
-        candidate = Candidate(data=2, pipe=2, context=2, microbatches=2)
+        candidate = Candidate(data=2, pipe=2, context=2, ulysses=2, microbatches=2)  # as the plan search lists it
         mesh, layers = xtrain.Mesh(**candidate.mesh), 2
-        plan = lambda m, mesh: dataclasses.replace(candidate.plan(), context="ulysses")
+        plan = lambda m, mesh: candidate.plan()
     result, step = train("llama", False, mesh, 128, plan=plan, layers=layers)
     assert_parity(result)
     repeated = ", repeated" if where == "tensor" else ""
@@ -138,6 +138,14 @@ def test_ulysses_composes_with_tensor_parallel_and_runs_inside_pipeline_stages(w
         f"attention in {PATH!r}: Ulysses over 'context'=2 (all-to-all to a head split; 1 key/value head per "
         f"device{repeated})"]
     assert len(attention_all_to_alls(step, PATH)) >= 8
+    if where == "pipeline":  # the search's cost of the candidate (abstract mesh) has the compiled step's collectives
+        batch = host_batch(reference("llama", False, 128, 2)[1][0])
+        t = step.trainable
+        row = search.evaluate(t.model, t.tx, t.structure, candidate, batch, hardware.profile("p4d.24xlarge"), layers=2)
+        key = lambda c: (c.kind, c.axes, c.payload_bytes)
+        assert sorted(map(key, row.cost.collectives)) == sorted(map(key, search.compiled_step_cost(step, *batch)
+                                                                    .collectives))
+        assert any(c.kind == "all-to-all" and c.axes == ("context",) for c in row.cost.collectives)
 
 
 @pytest.mark.e2e

@@ -270,10 +270,10 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
     add expert-parallel points, with and without a pipeline (inside one, each stage's experts
     split over `expert`); `context`: context-parallel degrees
-    (`context_degrees`), with and without a pipeline (inside one, each stage rings over `context`);
-    without a pipeline each context degree also takes every Ulysses group size dividing it
-    (`ulysses`: Ulysses alone, hybrid Ulysses x ring; a size the heads cannot split is refused
-    when lowered, with the reason)."""
+    (`context_degrees`), with and without a pipeline; without a pipeline each context degree
+    also takes every Ulysses group size dividing it (`ulysses`: Ulysses alone, hybrid Ulysses x
+    ring; a size the heads cannot split is refused when lowered, with the reason), inside one
+    a ring or Ulysses over the whole axis."""
     bad = [p for p in pipe_degrees if p < 1 or devices % p]
     if bad:
         raise PlanError(f"pipe_degrees={tuple(pipe_degrees)}: {bad} do not divide the {devices} devices; use "
@@ -287,8 +287,17 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
                 points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,
                                  microbatches or (p, 2 * p, 4 * p), schedules, profile, offloads)
                 out += [dataclasses.replace(x, expert=e, context=c, ulysses=u) for x in points
-                        for u in (_divisors(c) if ulysses and p == 1 else (1,))]
+                        for u in _ulysses_sizes(c, p, ulysses)]
     return out
+
+
+def _ulysses_sizes(context: int, pipe: int, ulysses: bool) -> tuple[int, ...]:
+    """The Ulysses group sizes of a context degree: without a pipeline every divisor (a ring,
+    hybrids, Ulysses alone); inside one a ring or Ulysses over the whole axis (the pipeline
+    points are many already)."""
+    if not ulysses or context == 1:
+        return (1,)
+    return tuple(_divisors(context)) if pipe == 1 else (1, context)
 
 
 def _neuron(profile: HardwareProfile) -> bool:
