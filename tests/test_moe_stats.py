@@ -223,6 +223,30 @@ def test_plan_search_costs_expert_parallel_inside_pipeline_stages_as_compiled():
 
 
 @pytest.mark.e2e
+def test_plan_search_costs_the_capacity():
+    """search(capacity_factor=1.0) (xtrain plan --capacity-factor, or the script's plan's): the
+    expert-parallel candidate's all-to-alls are costed at the capacity, as the compiled step moves
+    them, fewer bytes than drop-free; its code carries the factor."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    profile, batch = hardware.profile("p4d.24xlarge"), host_batch(batches[0])
+    capped = search.Candidate(data=4, expert=2, capacity_factor=1.0)
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(**capped.mesh), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
+                          plan=capped.plan())
+    t = step.trainable
+    found = search.search(t.model, t.tx, batch, profile, 8, structure=t.structure, experts=sorted(t.experts),
+                          candidate_list=[dataclasses.replace(capped, capacity_factor=None)], capacity_factor=1.0)
+    row = found.rows[0]
+    assert row.candidate == capped and "capacity_factor=1.0" in capped.code()
+    key = lambda c: (c.kind, c.axes, c.payload_bytes)
+    assert sorted(map(key, row.cost.collectives)) == sorted(map(key, search.compiled_step_cost(step, *batch).collectives))
+    free = search.evaluate(t.model, t.tx, t.structure, dataclasses.replace(capped, capacity_factor=None), batch,
+                           profile, layers=2, experts=sorted(t.experts))
+    moved = lambda r: sum(c.payload_bytes for c in r.cost.collectives if c.kind == "all-to-all")
+    assert 0 < moved(row) < moved(free)
+
+
+@pytest.mark.e2e
 def test_capacity_factor_outside_the_explicit_lowering_is_an_error():
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"),
                     help="every candidate's compute precision (default: fp32, or fp16 with loss scaling on a "
                          "GPU without bf16); a precision the target has no arithmetic for is refused")
+    pl.add_argument("--capacity-factor", type=float, dest="capacity_factor",
+                    help="MoE models: every candidate's expert capacity, Plan(capacity_factor=...) (default: the "
+                         "script's plan's; drop-free without one); expert parallel's all-to-alls are costed at it")
     pl.add_argument("script")
     pl.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -84,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return report.report(ns.script, ns.args)
         if ns.command == "plan":
             return plan.plan(ns.script, ns.args, ns.target, ns.global_batch, show_all=ns.show_all,
-                             compile_top=ns.compile_top, precision=ns.precision)
+                             compile_top=ns.compile_top, precision=ns.precision,
+                             capacity_factor=ns.capacity_factor)
         opts = RunOptions(script=ns.script, args=tuple(ns.args), nproc_per_node=ns.nproc_per_node,
                           nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                           master_port=ns.master_port, layout=ns.layout, emulate=ns.emulate,

@@ -10,16 +10,18 @@ from xtrain.errors import OptionsError
 
 
 # xtrain plan's own options: after the script they are the script's (it may define the same flag)
-OWN_OPTIONS = ("--target", "--global-batch", "--all", "--compile", "--precision")
+OWN_OPTIONS = ("--target", "--global-batch", "--all", "--compile", "--precision", "--capacity-factor")
 
 
 def plan(script: str, args: Sequence[str], target: str, global_batch: int | None = None, *,
-         show_all: bool = False, compile_top: int = 0, precision: str | None = None) -> int:
+         show_all: bool = False, compile_top: int = 0, precision: str | None = None,
+         capacity_factor: float | None = None) -> int:
     """Runs `script`; its first training step prints the plan search for `target` (lowered for
     an abstract mesh: no devices of that kind needed) instead of training. `compile_top` > 0:
     also compile the best that many candidates with XLA's GPU compiler (xtrain.aot, GPU targets)
     and never pick one the compiler says does not fit. `precision`: every candidate's compute
-    precision (None: the target's default, `HardwareProfile.plan_precision`)."""
+    precision (None: the target's default, `HardwareProfile.plan_precision`). `capacity_factor`:
+    every candidate's MoE capacity (None: the script's plan's, drop-free when it sets none)."""
     from xtrain.cost import hardware
 
     late = [i for i, a in enumerate(args) if a.split("=")[0] in OWN_OPTIONS]
@@ -34,6 +36,8 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         hardware.target(target)[0].check_precision(precision)
     if global_batch is not None and global_batch < 1:
         raise OptionsError(f"--global-batch {global_batch} must be >= 1")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise OptionsError(f"--capacity-factor {capacity_factor} must be > 0 (e.g. 1.25)")
 
     def show(step, batch):
         from xtrain.cost import hardware, search
@@ -43,9 +47,11 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         shapes = _scaled(host_batch(batch), global_batch) if global_batch else host_batch(batch)
         t = step.trainable
         verify = _compiler(step.trainable, shapes, target) if compile_top else None
+        capacity = capacity_factor if capacity_factor is not None else getattr(step.plan, "capacity_factor", None)
         result = search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
                                target=f"{target} ({devices} devices)", experts=sorted(t.experts),
-                               verify=verify, verify_top=compile_top or search.VERIFY_TOP, precision=precision)
+                               verify=verify, verify_top=compile_top or search.VERIFY_TOP, precision=precision,
+                               capacity_factor=capacity)
         print(result.listing(show_all=show_all), flush=True)
 
     return _intercepted(script, args, show, build=False, what="plan")

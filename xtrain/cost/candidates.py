@@ -73,6 +73,9 @@ class Candidate:
             state; Offload.ACTIVATIONS what each layer of the layer scan saves for the backward
             pass (no pipeline; the layer is recomputed as under remat, so remat stays False).
             The strings "none", "optimizer", "activations" are accepted.
+        capacity_factor: MoE layers' expert capacity (Plan(capacity_factor=...)): expert
+            parallel's all-to-all buffers hold that capacity per peer, and the cost follows;
+            None: drop-free.
     """
 
     data: int
@@ -88,6 +91,7 @@ class Candidate:
     expert: int = 1
     context: int = 1
     ulysses: int = 1
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         self._check_offload()
@@ -156,13 +160,14 @@ class Candidate:
             stages=self.pipe, microbatches=self.microbatches, schedule=self.schedule, checkpoint=self.remat)
 
     def _base_plan(self, tensor: TensorPlan | None) -> Plan:
-        base = Plan(precision=self.precision, offload=self.offload, context=ContextParallel(self.ulysses))
+        base = Plan(precision=self.precision, offload=self.offload, context=ContextParallel(self.ulysses),
+                    capacity_factor=self.capacity_factor)
         if self.tensor > 1:
             if tensor is None:
                 raise UnsupportedError(f"candidate {self.name}: tensor parallelism uses xtrain.plans.megatron, "
                                        "which needs a torch.nn.Module")
             base = dataclasses.replace(tensor(self.mesh), precision=base.precision, offload=base.offload,
-                                       context=base.context)
+                                       context=base.context, capacity_factor=base.capacity_factor)
         return base
 
     def code(self) -> str:
@@ -174,6 +179,7 @@ class Candidate:
         if self.ulysses > 1:
             options.append("context='ulysses'" if self.ulysses == self.context
                            else f"context=xtrain.ContextParallel(ulysses={self.ulysses})")
+        options += [f"capacity_factor={self.capacity_factor}"] * (self.capacity_factor is not None)
         lines = [f"mesh = xtrain.Mesh({', '.join(f'{a}={n}' for a, n in self.mesh.items())})"]
         if self.tensor > 1:
             lines.append("plan = xtrain.plans.megatron(model, mesh, example=batch)")

@@ -259,8 +259,8 @@ def _sequence(batch: tuple) -> int:
 def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, structure: Structure | None = None,
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
-           experts: Sequence[str] = (), precision: str | None = None, verify: Verify | None = None,
-           verify_top: int = VERIFY_TOP) -> SearchResult:
+           experts: Sequence[str] = (), precision: str | None = None, capacity_factor: float | None = None,
+           verify: Verify | None = None, verify_top: int = VERIFY_TOP) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -278,6 +278,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             include expert-parallel ones (`expert_degrees`); none for a model without them.
         precision: every candidate's compute precision ("bf16", ...); default: the profile's
             (`HardwareProfile.plan_precision`).
+        capacity_factor: every candidate's MoE capacity (Plan(capacity_factor=...)): expert
+            parallel's all-to-alls are costed at that capacity; None: drop-free.
         verify: the target compiler's word on a candidate (Verify): the fastest `verify_top`
             usable candidates are verified; one that does not fit as compiled is marked and never
             picked, and the next best are verified until the pick is a verified one (or none is
@@ -299,6 +301,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
                                     context=[1] + context_degrees(devices, _sequence(batch)))
     if precision is not None:
         candidate_list = [dataclasses.replace(c, precision=precision) for c in candidate_list]
+    if capacity_factor is not None:
+        candidate_list = [dataclasses.replace(c, capacity_factor=capacity_factor) for c in candidate_list]
     totals = program_mod.state_totals(model, tx)
 
     def lower(c: Candidate) -> Row:
