@@ -2,10 +2,11 @@
 blocks (HF Mixtral's router logits, which its load-balancing loss reads once the layers are
 done) leaves the layer scan as a per-layer output, and the model trains as torch does (the
 parity standard) as one layer scan. A model whose own loop adds up such a term between the
-layers (tests/test_moe.py's MoE) has that side computation moved after the blocks. The
-pipeline, whose stages pass on only the residual stream, refuses per-layer outputs naming the
-value and its module."""
+layers (tests/test_moe.py's MoE) has that side computation moved after the blocks. In a
+pipeline the per-layer outputs travel with the activation to the last stage's loss."""
 import copy
+
+import numpy as np
 
 import pytest
 import torch
@@ -13,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import xtrain
-from xtrain.errors import UnsupportedError
-from xtrain.testing import assert_parity, run_parity
+from xtrain.testing import ParityResult, assert_parity, run_parity
 
 from models import mlp_batches
 from test_moe import case, sgd
@@ -104,13 +104,59 @@ def test_a_term_between_the_layers_that_the_next_layer_reads_stays_in_place():
     assert_parity(run_parity(model, sgd, batches, xtrain.Mesh(data=8), scan_layers=True))
 
 
-def test_pipeline_refuses_per_layer_outputs_naming_the_value_and_module():
-    model, make_opt, loss_fn, batches, _ = case("mixtral")
+def accumulated(model, make_opt, loss_fn, batches, microbatches: int, rows_per_device: int):
+    """torch on one device accumulating gradients over the pipeline's microbatches. The pipeline
+    splits each device's rows (rows_per_device consecutive rows of the batch) into `microbatches`,
+    so microbatch i holds row i of every device's block; a loss term over all layers of a
+    microbatch (Mixtral's load balancing, not a sum over tokens) is computed per microbatch, as
+    torch accumulating those rows computes it."""
+    model = copy.deepcopy(model).train()
+    optimizer = make_opt(model.parameters())
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        rows = torch.arange(batch[0].shape[0]).reshape(-1, rows_per_device)
+        total = 0.0
+        for i in range(microbatches):
+            part = rows[:, i::microbatches].reshape(-1)
+            loss = loss_fn(model, *[x[part] for x in batch]) / microbatches
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def pipelined(name, schedule, **plan):
+    model, make_opt, loss_fn, batches, whole = case(name)
     m = copy.deepcopy(model)
-    step = xtrain.compile(m, xtrain.Mesh(pipe=2, data=4), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,
-                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
-    with pytest.raises(UnsupportedError, match=r"pipeline parallelism of .*: the result of op \w+ in "
-                                               r"model\.layers\.0\.mlp\.gate \(float32\[\d+,4\]\) is read after the blocks "
-                                               r"model\.layers\.0 \.\. model\.layers\.1, once per layer .* "
-                                               r"output_router_logits=False"):
-        step(*batches[0])
+    step = xtrain.compile(m, xtrain.Mesh(data=2, pipe=2, expert=2), optimizer=make_opt(m.parameters()),
+                          loss_fn=loss_fn, plan=xtrain.Plan(**plan).with_pipeline(stages=2, microbatches=2,
+                                                                                   schedule=schedule))
+    outs = [step(*b) for b in batches]
+    want = accumulated(model, make_opt, loss_fn, batches, 2, 2)  # 8 rows over data x expert = 4 devices
+    return ParityResult([o["loss"] for o in outs], want[0], step.state_dict(), want[1], 5e-5), step, outs, whole
+
+
+@pytest.mark.parametrize("name,schedule", [("mixtral", "gpipe"), ("mixtral", "zbh1"), ("moe", "1f1b")])
+def test_per_layer_outputs_travel_through_pipeline_stages(name, schedule):
+    """Mixtral's router logits (its load-balancing loss reads every layer's) and the MoE written
+    here (its loop adds each layer's auxiliary term) on Mesh(data=2, pipe=2, expert=2): each stage
+    writes its layers' values into buffers that travel with the activation, the last stage's loss
+    reads them, and their gradients travel back. Training matches torch accumulating the same
+    microbatches (the parity standard); the whole batch's loss differs (the term is per microbatch)."""
+    result, step, _, whole = pipelined(name, schedule)
+    assert_parity(result)
+    assert any("travel with the activation to the last stage" in n for n in step.report().notes)
+    assert abs(result.losses[0] - whole[0][0]) > 1e-4 * abs(whole[0][0])  # not torch's whole-batch loss
+
+
+def test_capacity_inside_stages_with_router_logits():
+    """Plan(capacity_factor) with Mixtral's router logits in a pipeline: a factor with room for every
+    pair (4 experts, top-2: 2.0) drops none and trains as torch does; 1.25 drops pairs every step."""
+    roomy, _, outs, _ = pipelined("mixtral", "1f1b", capacity_factor=2.0)
+    assert_parity(roomy)
+    assert all(int(sum(o["expert_dropped"].values())) == 0 for o in outs)
+    tight, _, outs, _ = pipelined("mixtral", "1f1b", capacity_factor=1.25)
+    assert all(int(sum(o["expert_dropped"].values())) > 0 for o in outs)
+    assert all(np.isfinite(tight.losses)) and tight.losses != pytest.approx(roomy.losses, rel=1e-5)  # the drops count

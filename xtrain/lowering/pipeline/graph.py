@@ -27,7 +27,8 @@ class Cut:
 
     blocks: RepeatedBlocks
     prologue: jcore.Jaxpr   # invars: the function's; outvars: carry init + shared + epilogue needs
-    epilogue: jcore.Jaxpr   # invars: the function's + prologue outs + block outputs; outvars: (sum, count) or (loss,)
+    epilogue: jcore.Jaxpr   # invars: the function's + prologue outs + block outputs + each layer's collected
+    #                         outputs (blocks.collected); outvars: (sum, count) or (loss,)
     layer_params: list[list[str]]  # per layer, parameter names in body order
     weighted: bool          # the loss is sum / count (exact accumulation over microbatches)
 
@@ -66,15 +67,7 @@ def _pick_blocks(examined: Examined, where: str) -> RepeatedBlocks:
             f"pipeline parallelism needs repeated blocks (e.g. blocks.0, blocks.1, ... with identical "
             f"structure) in the top level of {where}; none were found, so there is nothing to split into "
             "stages. Give the model an nn.ModuleList of identical layers")
-    blocks = max(examined.found, key=lambda b: b.length)
-    if blocks.collected:
-        out = blocks.collected[0]
-        raise UnsupportedError(
-            f"pipeline parallelism of {where}: {out.what} is read after the blocks {blocks.span()}, once per layer (e.g. router logits for a load-balancing loss, "
-            "every layer's hidden states); pipeline stages pass on only the residual stream between layers, so "
-            "per-layer outputs are not supported: compute that term inside the blocks or leave it out (e.g. "
-            "HF's output_router_logits=False), or train without a pipeline (the layer scan supports them)")
-    return blocks
+    return max(examined.found, key=lambda b: b.length)
 
 
 def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffers: int, where: str) -> Cut:
@@ -96,8 +89,10 @@ def cut(closed, module_paths: frozenset[str], param_names: list[str], num_buffer
     epi_needs += [v for v in parts if v in defined and v not in epi_needs]
     pro_outs = list(dict.fromkeys([*blocks.init, *blocks.shared, *blocks.variants.inputs(), *epi_needs]))
     prologue = _jaxpr(jaxpr.constvars, jaxpr.invars, pro_outs, pro_eqns, "prologue")
-    # a prologue output may be an input itself (a model whose blocks read the batch directly)
-    epi_ins = list(dict.fromkeys([*jaxpr.invars, *pro_outs, *blocks.outputs]))
+    # a prologue output may be an input itself (a model whose blocks read the batch directly); each
+    # layer's collected outputs (router logits read by the loss) reach the epilogue in the activation
+    collected = [v for out in blocks.collected for v in out.per_layer]
+    epi_ins = list(dict.fromkeys([*jaxpr.invars, *pro_outs, *blocks.outputs, *collected]))
     epilogue = _jaxpr(jaxpr.constvars, epi_ins, parts, epi_eqns, "epilogue")
     index = {v: i for i, v in enumerate(params)}
     layer_params = [[param_names[index[v]] for v in layer] for layer in blocks.per_layer]

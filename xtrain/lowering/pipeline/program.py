@@ -113,6 +113,12 @@ class PipelineProgram:
                  f"{(p.stages - 1) / (p.microbatches + p.stages - 1):.1%})"]
         if self.cut.blocks.variants:
             lines.append(f"  {self.cut.blocks.prefix}: one family; {self.cut.blocks.variants.describe()}")
+        if self.cut.blocks.collected:
+            body, n = self.cut.blocks.body, self.cut.blocks.num_carry
+            size = sum(v.aval.size * v.aval.dtype.itemsize for v in body.outvars[n:]) * len(self.paths)
+            lines.append(f"  {len(self.cut.blocks.collected)} value(s) each layer computes are read by the loss "
+                         f"(e.g. {self.cut.blocks.collected[0].what}): every layer's travel with the activation to "
+                         f"the last stage, whole, {size / 2**10:.1f} KiB per microbatch")
         for vs in range(p.chunks):
             rng = self.layers.of_stage(vs, len(self.paths))
             cost = sum((self.costs[k] for k in rng), partition.ZERO)

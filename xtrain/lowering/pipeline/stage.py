@@ -23,7 +23,7 @@ from xtrain.lowering.explicit.interpreter import interpret
 from xtrain.lowering.explicit.layer_scan import layer_path, scan_with_stable_carry
 from xtrain.lowering.explicit.variants import Picker
 from xtrain.lowering.context import Context
-from xtrain.lowering.sharded import Sharded
+from xtrain.lowering.sharded import Layout, Sharded
 from xtrain.lowering.pipeline.branching import switch
 from xtrain.lowering.pipeline.graph import Cut
 
@@ -65,12 +65,26 @@ class Stage:
         self.carry_layouts = None  # layouts of the activation passed between stages (set by `prologue`)
 
     def prologue(self, env: dict) -> list[Sharded]:
-        """Runs the prologue into `env`; returns the block input (carries, whole values)."""
+        """Runs the prologue into `env`; returns the block input (carries, whole values), then one
+        buffer per collected output (`collected`)."""
         outs = interpret(self.ctx, self.cut.prologue, self.consts, [env[v] for v in self.cut.prologue.invars])
         env.update(zip(self.cut.prologue.outvars, outs))
-        init = [C.resolve(self.ctx, env[v]) for v in self.cut.blocks.init]
+        init = [C.resolve(self.ctx, env[v]) for v in self.cut.blocks.init] + self.collected()
         self.carry_layouts = [x.layout for x in init]
         return init
+
+    def collected(self) -> list[Sharded]:
+        """Zero buffers, one per value each layer computes and the loss reads after the blocks
+        (blocks.collected: HF Mixtral's router logits), (layers, ...) whole: they travel with the
+        activation, each stage writes its layers' rows, and the last stage's epilogue reads them
+        (the stages pass on nothing else)."""
+        body, n = self.cut.blocks.body, self.cut.blocks.num_carry
+        layers = len(self.cut.layer_params)
+        out = []
+        for v in body.outvars[n:]:
+            shape = (layers,) + tuple(v.aval.shape)
+            out.append(Sharded(jnp.zeros(shape, v.aval.dtype), Layout.replicated(len(shape)), shape, v.aval.dtype))
+        return out
 
     def layers(self, carry: list[Sharded], shared: list[Sharded], picker: Picker, params: list[Sharded],
                numbers, valid) -> tuple[list, dict]:
@@ -78,16 +92,19 @@ class Stage:
         the layer numbers (for what differs per layer: explicit/variants.py), `valid` (Lc,).
         Also the counts the rules recorded per slot ({(name, block 0's path): (Lc, ...)}, whole,
         zero in padding slots), e.g. each MoE layer's tokens per expert."""
-        ctx, body, path = self.ctx, self.cut.blocks.body, self.ctx.path
+        ctx, body, path, n = self.ctx, self.cut.blocks.body, self.ctx.path, self.cut.blocks.num_carry
 
         def step(values, xs):
             layer, number, ok = xs[:-2], xs[-2], xs[-1]
-            ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry, values)] + shared
+            ins = ([dataclasses.replace(x, value=v) for x, v in zip(carry[:n], values[:n])] + shared
                    + [dataclasses.replace(p, value=w) for p, w in zip(params, layer)] + picker.at(number))
             before = set(ctx.record.counts)
             with ctx.cursor.at(path):
                 outs = interpret(ctx, body, [], ins)
-                outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs, carry)]
+                # collected outputs, whole, into row `number` of their buffers
+                rows = [lax.dynamic_update_index_in_dim(b, C.replicate(ctx, o).value.astype(b.dtype), number, 0)
+                        for o, b in zip(outs[n:], values[n:])]
+                outs = [C.relayout(ctx, o, x.layout).value for o, x in zip(outs[:n], carry)] + rows
             counts = {key: C.replicate(ctx, c).value for key, c in ctx.record.take_counts(before).items()}
             counts = {key: jnp.where(ok, c, jnp.zeros_like(c)) for key, c in counts.items()}
             return [jnp.where(ok, o, v) for o, v in zip(outs, values)], counts  # padding slot: identity
@@ -114,7 +131,11 @@ class Stage:
         shared = [env[v] for v in self.cut.blocks.shared]
         picker = Picker(self.ctx, self.cut.blocks.variants, env.__getitem__, stacked=True)
         out, counts = self.layers(carry, shared, picker, params, *slots)
-        env.update(zip(self.cut.blocks.outputs, out))
+        n = self.cut.blocks.num_carry
+        env.update(zip(self.cut.blocks.outputs, out[:n]))
+        for collected, buffer in zip(self.cut.blocks.collected, out[n:]):  # layer k's value: row k
+            env.update({v: Sharded(buffer.value[k], Layout.replicated(buffer.ndim - 1), buffer.shape[1:], buffer.dtype)
+                        for k, v in enumerate(collected.per_layer)})
         if self.conditionals:
             closed, shapes = jax.make_jaxpr(lambda: self.epilogue(env), return_shape=True)()  # interpreted once
             epilogue = lambda: tuple(jax.core.eval_jaxpr(closed.jaxpr, closed.consts))
