@@ -226,3 +226,32 @@ def verdict_lines(label: str, runs: tuple[dict, dict], bar: float) -> list[str]:
     rel = lambda k: abs(other[k] - base[k]) / base[k]
     return [f"{label}: loss {rel('tail_loss'):.2%} apart, eval loss {rel('eval_loss'):.2%} apart (bar: {bar:.0%})",
             f"verdict: {'PASS' if max(rel('tail_loss'), rel('eval_loss')) <= bar else 'FAIL'}"]
+
+
+# -- sweeps over sequence lengths, each point in a fresh process (long_sequence.py, packed_sequences.py) --
+def sequence_sweep(script: str, description: str, seqs: list[int], kinds, measure, write) -> None:
+    """The `main` of a sweep: `script --seqs ...` runs `script --child SEQ KIND` per (sequence,
+    kind), each in a fresh process with the compilation cache off, and calls `write(rows)` after
+    each sequence (rows: {seq: {kind: measure's dict}}); in the child, `measure(seq, kind)` runs and
+    its dict is printed as JSON."""
+    import subprocess
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seqs", type=int, nargs="+", default=seqs)
+    parser.add_argument("--child", nargs=2, metavar=("SEQ", "KIND"))
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(int(args.child[0]), args.child[1])))
+        return
+    env = {**os.environ, "XLA_FLAGS": "", "XTRAIN_CACHE_DIR": "off", "PYTHONPATH": str(pathlib.Path(script).parents[1])}
+
+    def child(seq: int, kind: str) -> dict:
+        done = subprocess.run([sys.executable, script, "--child", str(seq), kind], env=env, capture_output=True,
+                              text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    rows = {}
+    for seq in args.seqs:
+        rows[seq] = {kind: child(seq, kind) for kind in kinds}
+        print(seq, rows[seq], flush=True)
+        write(rows)

@@ -18,16 +18,14 @@ memory is compiled but not run. Writes benchmarks/results/long_sequence.md.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
 import statistics
-import subprocess
-import sys
 import time
+
+import bench_common  # benchmarks/ (it puts examples/ on the path)
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "long_sequence.md"
@@ -100,13 +98,6 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _child(seq: int, attention: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "", "XTRAIN_CACHE_DIR": "off", "PYTHONPATH": str(HERE.parent)}
-    cmd = [sys.executable, __file__, "--child", str(seq), attention]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _cell(row: dict, key: str, scale: float, fmt: str) -> str:
     return fmt.format(row[key] * scale) if key in row else "not run"
 
@@ -135,20 +126,13 @@ def write(rows: dict) -> None:
     RESULTS.write_text("\n".join(lines) + "\n")
 
 
+def _measure(seq: int, attention: str) -> dict:
+    return measure_torch(seq) if attention == "torch" else measure_xtrain(seq, attention)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--child", nargs=2, metavar=("SEQ", "ATTENTION"))
-    args = parser.parse_args()
-    if args.child:
-        seq, attention = int(args.child[0]), args.child[1]
-        print(json.dumps(measure_torch(seq) if attention == "torch" else measure_xtrain(seq, attention)))
-        return
-    rows = {}
-    for seq in args.seqs:
-        rows[seq] = {kind: _child(seq, kind) for kind in ("blockwise", "full", "torch", *CONTEXT)}
-        print(seq, rows[seq], flush=True)
-        write(rows)
+    bench_common.sequence_sweep(__file__, __doc__.splitlines()[0], [512, 1024, 2048, 4096, 8192],
+                                ("blockwise", "full", "torch", *CONTEXT), _measure, write)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ computed per device against a causal call's. Writes benchmarks/results/packed_se
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
 import statistics
-import subprocess
-import sys
 import time
+
+import bench_common  # benchmarks/ (it puts examples/ on the path)
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "packed_sequences.md"
@@ -106,13 +104,6 @@ def measure_torch(seq: int) -> dict:
     return {"step_s": _timed(run)}
 
 
-def _child(seq: int, kind: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "", "XTRAIN_CACHE_DIR": "off", "PYTHONPATH": str(HERE.parent)}
-    done = subprocess.run([sys.executable, __file__, "--child", str(seq), kind], env=env, capture_output=True,
-                          text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def write(rows: dict) -> None:
     lines = ["# Packed sequences: documents' blocks skipped vs the dense mask", "",
              f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
@@ -130,20 +121,12 @@ def write(rows: dict) -> None:
     RESULTS.write_text("\n".join(lines) + "\n")
 
 
+def _measure(seq: int, kind: str) -> dict:
+    return measure_torch(seq) if kind == "torch" else measure_xtrain(seq, kind)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--child", nargs=2, metavar=("SEQ", "KIND"))
-    args = parser.parse_args()
-    if args.child:
-        seq, kind = int(args.child[0]), args.child[1]
-        print(json.dumps(measure_torch(seq) if kind == "torch" else measure_xtrain(seq, kind)))
-        return
-    rows = {}
-    for seq in args.seqs:
-        rows[seq] = {kind: _child(seq, kind) for kind in KINDS}
-        print(seq, rows[seq], flush=True)
-        write(rows)
+    bench_common.sequence_sweep(__file__, __doc__.splitlines()[0], [1024, 2048, 4096], KINDS, _measure, write)
 
 
 if __name__ == "__main__":
