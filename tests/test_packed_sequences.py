@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 import xtrain
 from xtrain.frontend import token_mask
@@ -52,6 +53,20 @@ def mistral():
         use_cache=False))
 
 
+def qwen3():
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+        use_cache=False))
+
+
+def phi3():
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        use_cache=False))
+
+
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
@@ -76,7 +91,7 @@ def packed_batches(n=4, batch=8):
 def reference(name):
     """(model, packed batches, torch's losses and parameters training the documents as rows)."""
     torch.manual_seed(0)
-    model = {"llama": llama, "mistral": mistral}[name]()
+    model = {"llama": llama, "mistral": mistral, "qwen3": qwen3, "phi3": phi3}[name]()
     data = packed_batches()
     separate = [(ids.reshape(-1, DOC),) for ids, _ in data]  # each row's 3 documents as 3 rows
     return model, data, torch_reference(model, adamw, separate, document_loss)
@@ -108,6 +123,15 @@ def test_packed_documents_train_like_separate_documents(blocks_of_16, mesh, cont
     if "context" not in mesh:  # each device decides its blocks from its own rows: no collective for it
         assert not [c for c in step.report().collectives if c.source.startswith(PATH + " ")
                     and c.axes == ("data",) and c.kind != "all-reduce"], step.report()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+def test_other_families_pack_documents_too(blocks_of_16, name):
+    """Qwen3 (q/k norms) and Phi-3 (fused qkv): the documents' mask read the same way."""
+    result, _, outs = train(name, xtrain.Mesh(data=8))
+    assert_parity(result)
+    assert {p: int(n) for p, n in outs[0]["attention_blocks"].items()} == {PATH: 8 * DOCUMENT_PAIRS}
 
 
 @pytest.mark.e2e
