@@ -32,6 +32,7 @@ MODELS = {
     "gqa3": (lambda: hf("gqa3"), lm_loss),
     "t5": (lambda: hf("t5"), lm_loss),
     "moe": (MoE, None),
+    "deepseek_v3": (lambda: hf("deepseek_v3"), lm_loss),
 }
 
 
@@ -141,12 +142,25 @@ def test_expert_weights_split_on_the_expert_ffn_dimension():
     assert specs["moe.1.gate.weight"] == ()  # its output meets the gate's softmax: no pair
 
 
+@pytest.mark.unit
+def test_latent_attention_up_projection_is_column_parallel():
+    """DeepSeek-V3's keys are built by copying into slices of a new tensor (a scatter of the
+    heads' non-rotary part and of the shared rotary part): the heads' split passes through it,
+    so the latent's up-projection splits by heads with q_proj; the down-projection stays whole."""
+    model, _, _, plan = case("deepseek_v3")
+    specs = plan.param_specs({n: tuple(p.shape) for n, p in model.named_parameters()}, MESH)
+    attention = "model.layers.0.self_attn."
+    assert specs[attention + "kv_b_proj.weight"] == COL and specs[attention + "q_proj.weight"] == COL
+    assert specs[attention + "o_proj.weight"] == ROW and specs[attention + "kv_a_proj_with_mqa.weight"] == ()
+
+
 # -- parity, sharding and communication ------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", list(MODELS))
 def test_derived_plan_parity_and_sharded(name):
     model, loss_fn, data, plan = case(name)
-    # gqa3 keeps its key/value projections whole by design (6.4% of its elements, with the norms)
+    # gqa3 keeps its key/value projections whole by design (6.4% of its elements, with the norms);
+    # DeepSeek-V3's latent down-projection (kv_a_proj_with_mqa) stays whole, as in Megatron-Core's MLA (4.5%)
     plans.assert_sharded(plan, model, MESH, max_replicated=0.07 if name == "gqa3" else 0.05)
     reference = torch_reference(model, sgd, data, loss_fn)
     result = run_parity(model, sgd, data, xtrain.Mesh(**MESH), plan=plan, loss_fn=loss_fn, reference=reference)
@@ -170,7 +184,7 @@ def tensor_collectives(name, by_stack=False):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,per_block", [("gpt_neox", 1), ("bert", 2), ("dict_llama", 2), ("mqa", 2),
-                                           ("gqa3", 2), ("phi3", 2), ("gpt2", 2)])
+                                           ("gqa3", 2), ("phi3", 2), ("gpt2", 2), ("deepseek_v3", 2)])
 def test_one_all_reduce_after_attention_and_one_after_the_mlp(name, per_block):
     # GPT-NeoX's parallel residual (x + attn(x) + mlp(x)) adds both pending sums before one
     # all-reduce (their row-parallel biases are added after it)

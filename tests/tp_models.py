@@ -47,6 +47,11 @@ def hf(name):
         config = tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                **{**common, "intermediate_size": 256, "max_position_embeddings": SEQ})
         return tf.BertForMaskedLM(config)
+    if name == "deepseek_v3":  # multi-head latent attention: q, the latent's up-projection (kv_b_proj), o
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **common, num_key_value_heads=4, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, bos_token_id=0, eos_token_id=0, use_cache=False))
     raise ValueError(name)
 
 
