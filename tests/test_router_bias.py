@@ -97,6 +97,15 @@ def test_the_bias_is_refused_where_no_router_has_one():
         step(*batches(1)[0])
 
 
+@pytest.mark.e2e
+def test_the_bias_needs_the_explicit_lowering(reference):
+    from xtrain.errors import UnsupportedError
+    model = copy.deepcopy(reference[0])
+    with pytest.raises(UnsupportedError, match=r"router_bias_rate=0.001\) balances MoE layers .* lowering='explicit'"):
+        xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()), loss_fn=lm_loss,
+                       plan=xtrain.Plan(router_bias_rate=1e-3), lowering="xla")
+
+
 @pytest.mark.unit
 def test_the_rate_must_be_positive():
     with pytest.raises(PlanError, match="positive rate"):

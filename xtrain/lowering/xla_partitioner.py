@@ -34,6 +34,10 @@ class XlaStrategy:
         if config.capacity_factor is not None:
             raise UnsupportedError(f"Plan(capacity_factor={config.capacity_factor}) drops MoE pairs in the explicit "
                                    "lowering's routed-experts rule; use lowering='explicit' (or capacity_factor=None)")
+        if config.router_bias_rate is not None:
+            raise UnsupportedError(f"Plan(router_bias_rate={config.router_bias_rate}) balances MoE layers from the "
+                                   "tokens per expert the explicit lowering counts; use lowering='explicit' (or "
+                                   "router_bias_rate=None)")
         self.model, self.mesh, self.config = model, mesh, config
         # fused weights split per segment are stored interleaved: the global program reads them in torch's order
         self.fused = {n: s for n, s in layout.param_specs.items() if segments.segmented_dims(s)}
