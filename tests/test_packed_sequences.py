@@ -126,6 +126,25 @@ def test_packed_documents_train_like_separate_documents(blocks_of_16, mesh, cont
 
 
 @pytest.mark.e2e
+def test_packed_documents_inside_pipeline_stages(blocks_of_16):
+    """A 2-layer Llama on data=4 x pipe=2: each stage's attention runs the documents' kernel on its
+    rows of each microbatch; the counts sum over microbatches and devices per layer."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, use_cache=False))
+    data = packed_batches()
+    want = torch_reference(model, adamw, [(ids.reshape(-1, DOC),) for ids, _ in data], document_loss)
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=4, pipe=2), optimizer=adamw(m.parameters()), loss_fn=packed_loss,
+                          plan=xtrain.Plan().with_pipeline(stages=2, microbatches=2))
+    outs = [step(*b) for b in data]
+    assert_parity(ParityResult([o["loss"] for o in outs], want[0], step.state_dict(), want[1], 5e-5))
+    assert {p: int(n) for p, n in outs[0]["attention_blocks"].items()} == {
+        f"model.layers.{k}.self_attn": 8 * DOCUMENT_PAIRS for k in (0, 1)}  # 4 devices x 2 microbatches
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["qwen3", "phi3"])
 def test_other_families_pack_documents_too(blocks_of_16, name):
     """Qwen3 (q/k norms) and Phi-3 (fused qkv): the documents' mask read the same way."""
