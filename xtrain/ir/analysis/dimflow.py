@@ -25,7 +25,7 @@ from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
 from xtrain.ir import markers, walk
-from xtrain.ir.analysis import detour, per_head, provenance, reshapes
+from xtrain.ir.analysis import detour, per_head, provenance, reshapes, slice_update
 from xtrain.ir.kernels import moe
 from xtrain.ir.model import Model
 
@@ -222,7 +222,7 @@ class _Analysis:
             return self.split(eqn, ins[0], shapes[0], path)
         if prim == "concatenate":
             return [self.elementwise(ins, vws, shapes, out_shape, path, skip=eqn.params["dimension"])]
-        if prim in ("dynamic_update_slice", "scatter") and (out := self.update(eqn, ins, shapes, out_shape, path)) is not None:
+        if (out := slice_update.carry(self, eqn, ins, shapes, out_shape, path)) is not None:
             return [out]
         if prim in _REDUCE or (prim.startswith("cum") and "axis" in eqn.params):
             return [self.reduce(eqn, ins[0], prim, path)]
@@ -249,35 +249,6 @@ class _Analysis:
                 if vw is not None and vw.dims[d] is not None and (lab is None or lab[d] is None) \
                         and len(shape) == len(out_shape) and shape[d] == out_shape[d]:
                     self.group(here[0]).followers.append(Use(vw.name, vw.dims[d], shape[d], path))
-        return tuple(out)
-
-    def update(self, eqn, ins, shapes, out_shape, path) -> tuple | None:
-        """A part of the operand overwritten by the update (`x.at[..., a:b].set(u)`, torch's copy_
-        into a slice of a new tensor: HF DeepSeek-V3 builds its keys so): on a dimension the
-        update spans whole, the operand's and the update's labels meet as in an elementwise op;
-        a split dimension only partly overwritten breaks. None (the generic break) for a scatter
-        whose indices are labelled or whose update is not one window of the operand's rank."""
-        prim = eqn.primitive.name
-        at = 1 if prim == "dynamic_update_slice" else 2
-        indices = ins[at + 1:] if prim == "dynamic_update_slice" else ins[1:2]
-        if any(lab is not None for lab in indices) or len(shapes[at]) != len(out_shape):
-            return None
-        if prim == "scatter":
-            dn = eqn.params["dimension_numbers"]
-            if dn.inserted_window_dims or dn.operand_batching_dims or \
-                    tuple(dn.update_window_dims) != tuple(range(len(out_shape))):
-                return None
-        out: list = [None] * len(out_shape)
-        for d in range(len(out_shape)):
-            here = [lab[d] for lab in (ins[0], ins[at]) if lab is not None and lab[d] is not None]
-            if not here:
-                continue
-            if shapes[at][d] != out_shape[d]:
-                self.brk(here, "op", prim, f"{path}: a part of the split dimension overwritten")
-                continue
-            for other in here[1:]:
-                self.union(here[0], other)
-            out[d] = here[0]
         return tuple(out)
 
     def reduce(self, eqn, lab, prim, path) -> tuple:
