@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant  # no public name in jax 0.10
 
+from xtrain.ir.vma import of as vma  # noqa: F401 (the mesh axes a value varies over: the lowering's import)
+
 Axes = tuple[str, ...]
 
 
@@ -80,10 +82,3 @@ def axis_offset(sizes: Mapping[str, int], axes: Sequence[str]):
     return index
 
 
-def vma(x) -> frozenset:
-    """Mesh axes a value varies over inside shard_map (empty for constants and Python scalars)."""
-    if not (isinstance(x, jax.Array) or hasattr(x, "aval")):
-        return frozenset()
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.10: aval.mat.varying; older releases: aval.vma
-    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())

@@ -38,7 +38,7 @@ from jax import lax
 
 from xtrain.ir.kernels import attention_dropout as dropout_mask
 from xtrain.ir.kernels import documents
-from xtrain.ir import markers
+from xtrain.ir import markers, vma
 from xtrain.ir.attention import Implementation, Site
 
 
@@ -287,8 +287,9 @@ def _backward_block(b: Blocking, res, d_out, i: int, want_dmask: bool, seen=None
 
     def skip(dq, x):
         k_j, v_j = x[0], x[1]
-        axes = documents.varying(q_i, do_i, lse_i, delta, x, fixed)  # what compute's dk, dv vary over (shard_map)
-        zeros = lambda y: documents.widened(jnp.zeros(q_i.shape[:-4] + y.shape[-3:], jnp.float32), axes)  # (..., Hk, bk, d)
+        # what compute's dk, dv vary over (inside shard_map)
+        axes = frozenset().union(*map(vma.of, jax.tree.leaves((q_i, do_i, lse_i, delta, x, fixed))))
+        zeros = lambda y: vma.widen(jnp.zeros(q_i.shape[:-4] + y.shape[-3:], jnp.float32), axes)  # (..., Hk, bk, d)
         return dq, (zeros(k_j), zeros(v_j), None)
 
     step = _skipping(b, compute, None if seen is None else seen[i], skip)

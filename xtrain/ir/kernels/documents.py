@@ -9,10 +9,8 @@ Each function's `b` is the call's Blocking.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 
 def _column_stack(x, start: int, count: int, bk: int):
@@ -86,16 +84,3 @@ def executed_blocks(b, operands):
     if not b.skip_at_run_time:
         return jnp.asarray(static.sum(), jnp.int32)
     return jnp.sum(block_visibility(b, operands) & static, dtype=jnp.int32)
-
-
-def varying(*trees) -> frozenset:
-    """The mesh axes any of the arrays varies over (inside shard_map; empty outside)."""
-    def axes(aval):
-        mat = getattr(aval, "mat", None)
-        return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-    return frozenset().union(*(axes(jax.typeof(x)) for x in jax.tree.leaves(trees)))
-
-
-def widened(x, axes: frozenset):
-    missing = tuple(sorted(axes - varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x

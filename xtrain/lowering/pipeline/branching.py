@@ -6,19 +6,7 @@ import jax
 from jax import lax
 from jax._src.interpreters import partial_eval as pe
 
-from xtrain.lowering.collectives import vma
-
-
-def varying(aval) -> frozenset:
-    """Mesh axes an abstract value varies over."""
-    mat = getattr(aval, "mat", None)
-    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-
-
-def widen(x, axes: frozenset):
-    """`x` cast to vary over `axes` too."""
-    missing = tuple(sorted(axes - vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+from xtrain.ir.vma import of_aval as varying, widen  # noqa: F401 (varying: the executors' import)
 
 
 def switch(index, branches: list, *operands):
