@@ -1,6 +1,8 @@
 """ZeRO stages 1-3: parity with torch, the collectives each stage emits, and memory."""
 import functools
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -79,11 +81,12 @@ def wide_batch():
 
 
 @functools.cache
-def wide_report(stage, bucket_bytes=25 * 2**20):
+def wide_report(stage, bucket_bytes=25 * 2**20, precision="fp32"):
     torch.manual_seed(0)
     model = Wide()
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          plan=xtrain.Plan(zero=stage), grad_sync=xtrain.GradSync(bucket_bytes=bucket_bytes))
+                          plan=xtrain.Plan(zero=stage, precision=precision),
+                          grad_sync=xtrain.GradSync(bucket_bytes=bucket_bytes))
     step(*wide_batch())
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     tensors = len(list(model.parameters()))
@@ -157,3 +160,45 @@ def test_zero3_peak_memory_falls_with_data_and_stays_below_zero1():
     peaks = [peak_bytes(3, n) for n in (2, 4, 8)]
     assert peaks[0] > peaks[1] > peaks[2], peaks
     assert peaks[2] < 0.7 * peak_bytes(1, 8), (peaks[2], peak_bytes(1, 8))
+
+
+def test_zero3_under_bf16_gathers_and_scatters_matmul_weights_in_bf16():
+    """bf16 compute casts each weight for its matmul: the cast runs on the shard, so the
+    gather and its transpose (the gradient's reduce-scatter) move bf16, half of fp32's bytes;
+    biases (added in float32) move as before."""
+    collectives, param_bytes, _ = wide_report(3, precision="bf16")
+    weights, regathered = (16 * 64 + 64 * 64 + 8 * 64) * 4, (64 * 64 + 8 * 64) * 4
+    biases = param_bytes - weights
+    assert kinds(collectives) == {"all-gather": weights // 2 + biases + regathered // 2,
+                                  "reduce-scatter": weights // 2 + biases}
+
+
+def zero3_gpt(precision):
+    import copy
+    model, batches, _ = gpt_case()
+    model = copy.deepcopy(model)
+    step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
+                          plan=xtrain.Plan(zero=3, precision=precision))
+    losses = np.array([step(*b)["loss"] for b in batches])
+    gathers = [c.payload_bytes for c in step.report(*batches[0]).collectives
+               if c.kind == "all-gather" and "zero3_flat_gather" in c.source]
+    return losses, gathers
+
+
+def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
+    """In the layer scan each layer's weights are one flat all-gather: under bf16 it carries the
+    matrices in bf16 (their only use is the matmul's cast), the norm weights apart in fp32; the
+    losses stay within bf16's tolerance of torch's fp32 ones (as in test_precision_remat)."""
+    model, _, reference = gpt_case()
+    (fp32_losses, fp32), (bf16_losses, bf16) = zero3_gpt("fp32"), zero3_gpt("bf16")
+    layers, matrices = len(model.blocks), sum(p.numel() * 4 for n, p in model.named_parameters()
+                                              if n.startswith("blocks.") and p.ndim == 2)
+    vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
+    # fp32: one flat gather per layer, forward and again in the backward; bf16: the matrices in
+    # bf16 (forward and backward's re-gather), the vectors (norm weights, biases) apart in fp32,
+    # gathered once here
+    assert sum(fp32) == 2 * (matrices + vectors) and len(fp32) == 2 * layers, fp32
+    assert sum(bf16) == 2 * matrices // 2 + vectors and len(bf16) == 3 * layers, bf16
+    np.testing.assert_allclose(fp32_losses, reference[0], rtol=1e-5)
+    rel = np.abs(bf16_losses - np.asarray(reference[0])) / np.asarray(reference[0])
+    assert 0 < rel.max() <= 2e-3, rel

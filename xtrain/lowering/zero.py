@@ -235,14 +235,15 @@ class RegatherPolicy:
     which the backward pass then gathers again; nothing else is recomputed.
 
     A layer scan gathers each layer's shards as one flat buffer (`gather_flat`) and cuts it
-    back into tensors; the ops of that unpacking must not be saved either (their outputs are
-    the gathered weights). A policy sees an operation and its operands' types, not where the
+    back into tensors (and, gathered in the compute dtype, casts them back to the traced
+    dtype); the ops of that unpacking must not be saved either (their outputs are the gathered
+    weights), nor the compute-dtype casts that read them. A policy sees an operation and its operands' types, not where the
     operands come from, so `gather_flat` records the (shape, dtype) of every operand it
     unpacks in `unpacking`, and reshapes, transposes, splits and concatenations of such
     operands are recomputed. An activation of the same type is then recomputed from its own
     saved input: the same bytes kept, never a wrong value."""
 
-    _UNPACK_OPS = frozenset({"reshape", "transpose", "split", "concatenate"})
+    _UNPACK_OPS = frozenset({"reshape", "transpose", "split", "concatenate", "convert_element_type"})
 
     def __init__(self, batch_axes: Axes):
         self.batch_axes = tuple(batch_axes)
@@ -273,22 +274,47 @@ def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
     return None
 
 
-def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False) -> list[Sharded]:
+def narrowed(jaxpr, index: int):
+    """The dtype every use of `jaxpr.invars[index]` casts it to, when every use is one cast to
+    one narrower float dtype (a weight read only by the compute dtype's matmuls: bf16 under
+    Plan(precision="bf16")), else None. ZeRO-3 then gathers it in that dtype."""
+    var = jaxpr.invars[index]
+    if not jnp.issubdtype(var.aval.dtype, jnp.floating) or any(v is var for v in jaxpr.outvars):
+        return None
+    uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+    casts = {jnp.dtype(e.params["new_dtype"]) for e in uses if e.primitive.name == "convert_element_type"}
+    if not uses or len(casts) != 1 or any(e.primitive.name != "convert_element_type" for e in uses):
+        return None
+    (dtype,) = casts
+    return dtype if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < var.aval.dtype.itemsize else None
+
+
+def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False,
+                narrow: list | None = None) -> list[Sharded]:
     """ZeRO-3 in repeated blocks: gathers one layer's parameter shards over the batch axes with
     one all-gather (FSDP's flat parameter) per group of shards that share dtype, batch axes and
     varying axes, then cuts the result back into tensors. Its transpose is one reduce-scatter
     of the layer's gradients. Parameters that are not ZeRO-3 shards pass through.
-    `vectors_apart`: 1-D parameters (norm weights, biases) form groups of their own."""
+    `vectors_apart`: 1-D parameters (norm weights, biases) form groups of their own.
+    `narrow`: per parameter, a dtype to gather it in (`narrowed`: the one its every use casts
+    it to; cast first, the gather and its reduce-scatter move that dtype's bytes) or None."""
     out, groups = list(params), {}
+    narrow = narrow or [None] * len(params)
     for index, x in enumerate(params):
         found = _zero3_dim(ctx, x)
         if found is not None:
-            key = (found[1], str(x.dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)
+            dtype = narrow[index] or x.dtype
+            key = (found[1], str(dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)
             groups.setdefault(key, []).append((index, found[0]))
-    for (axes, _, _, _), members in groups.items():
-        values = _gather_flat(ctx, [params[i].value for i, _ in members], [d for _, d in members], axes)
+    record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
+    for (axes, dtype, _, _), members in groups.items():
+        values = _gather_flat(ctx, [params[i].value.astype(dtype) for i, _ in members], [d for _, d in members], axes)
         for (index, dim), value in zip(members, values):
             x = params[index]
+            if value.dtype != x.dtype:  # the traced dtype again (exact): the body's cast undoes it
+                record(value)
+                value = value.astype(x.dtype)
+                record(value)
             dims = list(x.layout.dims)
             dims[dim] = dims[dim][: len(dims[dim]) - len(axes)]
             out[index] = dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))

@@ -112,6 +112,8 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     for position, (shard, _, _) in scattered.items():  # differentiated: the block; read: the whole
         xs_of[position] = [(shard, xs_of[position][0])]
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
+    offset = len(init) + len(shared)
+    narrow = [zero.narrowed(blocks.body, offset + k) for k in range(len(first))]
 
     def body(carry, xs, index=None):
         layer = None if index is None else (blocks.path(0), blocks.path(index))
@@ -127,7 +129,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
             # (a norm weight read where its gradient is computed), keeping the whole buffer
             # alive to the end of the step; apart, only the small vectors' buffer stays
             params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
-                                   vectors_apart=unrolled)
+                                      vectors_apart=unrolled, narrow=narrow)
         params = _synced(ctx, synced, params, blocks.prefix)  # gradients all-reduced in this layer's backward
         params = _scattered(ctx, scattered, blocks_of, params, blocks.prefix)  # ZeRO-2's: reduce-scattered
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged

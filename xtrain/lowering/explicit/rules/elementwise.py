@@ -96,9 +96,15 @@ def elementwise(ctx: Context, eqn, args):
         _defer(ctx, outs[0], plain, keep)
     elif keep:
         _carry(ctx, eqn, outs[0], args)
-    return wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in out_avals(eqn)])
+    out = wrap(eqn, outs, [Layout(dims if a.shape else (), keep) for a in out_avals(eqn)])
+    if len(args) == 1 and args[0].zero and str(eqn.primitive) in _CASTS and out[0].layout == args[0].layout:
+        # a cast of a ZeRO-3 shard (bf16 compute's weight cast) is still that shard: gathered
+        # where it is used, in the narrower dtype, and its gradient reduce-scattered back
+        out[0].zero = args[0].zero
+    return out
 
 
+_CASTS = {"convert_element_type", "copy", "copy_p"}
 SUMS = {"add", "add_any"}
 
 
