@@ -1,5 +1,7 @@
 """ZeRO stages 1-3: parity with torch, the collectives each stage emits, and memory."""
+import copy
 import functools
+import re
 
 import numpy as np
 
@@ -174,15 +176,16 @@ def test_zero3_under_bf16_gathers_and_scatters_matmul_weights_in_bf16():
 
 
 def zero3_gpt(precision):
-    import copy
     model, batches, _ = gpt_case()
     model = copy.deepcopy(model)
     step = xtrain.compile(model, xtrain.Mesh(data=8), optimizer=adamw(model.parameters()),
                           plan=xtrain.Plan(zero=3, precision=precision))
     losses = np.array([step(*b)["loss"] for b in batches])
-    gathers = [c.payload_bytes for c in step.report(*batches[0]).collectives
-               if c.kind == "all-gather" and "zero3_flat_gather" in c.source]
-    return losses, gathers
+    collectives = step.report(*batches[0]).collectives
+    # the layers' weight gathers (not the FP8 scales' amax: one float per device)
+    gathers = [c.payload_bytes for c in collectives if c.kind == "all-gather" and "blocks" in c.source
+               and c.payload_bytes > 4 * 8]
+    return losses, gathers, step
 
 
 def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
@@ -190,7 +193,7 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     matrices in bf16 (their only use is the matmul's cast), the norm weights apart in fp32; the
     losses stay within bf16's tolerance of torch's fp32 ones (as in test_precision_remat)."""
     model, _, reference = gpt_case()
-    (fp32_losses, fp32), (bf16_losses, bf16) = zero3_gpt("fp32"), zero3_gpt("bf16")
+    (fp32_losses, fp32, _), (bf16_losses, bf16, _) = zero3_gpt("fp32"), zero3_gpt("bf16")
     layers, matrices = len(model.blocks), sum(p.numel() * 4 for n, p in model.named_parameters()
                                               if n.startswith("blocks.") and p.ndim == 2)
     vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
@@ -202,3 +205,25 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     np.testing.assert_allclose(fp32_losses, reference[0], rtol=1e-5)
     rel = np.abs(bf16_losses - np.asarray(reference[0])) / np.asarray(reference[0])
     assert 0 < rel.max() <= 2e-3, rel
+
+
+def test_zero3_under_fp8_gathers_the_matmul_weights_as_e4m3():
+    """An FP8 matmul quantizes its weight with the whole tensor's scale (its amax max-reduced
+    over the shards): on the shard, so the gather moves the e4m3 bytes, a quarter of float32's,
+    in the layer scan too (the flat gather leaves those weights to their matmuls). The values
+    are those quantizing the gathered weight gives: the first loss equals the data-parallel run's."""
+    model, batches, _ = gpt_case()
+    _, fp32, _ = zero3_gpt("fp32")
+    fp8_losses, fp8, step = zero3_gpt("fp8")
+    matrices = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
+    vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
+    assert sum(fp32) == 2 * (matrices + vectors)
+    assert sum(fp8) == 2 * matrices // 4 + vectors, fp8  # forward and the backward's re-gather
+    assert re.search(r"f8_e4m3fn\[[\d,]*\] = all_gather", str(step.program(*batches[0])))
+    m = copy.deepcopy(model)
+    ddp = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=adamw(m.parameters()), plan=xtrain.Plan(precision="fp8"))
+    ddp_losses = [ddp(*b)["loss"] for b in batches]
+    # the first step's forward is the same arithmetic; then the gradients' sums differ in order
+    # and wire dtype (DDP's all-reduce crosses in bf16), which FP8's rounding amplifies
+    np.testing.assert_allclose(fp8_losses[0], ddp_losses[0], rtol=1e-6)
+    np.testing.assert_allclose(fp8_losses, ddp_losses, rtol=5e-3)

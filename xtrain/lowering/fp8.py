@@ -119,7 +119,16 @@ def _matmul_bwd(dimension_numbers, dtype, saved, g):
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+SCOPE = "xtrain_fp8_matmul"  # the name scope of each FP8 matmul's call (ZeRO-3 finds its weights by it)
+
+
 def dot(bind, eqn, ins, dtype) -> list:
     """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16)."""
     x, w = ins
-    return [matmul(x, w, eqn.params["dimension_numbers"], jnp.dtype(dtype))]
+    with jax.named_scope(SCOPE):
+        return [matmul(x, w, eqn.params["dimension_numbers"], jnp.dtype(dtype))]
+
+
+def is_matmul(eqn) -> bool:
+    """Whether `eqn` (of a traced step) is one FP8 matmul's call (`dot`)."""
+    return eqn.primitive.name == "custom_vjp_call" and str(eqn.source_info.name_stack).endswith(SCOPE)

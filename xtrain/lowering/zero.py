@@ -32,7 +32,7 @@ from jax import lax
 
 from xtrain.ir.stacked import is_stacked
 from xtrain.ir.trust_ratio import SUM_SQUARES
-from xtrain.lowering import clipping, collectives, int8_sync
+from xtrain.lowering import clipping, collectives, fp8, int8_sync
 from xtrain.lowering.sharded import Axes
 from xtrain.lowering.collectives import vma
 from xtrain.lowering.context import Context
@@ -274,14 +274,21 @@ def _zero3_dim(ctx: Context, x: Sharded) -> tuple[int, Axes] | None:
     return None
 
 
+AT_USE = "at use"  # `narrowed`: gathered by its uses, after their own cast (FP8 matmuls' weights)
+
+
 def narrowed(jaxpr, index: int):
-    """The dtype every use of `jaxpr.invars[index]` casts it to, when every use is one cast to
-    one narrower float dtype (a weight read only by the compute dtype's matmuls: bf16 under
-    Plan(precision="bf16")), else None. ZeRO-3 then gathers it in that dtype."""
+    """How ZeRO-3 gathers `jaxpr.invars[index]`: in the dtype every use casts it to, when every
+    use is one cast to one narrower float dtype (a weight read only by the compute dtype's
+    matmuls: bf16 under Plan(precision="bf16")); AT_USE when every use is an FP8 matmul (which
+    quantizes the shard with the whole tensor's scale and gathers the e4m3 bytes: the values
+    quantizing the gathered weight gives, a quarter of float32's bytes); else None (as stored)."""
     var = jaxpr.invars[index]
     if not jnp.issubdtype(var.aval.dtype, jnp.floating) or any(v is var for v in jaxpr.outvars):
         return None
     uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+    if uses and all(fp8.is_matmul(e) and e.invars[1] is var and e.invars[0] is not var for e in uses):
+        return AT_USE
     casts = {jnp.dtype(e.params["new_dtype"]) for e in uses if e.primitive.name == "convert_element_type"}
     if not uses or len(casts) != 1 or any(e.primitive.name != "convert_element_type" for e in uses):
         return None
@@ -301,7 +308,7 @@ def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False
     out, groups = list(params), {}
     narrow = narrow or [None] * len(params)
     for index, x in enumerate(params):
-        found = _zero3_dim(ctx, x)
+        found = _zero3_dim(ctx, x) if narrow[index] != AT_USE else None
         if found is not None:
             dtype = narrow[index] or x.dtype
             key = (found[1], str(dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)

@@ -108,8 +108,9 @@ def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
     for dim, axes in enumerate(ct.layout.dims):
         if axes and set(axes) <= keep and not primal.layout.dims[dim]:
             ct = C.unsplit_to_partial(ctx, ct, dim)
-    ct = C.resolve(ctx, ct, tuple(a for a in ct.layout.partial if a not in keep))
-    ct = C.relayout(ctx, ct, primal.layout.with_partial(ct.layout.partial))
+    # the rest summed: by a reduce-scatter where the primal is split over the pending axes (a
+    # ZeRO-3 weight's gradient in an FP8 matmul's backward), else an all-reduce
+    ct = C.relayout(ctx, ct, primal.layout.with_partial(tuple(a for a in ct.layout.partial if a in keep)))
     return same_vma(ctx, [ct.value, primal.value])[0]
 
 
