@@ -185,7 +185,8 @@ def zero3_gpt(precision):
     # the layers' weight gathers (not the FP8 scales' amax: one float per device)
     gathers = [c.payload_bytes for c in collectives if c.kind == "all-gather" and "blocks" in c.source
                and c.payload_bytes > 4 * 8]
-    return losses, gathers, step
+    scatters = [c.payload_bytes for c in collectives if c.kind == "reduce-scatter" and "blocks" in c.source]
+    return losses, gathers, scatters, step
 
 
 def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
@@ -193,7 +194,7 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     matrices in bf16 (their only use is the matmul's cast), the norm weights apart in fp32; the
     losses stay within bf16's tolerance of torch's fp32 ones (as in test_precision_remat)."""
     model, _, reference = gpt_case()
-    (fp32_losses, fp32, _), (bf16_losses, bf16, _) = zero3_gpt("fp32"), zero3_gpt("bf16")
+    (fp32_losses, fp32, _, _), (bf16_losses, bf16, scattered, _) = zero3_gpt("fp32"), zero3_gpt("bf16")
     layers, matrices = len(model.blocks), sum(p.numel() * 4 for n, p in model.named_parameters()
                                               if n.startswith("blocks.") and p.ndim == 2)
     vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
@@ -202,6 +203,7 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     # gathered once here
     assert sum(fp32) == 2 * (matrices + vectors) and len(fp32) == 2 * layers, fp32
     assert sum(bf16) == 2 * matrices // 2 + vectors and len(bf16) == 3 * layers, bf16
+    assert sum(scattered) == matrices // 2 + vectors, scattered  # the gradients: the gathers' transposes
     np.testing.assert_allclose(fp32_losses, reference[0], rtol=1e-5)
     rel = np.abs(bf16_losses - np.asarray(reference[0])) / np.asarray(reference[0])
     assert 0 < rel.max() <= 2e-3, rel
@@ -210,15 +212,17 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
 def test_zero3_under_fp8_gathers_the_matmul_weights_as_e4m3():
     """An FP8 matmul quantizes its weight with the whole tensor's scale (its amax max-reduced
     over the shards): on the shard, so the gather moves the e4m3 bytes, a quarter of float32's,
-    in the layer scan too (the flat gather leaves those weights to their matmuls). The values
+    in the layer scan too (the flat gather leaves those weights to their matmuls); their
+    gradients are reduce-scattered in fp8's wire dtype, bf16. The values
     are those quantizing the gathered weight gives: the first loss equals the data-parallel run's."""
     model, batches, _ = gpt_case()
-    _, fp32, _ = zero3_gpt("fp32")
-    fp8_losses, fp8, step = zero3_gpt("fp8")
+    _, fp32, _, _ = zero3_gpt("fp32")
+    fp8_losses, fp8, scattered, step = zero3_gpt("fp8")
     matrices = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
     vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
     assert sum(fp32) == 2 * (matrices + vectors)
     assert sum(fp8) == 2 * matrices // 4 + vectors, fp8  # forward and the backward's re-gather
+    assert sum(scattered) == matrices // 2 + vectors, scattered  # gradients in the wire dtype, bf16
     assert re.search(r"f8_e4m3fn\[[\d,]*\] = all_gather", str(step.program(*batches[0])))
     m = copy.deepcopy(model)
     ddp = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=adamw(m.parameters()), plan=xtrain.Plan(precision="fp8"))

@@ -110,8 +110,23 @@ def _cotangent_for(ctx, ct: Sharded, primal: Sharded):
             ct = C.unsplit_to_partial(ctx, ct, dim)
     # the rest summed: by a reduce-scatter where the primal is split over the pending axes (a
     # ZeRO-3 weight's gradient in an FP8 matmul's backward), else an all-reduce
-    ct = C.relayout(ctx, ct, primal.layout.with_partial(tuple(a for a in ct.layout.partial if a in keep)))
+    target = primal.layout.with_partial(tuple(a for a in ct.layout.partial if a in keep))
+    wire = _gradient_wire(ctx, ct, primal)
+    if wire is None:
+        ct = C.relayout(ctx, ct, target)
+    else:  # a ZeRO-3 weight's gradient crosses the wire in the policy's dtype, as the others do
+        narrow = C.relayout(ctx, dataclasses.replace(ct, value=ct.value.astype(wire), dtype=jnp.dtype(wire)), target)
+        ct = dataclasses.replace(narrow, value=narrow.value.astype(ct.dtype), dtype=ct.dtype)
     return same_vma(ctx, [ct.value, primal.value])[0]
+
+
+def _gradient_wire(ctx, ct: Sharded, primal: Sharded):
+    """The dtype a ZeRO-3 parameter's pending gradient sum is reduced in: GradSync's
+    float comm_dtype where narrower than the gradient's, else None (as computed)."""
+    wire = getattr(ctx.sync, "comm_dtype", None)
+    if not primal.zero or not set(ct.layout.partial) & set(primal.zero) or wire not in ("bfloat16", "float16"):
+        return None
+    return wire if jnp.dtype(wire).itemsize < jnp.dtype(ct.dtype).itemsize else None
 
 
 def _zeros_for(ct, aval):
