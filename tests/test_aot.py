@@ -14,6 +14,7 @@ parallel, offload, ...) is compiled by benchmarks/aot_families.py (suite time).
   byte-identical across processes (an open, strict xfail below).
 """
 import os
+import re
 import stat
 import time
 
@@ -80,6 +81,8 @@ FAMILIES = {
     "ddp": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(), layers=4, scan_layers=False, grad_sync=LAYER_BUCKETS)),
     "zero3": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(zero=3), layers=4, scan_layers=False,
                          grad_sync=LAYER_BUCKETS)),
+    # ZeRO-3 under fp8 in a layer scan: e4m3 weight gathers with their scales' amax, bf16 gradients
+    "zero3_fp8": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(zero=3, precision="fp8"), layers=2)),
     "megatron_sp": (H100, _megatron_sp),
     "1f1b": (H100, _gpt(xtrain.Mesh(pipe=2, data=4), xtrain.Plan().with_pipeline(stages=2, microbatches=2,
                                                                                  schedule="1f1b"), layers=2)),
@@ -248,3 +251,28 @@ reduce-scatter-done(%rs-start)
 """
     (rs,) = schedule.Schedule(text, {"data": 8}).collectives()
     assert (rs.kind, rs.axes, rs.bytes) == ("reduce-scatter", ("data",), 4 * 8 * (1 + 2 + 3 + 4 + 5 + 6 + 7))
+
+
+def _outputs(text: str, op: str) -> set[tuple[str, str]]:
+    """(dtype, shape) of every array `op` (e.g. all-gather-done) yields in scheduled HLO `text`."""
+    found = set()
+    for line in text.splitlines():
+        head, sep, _ = line.partition(f" {op}(")
+        if sep:
+            found.update(re.findall(r"(\w+)\[([\d,]*)\]", head.partition("=")[2]))
+    return found
+
+
+@E2E
+def test_zero3_under_fp8_gathers_e4m3_and_reduces_bf16_in_the_gpu_program(compiled):
+    """The program XLA's GPU compiler scheduled for H100s gathers the layers' weight matrices as
+    e4m3 and reduces their gradients in bf16 (the byte counts: the test above). The GPT (d=16)
+    has matrices of (16, 16), (64, 16) and (16, 64) (the token embedding, (64, 16) too, is
+    gathered in float32 for its lookup); (16, 16) and (16, 64) are no other tensor's shape, nor
+    their shards' (2, 16) and (2, 64) over 8 devices."""
+    text = compiled["zero3_fp8"].text
+    gathered, scattered = _outputs(text, "all-gather-done"), _outputs(text, "reduce-scatter-done")
+    assert {("f8e4m3fn", "16,16"), ("f8e4m3fn", "64,16")} <= gathered, gathered
+    assert not {(d, s) for d, s in gathered if s in ("16,16", "16,64") and d != "f8e4m3fn"}, gathered
+    assert ("bf16", "2,16") in scattered, scattered
+    assert not {(d, s) for d, s in scattered if s in ("2,16", "2,64") and d != "bf16"}, scattered
