@@ -28,7 +28,7 @@ import zoo_models as zoo
 
 # the byte check on the traced program, without compiling (a trace per batch size)
 TRACED = ["gpt2", "llama", "roberta", "t5", "mixtral", "vit", "mamba", "jamba", "complex_rope_llama", "fnet",
-          "resnet", "mobilenet", "audio"]  # cond: torchax refuses torch.cond
+          "resnet", "mobilenet", "audio", "cond"]
 
 
 def sgd(params):
@@ -125,6 +125,33 @@ def test_failure_classes_train_with_parity(name):
     if name == "resnet":  # the running statistics match torch's too (a state_dict entry)
         state, ref = step.state_dict(), reference(name)[1]
         assert all(torch.allclose(state[k], v, atol=1e-5) for k, v in ref.items() if "running" in k)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_torch_cond_trains_with_parity(plan):
+    """torch.cond (dynamo-compiled in eager torch) traced as lax.cond: the predicate (a sum over
+    the global batch) computed once for all devices, each branch partitioned like the rest;
+    both branches taken over the batches (the sign of the sum flips)."""
+    model, batches, _ = case("cond")
+    # torch's reference: eager torch.cond compiles itself with dynamo, which fails in a process
+    # where torchax registered its "jax" device; on a concrete predicate it runs one branch
+    eager = torch.cond
+    torch.cond = lambda pred, true_fn, false_fn, operands: (true_fn if pred else false_fn)(*operands)
+    try:
+        reference("cond")
+    finally:
+        torch.cond = eager
+    mesh = xtrain.Mesh(data=8)
+    step = compiled("cond", mesh, plan=xtrain.Plan(zero=3) if plan == "fsdp" else None)
+    losses = [step(*b)["loss"] for b in batches]
+    assert not fallbacks(step), step.lowered.notes()
+    assert_parity(_parity(step, losses, "cond"))
+    signs = set()
+    for x, _ in batches:
+        with torch.no_grad():
+            signs.add(bool(torch.tanh(model.fc1(x)).sum() > 0))
+    assert signs == {True, False}, "the batches take one branch only: the test would not see the other"
 
 
 @pytest.mark.e2e
