@@ -3,6 +3,7 @@ current scaling (xtrain.lowering.fp8). On CPU XLA computes FP8 dots by upcasting
 checked bit for bit against a plain numpy reference, the matmul's gradients exactly on values the
 formats hold, training against bf16, and the program compiled for H100 keeps its FP8 GEMMs."""
 import copy
+import functools
 import dataclasses
 import re
 
@@ -160,21 +161,49 @@ def test_fp8_gemms_survive_the_gpu_compiler():
     assert len(fp8_gemms) >= 16 and len(gemms) - len(fp8_gemms) <= 6, (len(fp8_gemms), len(gemms))
 
 
-def test_the_plan_search_costs_fp8_where_the_target_has_it():
-    """`xtrain plan --precision fp8` (search(precision="fp8")): on p5 the candidates are costed with
-    FP8 matmuls, their MFU against the H100's FP8 peak (twice bf16's: the same model FLOPs over
-    step x peak); on p4d refused, naming the instance."""
+@functools.cache
+def _meta_llama():
+    """A 2-layer Llama of 1024 hidden on the meta device, wrapped, and its batch's shape."""
     from test_hf_models import lm_loss
     from transformers import LlamaConfig, LlamaForCausalLM
-    from xtrain.cost import search
     from xtrain.frontend.torch_module import wrap
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096,
                                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
                                              max_position_embeddings=512, bos_token_id=0, eos_token_id=0))
-    t = wrap(model, torch.optim.AdamW(model.parameters()), lm_loss)
-    ids = jax.ShapeDtypeStruct((64, 512), np.int32)
+    return wrap(model, torch.optim.AdamW(model.parameters()), lm_loss), jax.ShapeDtypeStruct((64, 512), np.int32)
+
+
+def test_the_default_search_lists_fp8_beside_the_pick_where_the_target_has_it():
+    """Without a precision the search on p5 also costs the fastest candidates with FP8 matmuls and
+    lists them, never picked (FP8 changes the numerics: the script asks for it); p4d lists none."""
+    from xtrain.cost import search
+
+    t, ids = _meta_llama()
+    listed = []
+    for instance in ("p5.48xlarge", "p4d.24xlarge"):
+        profile, devices = hardware.target(instance)
+        plain = [search.Candidate(data=devices, precision="bf16"), search.Candidate(data=devices, zero=3, precision="bf16")]
+        result = search.search(t.model, t.tx, (ids, ids), profile, devices, structure=t.structure,
+                               candidate_list=plain, prune_remat=False)
+        fp8 = [r for r in result.rows if r.candidate.precision == "fp8"]
+        listed.append(len(fp8))
+        assert result.best is not None and result.best.candidate.precision == "bf16"
+        assert all(r.listed_only and not r.usable and r.reason == search.FP8_LISTED and r.prediction.fits
+                   for r in fp8), fp8
+        if fp8:  # the listing shows them with their own predictions
+            assert search.FP8_LISTED in result.listing() and {r.candidate.zero for r in fp8} == {0, 3}
+    assert listed == [2, 0], listed
+
+
+def test_the_plan_search_costs_fp8_where_the_target_has_it():
+    """`xtrain plan --precision fp8` (search(precision="fp8")): on p5 the candidates are costed with
+    FP8 matmuls, their MFU against the H100's FP8 peak (twice bf16's: the same model FLOPs over
+    step x peak); on p4d refused, naming the instance."""
+    from xtrain.cost import search
+
+    t, ids = _meta_llama()
     rows = {}
     for instance, precision in (("p5.48xlarge", "bf16"), ("p5.48xlarge", "fp8"), ("p4d.24xlarge", "fp8")):
         profile, devices = hardware.target(instance)

@@ -92,6 +92,11 @@ class Verified:
 # says whether it fits; called on the few best candidates only
 Verify = Callable[["Row", Plan], Verified]
 VERIFY_TOP = 3  # candidates compiled per round of verification
+# On a target with FP8 arithmetic (H100, H200, trn2) a search in the profile's precision also lists
+# its fastest FP8_ROWS candidates with FP8 matmuls, costed the same way, never picked: FP8 changes
+# the numerics, so the script asks for it (`--precision fp8`, search(precision="fp8"))
+FP8_ROWS = 3
+FP8_LISTED = "fp8 for comparison: not picked (FP8 matmuls change the numerics; --precision fp8 searches them)"
 # why a candidate is refused before lowering: its parameters, gradients and optimizer state alone,
 # split as evenly as the candidate can split them (Candidate.state_floor), exceed the device's memory
 STATE_ALONE = "not traced: parameters, gradients and optimizer state alone need at least"
@@ -110,11 +115,13 @@ class Row:
     # gathers are in its program, so its cost charges them; picked only when no clean candidate fits
     fallbacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     verified: Verified | None = None  # what the target's compiler said of it (search(verify=...)); None: not asked
+    listed_only: bool = False  # shown beside the candidates for comparison, never picked (FP8_ROWS)
 
     @property
     def usable(self) -> bool:
         fits = self.verified.fits if self.verified is not None else True
-        return self.prediction is not None and self.prediction.fits and not self.findings and fits
+        return self.prediction is not None and self.prediction.fits and not self.findings and fits and \
+            not self.listed_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,11 +341,26 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         else:
             done[c] = lower(c)
     rows = [done[c] for c in candidate_list]
+    if precision is None:
+        rows += _fp8_rows(rows, profile, lower)
     if verify is not None:
         plan_of = lambda c: c.plan(tensor_plan(model, batch) if structure is not None else None,
                                    expert_plan(model, experts) if experts else None)
         rows = verified(rows, verify, plan_of, verify_top)
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
+
+
+def _fp8_rows(rows: Sequence[Row], profile: HardwareProfile, lower: Callable[[Candidate], Row]) -> list[Row]:
+    """The FP8 forms of the fastest FP8_ROWS usable rows, listed only (FP8_LISTED); none where
+    the profile has no FP8 arithmetic or the rows already are FP8."""
+    try:
+        profile.check_precision("fp8")
+    except UnsupportedError:
+        return []
+    best = sorted((r for r in rows if r.usable and r.candidate.precision != "fp8"),
+                  key=lambda r: r.prediction.step_s)[:FP8_ROWS]
+    return [dataclasses.replace(lower(dataclasses.replace(r.candidate, precision="fp8")), listed_only=True,
+                                reason=FP8_LISTED) for r in best]
 
 
 def verified(rows: Sequence[Row], verify: Verify, plan_of: Callable[[Candidate], Plan],
