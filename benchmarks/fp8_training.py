@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_training.py                 # 8 emulated CPU devices, ~4 min on 2 cores
     python benchmarks/fp8_training.py --steps 5       # a smoke run (writes nothing)
+    python benchmarks/fp8_training.py --zero3         # ZeRO-3: bf16 vs FP8 gathers + int8 gradients
 
 Trains the example's GPT (examples/gpt_model.py) on the example's corpus and batch stream from the
 same weights under each plan (data=8). FP8 (xtrain.lowering.fp8: e4m3 operands, e5m2 gradients,
@@ -10,6 +11,11 @@ recipe's numerics, not an FP8 GEMM's speed (benchmarks/results/gpu_step_h200.md 
 Reports the mean loss of the last 20 steps and the eval loss on held-out text, their relative
 difference (the bar: within 2%), and writes benchmarks/results/fp8_training.md (and .json with
 every step's loss) for runs of 100 steps or more.
+
+--zero3 compares Plan(zero=3, precision="bf16") with Plan(zero=3, precision="fp8") and
+GradSync(comm_dtype="int8"): weights gathered as e4m3 and gradients reduce-scattered in int8 with
+error feedback (xtrain.lowering.zero3_int8), beside the bytes each step gathers and reduces per
+device (the report's collectives); writes benchmarks/results/fp8_training_zero3.md.
 """
 from __future__ import annotations
 
@@ -35,11 +41,43 @@ def table(runs: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+ZERO3 = {"bf16": dict(plan=xtrain.Plan(zero=3, precision="bf16")),
+         "fp8 + int8": dict(plan=xtrain.Plan(zero=3, precision="fp8"), grad_sync=xtrain.GradSync(comm_dtype="int8"))}
+
+
+def run_zero3(args, name: str, train_tokens, val_tokens) -> dict:
+    result, step = bench_common.long_run(args, train_tokens, val_tokens, **ZERO3[name])
+    moved = {}
+    for c in step.report().collectives:
+        kind = "gathered" if c.kind == "all-gather" else "reduced"
+        moved[kind] = moved.get(kind, 0) + c.payload_bytes
+    return {"plan": name, **result, **moved}
+
+
+def table_zero3(runs: dict, args) -> str:
+    lines = [f"# ZeRO-3: FP8 gathers and int8 gradients vs bf16: example GPT (d_model {args.d_model}, {args.layers} "
+             f"layers), {args.steps} steps, batch {args.batch} x {args.seq}, 8 emulated CPU devices, data=8", "",
+             "| plan | loss, last 20 steps | eval loss | gathered B/step | reduced B/step | wall s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['plan']} | {r['tail_loss']:.4f} | {r['eval_loss']:.4f} | {r['gathered']:,} | {r['reduced']:,} "
+              f"| {r['seconds']:.0f} |" for r in runs.values()]
+    bf16, low = runs["bf16"], runs["fp8 + int8"]
+    lines += ["", f"bytes per device per step, fp8 + int8 / bf16: gathered {low['gathered'] / bf16['gathered']:.2f}x, "
+                  f"reduced {low['reduced'] / bf16['reduced']:.2f}x (the embeddings and norms stay float32)",
+              *bench_common.verdict_lines("fp8 + int8 / bf16", (bf16, low), BAR)]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = bench_common.long_run_args(__doc__.splitlines()[0])
+    p.add_argument("--zero3", action="store_true", help="ZeRO-3: bf16 vs FP8 gathers with int8 gradient sync")
     args = p.parse_args()
     xtrain.init(cpu_devices=8)
     train_tokens, val_tokens = split_corpus(default_corpus())
+    if args.zero3:
+        runs = {name: run_zero3(args, name, train_tokens, val_tokens) for name in ZERO3}
+        bench_common.save_long_run("fp8_training_zero3", table_zero3(runs, args), args, runs)
+        return
     runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in ("fp32", "bf16", "fp8")}
     bench_common.save_long_run("fp8_training", table(runs, args), args, runs)
 

@@ -352,10 +352,9 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
 
 def _fp8_rows(rows: Sequence[Row], profile: HardwareProfile, lower: Callable[[Candidate], Row]) -> list[Row]:
     """The FP8 forms of the fastest FP8_ROWS usable rows, listed only (FP8_LISTED); none where
-    the profile has no FP8 arithmetic or the rows already are FP8."""
-    try:
-        profile.check_precision("fp8")
-    except UnsupportedError:
+    the profile has no FP8 peak (emulated CPUs compute FP8 by upcasting: nothing to gain) or the
+    rows already are FP8."""
+    if "fp8" not in profile.peak_flops:
         return []
     best = sorted((r for r in rows if r.usable and r.candidate.precision != "fp8"),
                   key=lambda r: r.prediction.step_s)[:FP8_ROWS]

@@ -53,7 +53,7 @@ def objective(loss, scale=None):
     return total if scale is None else total * scale.astype(total.dtype)
 
 
-def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int):
+def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int, raw: frozenset = frozenset()):
     """Loss and gradient of `batch` from `steps` micro-batches.
 
     A scalar (mean) loss: the mean over micro-batches of their losses and gradients. A
@@ -65,13 +65,15 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
             counts)). The differentiated scalar is `objective(loss, scale)`; counts (a pytree of
             per-step counts, e.g. tokens per expert) are summed over the micro-batches.
 
+        raw: names of `params` whose gradients are summed over the micro-batches, not normalised.
+
     Returns:
         (loss, buffers after the last micro-batch, gradient, counts).
     """
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     if steps == 1:
         (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, batch, 0)
-        loss, grads = _normalised(loss, grads, 1)
+        loss, grads = _normalised(loss, grads, 1, raw)
         return loss, buffers, grads, counts
     micro = split(batch, steps)
     (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, _pick(micro, batch, 0), 0)
@@ -83,19 +85,26 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int)
                 jax.tree.map(jnp.add, count_sum, counts)), None
 
     (loss, buffers, grads, counts), _ = lax.scan(body, (loss, buffers, grads, counts), jnp.arange(1, steps))
-    loss, grads = _normalised(loss, grads, steps)
+    loss, grads = _normalised(loss, grads, steps, raw)
     return loss, buffers, grads, counts
 
 
-def _normalised(loss, grads, steps: int):
-    """(mean loss, mean gradient) from summed micro-batch results."""
+def _normalised(loss, grads, steps: int, raw: frozenset = frozenset()):
+    """(mean loss, mean gradient) from summed micro-batch results (`raw` gradients as summed)."""
     if isinstance(loss, tuple):
         total, count = loss
         count = count.astype(jnp.float32)
-        return total / count, jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        return total / count, _divided(grads, count, raw)
     if steps == 1:
         return loss, grads
-    return loss / steps, jax.tree.map(lambda g: g / steps, grads)
+    return loss / steps, _divided(grads, steps, raw)
+
+
+def _divided(grads, by, raw: frozenset):
+    divide = lambda g: (g / by).astype(g.dtype)
+    if not raw:
+        return jax.tree.map(divide, grads)
+    return {n: g if n in raw else jax.tree.map(divide, g) for n, g in grads.items()}
 
 
 def check_divisible(batch: tuple, steps: int, data_size: int) -> None:

@@ -49,7 +49,8 @@ class GradSync:
         bucket_bytes: target payload of one all-reduce; None = one all-reduce per tensor.
         comm_dtype: dtype on the wire (e.g. "bfloat16" for fp32 gradients); None = as computed.
             "int8": quantized with a scale per chunk and error feedback (xtrain.lowering.int8_sync);
-            not with ZeRO-3, the pipeline, fp16 loss scaling or lowering="xla" (`check_int8`).
+            under ZeRO-3 in the backward pass (xtrain.lowering.zero3_int8); not with the pipeline,
+            fp16 loss scaling or lowering="xla" (`check_int8`).
         hierarchical: when gradients are reduced over 2+ mesh axes, reduce-scatter over the
             inner axes, all-reduce over the outer ones, all-gather over the inner ones;
             False = one flat all-reduce over all of them.
@@ -214,13 +215,11 @@ def sync(grads: Mapping[str, jnp.ndarray], axes: Mapping[str, tuple[str, ...]], 
     return out, residual
 
 
-def check_int8(config: GradSync, *, zero: int, pipeline: bool, loss_scale: bool, lowering: str) -> None:
+def check_int8(config: GradSync, *, pipeline: bool, loss_scale: bool, lowering: str) -> None:
     """Fails for the combinations GradSync(comm_dtype="int8") does not support, naming why."""
     if not config.int8:
         return
     refusals = [
-        (zero == 3, "ZeRO-3 (zero=3)", "its gradients leave as the transpose of the parameter gathers, inside "
-                                       "the backward pass; use zero=1 or 2, or comm_dtype='bfloat16'"),
         (pipeline, "a pipeline", "the pipeline step reduces each stage's gradients itself; use "
                                  "comm_dtype='bfloat16', or a plan without a pipeline"),
         (loss_scale, "fp16 loss scaling", "skipped steps and a moving scale would leave the error-feedback "

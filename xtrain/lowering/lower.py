@@ -41,7 +41,7 @@ def check(mesh, layout: StateLayout, config: StepConfig, *, lowering: str = "exp
     cannot run, a pipeline under XLA's partitioner, offload where the host has no memory space."""
     if lowering not in LOWERINGS:
         raise OptionsError(f"lowering={lowering!r} is not one of {LOWERINGS}")
-    gradient_sync.check_int8(config.sync, zero=layout.zero, pipeline=pipeline is not None,
+    gradient_sync.check_int8(config.sync, pipeline=pipeline is not None,
                              loss_scale=config.grad_tx.loss_scale is not None, lowering=lowering)
     if isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices to ask
         if layout.offload_optimizer:

@@ -94,6 +94,7 @@ class Sharded:
     shape: tuple[int, ...]  # global shape
     dtype: Any
     zero: Axes = ()         # a stored parameter split over these batch axes (ZeRO-3): gathered per use
+    feedback: Any = None    # its int8 error-feedback residual (ZeRO-3 with int8 gradients: zero3_int8)
 
     @property
     def ndim(self) -> int:

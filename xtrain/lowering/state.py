@@ -15,7 +15,7 @@ from xtrain.ir.tree import named_leaves, rebuild
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding import segments
 from xtrain.sharding.offload import HOST_MEMORY
-from xtrain.sharding.plan import Spec, partition_entry
+from xtrain.sharding.plan import Spec, axes_of, partition_entry
 
 
 @jax.tree_util.register_dataclass
@@ -45,12 +45,25 @@ def residual_specs(layout: StateLayout) -> dict[str, Spec]:
     stacked parameter), the rest split as the parameter. Each device holds its own (1, ...)."""
     out = {}
     for name in sorted(layout.optimized):
-        axes = layout.grad_axes(name)
+        axes = _residual_axes(layout, name)
         if not axes:
             continue
-        spec, entry = tuple(layout.param_specs[name]), axes[0] if len(axes) == 1 else axes
+        zero = layout.zero_axes(name)  # a ZeRO-3 parameter's residual is its whole gradient's (zero3_int8)
+        spec = tuple(_without(e, zero) for e in layout.param_specs[name])
+        entry = axes[0] if len(axes) == 1 else axes
         out[name] = (spec[0], entry) + spec[1:] if stacked.is_stacked(name) else (entry,) + spec
     return out
+
+
+def _residual_axes(layout: StateLayout, name: str) -> tuple[str, ...]:
+    """The batch axes a parameter's gradient is reduced over: summed (its grad axes) or, for a
+    ZeRO-3 shard, reduce-scattered (its ZeRO axes)."""
+    return layout.grad_axes(name) or layout.zero_axes(name)
+
+
+def _without(entry, axes):
+    kept = tuple(a for a in axes_of(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def residual_shapes(layout: StateLayout, shapes: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -58,7 +71,7 @@ def residual_shapes(layout: StateLayout, shapes: Mapping[str, Any]) -> dict[str,
     out = {}
     for name in residual_specs(layout):
         shape = list(shapes[name].shape)
-        shape.insert(1 if stacked.is_stacked(name) else 0, int(np.prod([layout.sizes[a] for a in layout.grad_axes(name)])))
+        shape.insert(1 if stacked.is_stacked(name) else 0, int(np.prod([layout.sizes[a] for a in _residual_axes(layout, name)])))
         out[name] = jax.ShapeDtypeStruct(tuple(shape), shapes[name].dtype)
     return out
 

@@ -92,6 +92,8 @@ class Gradients:
     counts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-step counts for the outputs
     shards: frozenset = frozenset()  # ZeRO-2 gradients already reduce-scattered (in the backward pass)
     findings: Findings = Findings()  # what the lowering found tracing this program (fallbacks, notes, blocks)
+    # ZeRO-3 with int8 gradients: the next residual of each parameter, made in the backward pass
+    dropped: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Strategy(Protocol):
@@ -225,7 +227,9 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
             out = compute(state, batch, key, scale)
             traced.findings = out.findings
             grads = _poisoned(out.grads, input_checks.violated(checks, batch)) if checks else out.grads
-            grads = gradient_sync.with_feedback(grads, state.grad_residual)  # int8's error feedback
+            # int8's error feedback (ZeRO-3's is added in the backward pass: out.dropped)
+            grads = gradient_sync.with_feedback(grads, {n: r for n, r in (state.grad_residual or {}).items()
+                                                        if n not in out.dropped})
             grads, dropped = gradient_sync.sync(grads, out.pending, config.sync)
             old = _fetched(state, config)  # an offloaded optimizer state reaches the device only now
             params, opt_state, norm, scattered = strategy.update(grads, old.opt_state, state.params, lrs, scale,
@@ -235,7 +239,7 @@ def _trainer(strategy: Strategy, config: StepConfig, model, found: input_checks.
                 buffers = router_bias.updated(buffers, out.counts.get("expert_tokens", {}), config.router_bias_rate)
             new = dataclasses.replace(state, params=params, buffers=buffers,
                                       opt_state=opt_state, grad_residual=_stored(state.grad_residual,
-                                                                                 {**dropped, **scattered}))
+                                                                                 {**dropped, **scattered, **out.dropped}))
             new, outputs = finish_step(old, new, out.loss, norm, config.grad_tx)
             outputs = {**outputs, **out.counts}  # tokens per expert of each MoE layer
             if config.offload_optimizer:

@@ -15,6 +15,7 @@ from xtrain.errors import PlanError
 from xtrain.ir.model import Model
 from xtrain.lowering import accumulation, collectives, gradient_sync
 from xtrain.lowering import zero as zero_mod
+from xtrain.lowering import zero3_int8
 from xtrain.lowering.explicit import layer_scan
 from xtrain.lowering.explicit import rules  # noqa: F401  (registers the partition rules)
 from xtrain.lowering import sharded as C
@@ -31,6 +32,9 @@ from xtrain.sharding.annotate import tracing_for
 from xtrain.sharding.layout import StateLayout
 from xtrain.sharding.plan import Spec, axes_of
 from xtrain.sharding.segments import segmented_dims
+
+
+FEEDBACK = "\x00int8 residual of "  # the differentiated inputs of ZeRO-3's int8 residuals (zero3_int8)
 
 
 def layout_of(spec: Spec, ndim: int) -> Layout:
@@ -80,8 +84,9 @@ class Program:
         zero3 = any(layout.zero_axes(n) for n in layout.param_specs)
         self.regather = zero_mod.RegatherPolicy(layout.batch_axes) if zero3 and config.regather else None
 
-    def _inputs(self, values, global_args) -> list[Sharded]:
-        """Sharded values of the model function's arguments (params, buffers, key, batch)."""
+    def _inputs(self, values, global_args, feedback=None) -> list[Sharded]:
+        """Sharded values of the model function's arguments (params, buffers, key, batch);
+        `feedback`: name -> this device's int8 residual of a ZeRO-3 parameter (zero3_int8)."""
         params, buffers, key, batch = global_args
         names = sorted(params)  # the order of a dict's leaves
         layouts = ([layout_of(self.layout.param_specs[n], params[n].ndim) for n in names]
@@ -89,7 +94,9 @@ class Program:
                    + [layout_of(self.layout.arg_spec(i), x.ndim) for i, x in enumerate(batch) if hasattr(x, "ndim")])
         zero = [self.layout.zero_axes(n) for n in names]
         avals = jax.tree.leaves(global_args)
-        return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else ())
+        feedback = feedback or {}
+        return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else (),
+                        feedback=feedback.get(names[i]) if i < len(names) else None)
                 for i, (v, l, a) in enumerate(zip(values, layouts, avals))]
 
     def _options(self, training: bool, synced: dict) -> LoweringOptions:
@@ -114,15 +121,23 @@ class Program:
         repeated, block_notes = self._repeated_blocks(closed.jaxpr, len(jax.tree.leaves(global_args[0])))
         by_var = dict(zip(closed.jaxpr.invars, sorted(global_args[0])))  # a dict's leaves: sorted keys
         synced, scattered = self._synced(repeated, by_var, closed.jaxpr) if training else ({}, {})
+        in_blocks = {v for blocks in repeated for v in [*blocks.stacked, *(v for layer in blocks.per_layer for v in layer)]}
         options, records = self._options(training, synced), []
 
-        def local(params, buffers, key, batch, shards=None):
+        def local(params, buffers, key, batch, shards=None, feedback=None):
             """`shards`: name -> this device's block of each `scattered` parameter (differentiated
-            in its place; `params` holds the whole)."""
-            ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args)
+            in its place; `params` holds the whole); `feedback`: name -> int8 residual of each
+            ZeRO-3 parameter (differentiated: its cotangent is the next one, zero3_int8)."""
+            ins = self._inputs(jax.tree.leaves((params, buffers, key, batch)), global_args, feedback)
             blocks = {v: (shards[by_var[v]], dim, axes) for v, (dim, axes) in scattered.items()} if shards else {}
             ctx = Context(dataclasses.replace(options, scattered=blocks))
             records.append(ctx.record)
+            if feedback:  # the parameters outside the repeated blocks: gathered here, once
+                positions = [i for i, v in enumerate(closed.jaxpr.invars[:len(by_var)]) if v not in in_blocks]
+                chunk = self.sync.int8_chunk
+                for i, x in zip(positions, zero3_int8.gather(ctx, [ins[i] for i in positions],
+                                                             [None] * len(positions), chunk)):
+                    ins[i] = x
             regions, live = layer_scan.regions(ctx, closed.jaxpr, repeated)
             outs = interpret(ctx, closed.jaxpr, closed.consts, ins, regions=regions, live=live)
             outs = [C.replicate(ctx, o).value for o in outs]
@@ -214,12 +229,18 @@ class ExplicitStrategy:
         steps = self.config.options.accumulate
         forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps)))
         regather, scattered, synced = self.program.regather, forward.scattered, forward.synced
+        # ZeRO-3 shards whose gradients leave the backward pass reduced (not HSDP's, which an
+        # all-reduce over the other batch axes follows: theirs reduce as before)
+        fed = sorted(n for n in self.layout.optimized if self.layout.zero_axes(n) and not self.layout.grad_axes(n)) \
+            if self.config.sync.int8 else []
 
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
                 micro_key = key if steps == 1 else jax.random.fold_in(key, index)
+                feedback = {n: params.pop(FEEDBACK + n) for n in fed}
                 whole = {**params, **{n: state.params[n] for n in scattered}, **state.frozen}
-                (loss, buffers), counts = forward.run(whole, buffers, micro_key, micro, {n: params[n] for n in scattered})
+                (loss, buffers), counts = forward.run(whole, buffers, micro_key, micro, {n: params[n] for n in scattered},
+                                                      feedback)
                 return accumulation.objective(loss, scale), (loss, buffers, counts)
 
             if regather is not None and self.config.remat is None:
@@ -234,9 +255,14 @@ class ExplicitStrategy:
                       for n, p in state.params.items()}
             # ZeRO-2 reduce-scattered by the layer scan: differentiated as this device's block
             params.update({n: self.update.shard(n, state.params[n]) for n in scattered})
-            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps)
+            # ZeRO-3 with int8 gradients: each micro-batch's share of the residual, differentiated
+            # (its cotangent: what this step's quantization dropped, un-normalised)
+            params.update({FEEDBACK + n: state.grad_residual[n] / steps for n in fed})
+            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps,
+                                                                       raw=frozenset(FEEDBACK + n for n in fed))
+            dropped = {n: grads.pop(FEEDBACK + n) for n in fed}
             pending = {n: () if n in synced else a for n, a in self.pending.items()}
-            return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered), forward.findings())
+            return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered), forward.findings(), dropped)
 
         return compute
 

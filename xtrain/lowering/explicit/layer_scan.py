@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from xtrain.ir import walk
 from xtrain.lowering import gradient_sync
 from xtrain.lowering import remat as remat_policy
-from xtrain.lowering import zero
+from xtrain.lowering import zero, zero3_int8
 from xtrain.lowering.collectives import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.explicit.blocks import RepeatedBlocks
@@ -111,6 +111,9 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     xs_of = [values for _, values in positions]
     for position, (shard, _, _) in scattered.items():  # differentiated: the block; read: the whole
         xs_of[position] = [(shard, xs_of[position][0])]
+    fed = _feedback(blocks, read, unrolled)  # ZeRO-3 with int8 gradients: each layer's residual beside it
+    for position, residuals in fed.items():
+        xs_of[position] = list(zip(residuals, xs_of[position]))
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
     offset = len(init) + len(shared)
     narrow = [zero.narrowed(blocks.body, offset + k) for k in range(len(first))]
@@ -123,13 +126,16 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     def _layer(carry, xs, index):
         xs, number = xs[:len(first)], (index if index is not None else (xs[len(first):] or [None])[0])
         blocks_of = {position: xs[position][0] for position in scattered}
-        xs = [x[1] if position in scattered else x for position, x in enumerate(xs)]
+        residuals = {position: xs[position][0] for position in fed}
+        xs = [x[1] if position in scattered or position in fed else x for position, x in enumerate(xs)]
         with jax.named_scope(blocks.prefix), jax.named_scope("zero3_flat_gather"):
+            params = [dataclasses.replace(p, value=v, feedback=residuals.get(k)) for k, (p, v) in enumerate(zip(first, xs))]
+            if fed:  # one int8-reducing gather (zero3_int8) of the layer's shards
+                params = zero3_int8.gather(ctx, params, narrow, ctx.sync.int8_chunk)
             # unrolled, XLA fuses slices of a gathered flat buffer into backward-pass consumers
             # (a norm weight read where its gradient is computed), keeping the whole buffer
             # alive to the end of the step; apart, only the small vectors' buffer stays
-            params = zero.gather_flat(ctx, [dataclasses.replace(p, value=v) for p, v in zip(first, xs)],
-                                      vectors_apart=unrolled, narrow=narrow)
+            params = zero.gather_flat(ctx, params, vectors_apart=unrolled, narrow=narrow)
         params = _synced(ctx, synced, params, blocks.prefix)  # gradients all-reduced in this layer's backward
         params = _scattered(ctx, scattered, blocks_of, params, blocks.prefix)  # ZeRO-2's: reduce-scattered
         carry = remat_policy.layer_inputs(ctx.remat, list(carry))  # offloaded activations: tagged
@@ -150,6 +156,23 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
                     for out, x, v in zip(blocks.collected, collected, values)})
     env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
     return env
+
+
+def _feedback(blocks: RepeatedBlocks, read, unrolled: bool) -> dict[int, list]:
+    """Per parameter position whose values carry an int8 residual (Sharded.feedback): the
+    residuals the layers run over, aligned with `_layer_position`'s values."""
+    out = {}
+    for position in range(len(blocks.per_layer[0])):
+        source = blocks.stacked_input(position)
+        if source is not None:
+            residual = read(source).feedback
+            if residual is not None:
+                out[position] = [residual]
+            continue
+        residuals = [read(layer[position]).feedback for layer in blocks.per_layer]
+        if all(r is not None for r in residuals):
+            out[position] = residuals if unrolled else [jnp.stack(residuals)]
+    return out
 
 
 def synced_positions(synced: Mapping, blocks: RepeatedBlocks) -> dict[int, tuple[str, ...]]:
