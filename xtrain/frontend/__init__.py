@@ -2,6 +2,7 @@
 
     torch_module.py   torch.nn.Module -> xtrain.ir.Model (named state + pure JAX loss function)
     torch_ops.py      torch ops xtrain lowers itself (derivative rules, fixes to torchax's table)
+    higher_order.py   torch.cond as lax.cond (torchax has no rule for the higher-order op)
     sdpa.py           F.scaled_dot_product_attention: picks cuDNN's or Neuron's NKI fused kernels or the blockwise one
     options_scope.py  what a trace under xtrain.ir.trace_options installs on the module, for that trace only
     eager_attention.py  HF's eager matmul-softmax-matmul attention recognised as one attention call

@@ -15,8 +15,8 @@ from torch.nn.utils import stateless
 from torchax import interop as torchax_interop
 
 from xtrain.errors import OptionsError
-from xtrain.frontend import (autograd_function, moe, optim, options_scope, real_arith, sdpa, structure, torch_ops,
-                             uniform_attention)
+from xtrain.frontend import (autograd_function, higher_order, moe, optim, options_scope, real_arith, sdpa, structure,
+                             torch_ops, uniform_attention)
 from xtrain.ir import interop, replay
 from xtrain.ir.model import Model, TraceError, Trainable
 from xtrain.ir.trace_options import TraceOptions
@@ -266,7 +266,7 @@ class TorchModel(Model):
         # Factory calls without a device (torch.arange(t), torch.ones(...)) must build traced
         # arrays, not host tensors: make "jax" the default device while tracing.
         with env, torch.device("jax"), env.override_property(prng=key), scopes.active(), \
-                _training_mode(self.module, training), torch_ops.module_rules(self.module), \
+                _training_mode(self.module, training), torch_ops.module_rules(self.module), higher_order.traced(), \
                 moe.module_rules(self.module), options_scope.installed(self.module, self.options), \
                 autograd_function.honoured(env, scopes.current):
             buffers = {n: real_arith.to_complex(b) if n in self._complex_buffers else b for n, b in buffers.items()}

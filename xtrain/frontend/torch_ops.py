@@ -314,20 +314,11 @@ def _hf_rms_norm_forward(module, hidden_states):
 def module_rules(root: torch.nn.Module):
     """While tracing, modules whose forward is HF Llama's RMSNorm, to the bytecode, run
     `_hf_rms_norm_forward` (same arithmetic, one op with a derivative rule). Modules with a
-    forward of their own (an instance attribute: hooks, adapters) are left alone. `torch.cond`
-    calls the higher-order op directly (`_cond` lowers it)."""
+    forward of their own (an instance attribute: hooks, adapters) are left alone."""
     reference = _hf_rms_norm_code()
-    eager_cond = torch.cond
-    # torch.cond outside torch.compile compiles itself with dynamo, which cannot trace torchax
-    # tensors: while tracing it calls the higher-order op, whose torchax rule is `_cond`
-    torch.cond = lambda pred, true_fn, false_fn, operands=(): torch.ops.higher_order.cond(
-        pred, true_fn, false_fn, tuple(operands))
-    try:
-        with patched_forwards(root, lambda m: functools.partial(_hf_rms_norm_forward, m)
-                              if reference is not None and _code(type(m).forward) == reference else None) as patched:
-            yield patched
-    finally:
-        torch.cond = eager_cond
+    with patched_forwards(root, lambda m: functools.partial(_hf_rms_norm_forward, m)
+                          if reference is not None and _code(type(m).forward) == reference else None) as patched:
+        yield patched
 
 
 @contextlib.contextmanager
@@ -379,32 +370,8 @@ _OVERRIDES = {
 }
 
 
-def _cond(mode, pred, true_fn, false_fn, operands):
-    """torch.cond (a higher-order op torchax 0.0.14 has no rule for) as `lax.cond`: each branch
-    is the torch function traced under torchax on the operands, the predicate a traced bool
-    scalar; the lowering partitions the branches (explicit/rules/control.py)."""
-    env = mode.env
-
-    def branch(fn):
-        def run(*values):
-            with mode:  # the mode is popped while a higher-order op's rule runs
-                return env.t2j_iso(fn(*env.j2t_iso(values)))
-        return run
-
-    pred = jnp.reshape(env.t2j_iso(pred), ()).astype(bool) if isinstance(pred, torch.Tensor) else bool(pred)
-    out = lax.cond(pred, branch(true_fn), branch(false_fn), *env.t2j_iso(tuple(operands)))
-    return env.j2t_iso(out)
-
-
-def _install_higher_order() -> None:
-    cond = torch.ops.higher_order.cond
-    if torchax.tensor.XLADispatchMode not in cond.python_key_table:
-        cond.py_impl(torchax.tensor.XLADispatchMode)(_cond)
-
-
 def install(env: torchax.tensor.Environment) -> None:
     """Registers xtrain's op overrides on a torchax environment (idempotent)."""
-    _install_higher_order()
     for op, impl in _OVERRIDES.items():
         env.override_op_definition(op, impl)
     env._ops[aten.copy_] = ops_registry.Operator(aten.copy_, _copy_, is_jax_function=False, is_user_defined=True,
