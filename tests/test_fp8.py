@@ -177,7 +177,8 @@ def _meta_llama():
 
 def test_the_default_search_lists_fp8_beside_the_pick_where_the_target_has_it():
     """Without a precision the search on p5 also costs the fastest candidates with FP8 matmuls and
-    lists them, never picked (FP8 changes the numerics: the script asks for it); p4d lists none."""
+    lists them, never picked (FP8 changes the numerics: the script asks for it); p4d lists none.
+    (`fp8_rows`: the default candidates get them; here a short list stands in for them.)"""
     from xtrain.cost import search
 
     t, ids = _meta_llama()
@@ -186,7 +187,7 @@ def test_the_default_search_lists_fp8_beside_the_pick_where_the_target_has_it():
         profile, devices = hardware.target(instance)
         plain = [search.Candidate(data=devices, precision="bf16"), search.Candidate(data=devices, zero=3, precision="bf16")]
         result = search.search(t.model, t.tx, (ids, ids), profile, devices, structure=t.structure,
-                               candidate_list=plain, prune_remat=False)
+                               candidate_list=plain, prune_remat=False, fp8_rows=search.FP8_ROWS)
         fp8 = [r for r in result.rows if r.candidate.precision == "fp8"]
         listed.append(len(fp8))
         assert result.best is not None and result.best.candidate.precision == "bf16"

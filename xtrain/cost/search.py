@@ -267,7 +267,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
            experts: Sequence[str] = (), precision: str | None = None, capacity_factor: float | None = None,
-           verify: Verify | None = None, verify_top: int = VERIFY_TOP) -> SearchResult:
+           verify: Verify | None = None, verify_top: int = VERIFY_TOP, fp8_rows: int | None = None) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -291,6 +291,9 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             usable candidates are verified; one that does not fit as compiled is marked and never
             picked, and the next best are verified until the pick is a verified one (or none is
             left). None: the cost model's figures alone.
+        fp8_rows: on a target with an FP8 peak, a search without `precision` also lists its fastest
+            `fp8_rows` candidates costed with FP8 matmuls, never picked (FP8_LISTED); default
+            FP8_ROWS with the default candidates, none with a `candidate_list`.
 
     A candidate whose parameters, gradients and optimizer state alone cannot fit the device, split
     as evenly as it splits them (Candidate.state_floor), is listed as such and never traced.
@@ -299,6 +302,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
     the meta device (or under xtrain.checkpoint.meta_params()) plans at any size.
     """
     facts = program_mod.model_facts(model, batch)
+    default = candidate_list is None
     if candidate_list is None:
         pipes = [1] + pipeline_degrees(devices, facts.layers) if pipe_degrees is None else pipe_degrees
         # activation offload checkpoints the layer scan: only for a model with repeated blocks
@@ -342,7 +346,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             done[c] = lower(c)
     rows = [done[c] for c in candidate_list]
     if precision is None:
-        rows += _fp8_rows(rows, profile, lower)
+        rows += _fp8_rows(rows, profile, lower, (FP8_ROWS if default else 0) if fp8_rows is None else fp8_rows)
     if verify is not None:
         plan_of = lambda c: c.plan(tensor_plan(model, batch) if structure is not None else None,
                                    expert_plan(model, experts) if experts else None)
@@ -350,14 +354,14 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
 
 
-def _fp8_rows(rows: Sequence[Row], profile: HardwareProfile, lower: Callable[[Candidate], Row]) -> list[Row]:
-    """The FP8 forms of the fastest FP8_ROWS usable rows, listed only (FP8_LISTED); none where
+def _fp8_rows(rows: Sequence[Row], profile: HardwareProfile, lower: Callable[[Candidate], Row], count: int) -> list[Row]:
+    """The FP8 forms of the fastest `count` usable rows, listed only (FP8_LISTED); none where
     the profile has no FP8 peak (emulated CPUs compute FP8 by upcasting: nothing to gain) or the
     rows already are FP8."""
     if "fp8" not in profile.peak_flops:
         return []
     best = sorted((r for r in rows if r.usable and r.candidate.precision != "fp8"),
-                  key=lambda r: r.prediction.step_s)[:FP8_ROWS]
+                  key=lambda r: r.prediction.step_s)[:count]
     return [dataclasses.replace(lower(dataclasses.replace(r.candidate, precision="fp8")), listed_only=True,
                                 reason=FP8_LISTED) for r in best]
 
