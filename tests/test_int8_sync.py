@@ -16,6 +16,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 import xtrain
+from xtrain import plans
 from models import GPT, token_batches
 from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir.stacked import is_stacked
@@ -175,6 +176,18 @@ def test_zero3_reduces_gradients_in_int8_in_the_backward_and_resumes_bit_identic
     resumed.load(tmp_path / "mid")
     assert [resumed(*b)["loss"] for b in example_batches()[3:6]] == rest
     np.testing.assert_allclose(first + rest, fp32_run()[1], rtol=1e-3)
+
+
+@pytest.mark.e2e
+def test_int8_with_hsdp_reduce_scatters_in_the_backward_and_all_reduces_in_int8():
+    """HSDP: ZeRO-3 shards over `data` (reduce-scattered in the backward pass, as ZeRO-3 without
+    int8) whose gradients are then all-reduced over `replicate` in int8, with a shard-sized residual."""
+    mesh = dict(replicate=2, data=4)
+    model = example_gpt()
+    step, losses = train(INT8, 4, plan=plans.hybrid(model, xtrain.Mesh(**mesh)), mesh=mesh, model=model)
+    np.testing.assert_allclose(losses, fp32_run()[1][:4], rtol=1e-3)
+    kinds = {(c.kind, c.axes) for c in step.report().collectives}
+    assert {("all-to-all", ("replicate",)), ("reduce-scatter", ("data",))} <= kinds, kinds
 
 
 @pytest.mark.e2e

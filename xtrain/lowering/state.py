@@ -48,7 +48,9 @@ def residual_specs(layout: StateLayout) -> dict[str, Spec]:
         axes = _residual_axes(layout, name)
         if not axes:
             continue
-        zero = layout.zero_axes(name)  # a ZeRO-3 parameter's residual is its whole gradient's (zero3_int8)
+        # a ZeRO-3 shard reduced in the backward pass (zero3_int8) keeps the whole gradient's
+        # residual; an HSDP shard (all-reduced over the other batch axes after it) its shard's
+        zero = layout.zero_axes(name) if not layout.grad_axes(name) else ()
         spec = tuple(_without(e, zero) for e in layout.param_specs[name])
         entry = axes[0] if len(axes) == 1 else axes
         out[name] = (spec[0], entry) + spec[1:] if stacked.is_stacked(name) else (entry,) + spec
