@@ -80,10 +80,10 @@ def example_batches(n=6):
     return [tuple(torch.from_numpy(a) for a in sample_batch(tokens, rng, 16, 32)) for _ in range(n)]
 
 
-def train(grad_sync, steps, plan=None, mesh=None, model=None):
+def train(grad_sync, steps, plan=None, mesh=None, model=None, **options):
     model = model or example_gpt()
     step = xtrain.compile(model, xtrain.Mesh(**(mesh or dict(data=8))), plan=plan, grad_sync=grad_sync,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **options)
     return step, [step(*b)["loss"] for b in example_batches()[:steps]]
 
 
@@ -176,6 +176,26 @@ def test_zero3_reduces_gradients_in_int8_in_the_backward_and_resumes_bit_identic
     resumed.load(tmp_path / "mid")
     assert [resumed(*b)["loss"] for b in example_batches()[3:6]] == rest
     np.testing.assert_allclose(first + rest, fp32_run()[1], rtol=1e-3)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["accumulate", "remat", "tensor"])
+def test_zero3_int8_composes_with_accumulation_remat_and_tensor_parallel(case):
+    """Each micro-batch adds its share of the residual; under remat the layer's gather (a custom
+    VJP) is recomputed like any other op; with Megatron on `tensor` the split weights and the
+    replicated norms of a layer reduce in separate int8 buffers (they vary over different axes)."""
+    model, mesh, options = example_gpt(), dict(data=8), {}
+    plan = xtrain.Plan(zero=3)
+    if case == "accumulate":
+        options = dict(accumulate=2)
+    elif case == "remat":
+        plan = xtrain.Plan(zero=3, remat="full")
+    else:
+        mesh = dict(data=4, tensor=2)
+        plan = xtrain.Plan(params=plans.megatron(model, mesh, example=example_batches()[0]).params, zero=3)
+    step, losses = train(INT8, 4, plan=plan, mesh=mesh, model=model, **options)
+    np.testing.assert_allclose(losses, fp32_run()[1][:4], rtol=1e-3)
+    assert not [c for c in step.report().collectives if c.kind == "reduce-scatter"]
 
 
 @pytest.mark.e2e

@@ -40,14 +40,15 @@ E4M3 = "e4m3"  # `encodings` entry: an FP8 matmul's weight, gathered quantized
 
 def gather(ctx: Context, params: list[Sharded], narrow: list, chunk: int) -> list[Sharded]:
     """`params` with every ZeRO-3 shard that carries a residual (`Sharded.feedback`) gathered by
-    one custom_vjp per group of shards over the same mesh axes (see the module docstring);
+    one custom_vjp per group of shards over the same mesh axes and varying over the same ones
+    (a tensor-parallel block's split weights apart from its replicated norms: see the module docstring);
     `narrow`: per parameter, zero.narrowed's answer (a dtype, zero.AT_USE or None)."""
     out, groups = list(params), {}
     for index, x in enumerate(params):
         found = zero._zero3_dim(ctx, x) if x.feedback is not None else None
-        if found is not None:
-            groups.setdefault(found[1], []).append((index, found[0]))
-    for axes, members in groups.items():
+        if found is not None:  # one buffer mixes only shards that vary over the same axes
+            groups.setdefault((found[1], collectives.vma(x.value)), []).append((index, found[0]))
+    for (axes, _), members in groups.items():
         encodings = [E4M3 if narrow[i] == zero.AT_USE else narrow[i] for i, _ in members]
         wholes = _gather(ctx, [params[i].value for i, _ in members], [params[i].feedback for i, _ in members],
                          [d for _, d in members], axes, encodings, chunk)
