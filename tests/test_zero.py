@@ -194,7 +194,7 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     matrices in bf16 (their only use is the matmul's cast), the norm weights apart in fp32; the
     losses stay within bf16's tolerance of torch's fp32 ones (as in test_precision_remat)."""
     model, _, reference = gpt_case()
-    (fp32_losses, fp32, _, _), (bf16_losses, bf16, scattered, _) = zero3_gpt("fp32"), zero3_gpt("bf16")
+    (fp32_losses, fp32, _, _), (bf16_losses, bf16, scattered, step) = zero3_gpt("fp32"), zero3_gpt("bf16")
     layers, matrices = len(model.blocks), sum(p.numel() * 4 for n, p in model.named_parameters()
                                               if n.startswith("blocks.") and p.ndim == 2)
     vectors = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 1)
@@ -204,6 +204,8 @@ def test_zero3_layer_scan_gathers_weights_in_bf16_and_trains_as_fp32_does():
     assert sum(fp32) == 2 * (matrices + vectors) and len(fp32) == 2 * layers, fp32
     assert sum(bf16) == 2 * matrices // 2 + vectors and len(bf16) == 3 * layers, bf16
     assert sum(scattered) == matrices // 2 + vectors, scattered  # the gradients: the gathers' transposes
+    matrices_per_layer = sum(p.ndim == 2 for n, p in model.named_parameters() if n.startswith("blocks.0."))
+    assert f"each layer gathers {matrices_per_layer} weights as bfloat16" in "\n".join(step.report().notes)
     np.testing.assert_allclose(fp32_losses, reference[0], rtol=1e-5)
     rel = np.abs(bf16_losses - np.asarray(reference[0])) / np.asarray(reference[0])
     assert 0 < rel.max() <= 2e-3, rel
@@ -223,6 +225,7 @@ def test_zero3_under_fp8_gathers_the_matmul_weights_as_e4m3():
     assert sum(fp32) == 2 * (matrices + vectors)
     assert sum(fp8) == 2 * matrices // 4 + vectors, fp8  # forward and the backward's re-gather
     assert sum(scattered) == matrices // 2 + vectors, scattered  # gradients in the wire dtype, bf16
+    assert "weights as e4m3 (their FP8 matmuls quantize the shards)" in "\n".join(step.report().notes)
     assert re.search(r"f8_e4m3fn\[[\d,]*\] = all_gather", str(step.program(*batches[0])))
     m = copy.deepcopy(model)
     ddp = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=adamw(m.parameters()), plan=xtrain.Plan(precision="fp8"))

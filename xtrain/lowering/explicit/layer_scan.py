@@ -117,6 +117,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
     offset = len(init) + len(shared)
     narrow = [zero.narrowed(blocks.body, offset + k) for k in range(len(first))]
+    _note_gather_formats(ctx, blocks, first, narrow)
 
     def body(carry, xs, index=None):
         layer = None if index is None else (blocks.path(0), blocks.path(index))
@@ -156,6 +157,16 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
                     for out, x, v in zip(blocks.collected, collected, values)})
     env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
     return env
+
+
+def _note_gather_formats(ctx: Context, blocks: RepeatedBlocks, first: list[Sharded], narrow: list) -> None:
+    """Tells the report in what format ZeRO-3 gathers each layer's weights (zero.narrowed)."""
+    formats = collections.Counter("e4m3 (their FP8 matmuls quantize the shards)" if how == zero.AT_USE else
+                                  f"{jnp.dtype(how).name} (their only use casts them so)" for x, how in zip(first, narrow)
+                                  if x.zero and how is not None)
+    if formats:
+        ctx.note(f"ZeRO-3 in {blocks.span()}: each layer gathers " + ", ".join(f"{n} weights as {f}" for f, n in
+                                                                             formats.items()) + "; the rest as stored")
 
 
 def _feedback(blocks: RepeatedBlocks, read, unrolled: bool) -> dict[int, list]:
