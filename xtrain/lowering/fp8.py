@@ -44,7 +44,11 @@ def largest(dtype) -> float:
 def scale_of(x, dtype):
     """Current per-tensor scaling: amax(|x|) over the largest finite value of `dtype`, so that
     x / scale spans the format; 1 for an all-zero tensor. float32 scalar."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return scale_from_amax(jnp.max(jnp.abs(x.astype(jnp.float32))), dtype)
+
+
+def scale_from_amax(amax, dtype):
+    """The scale(s) of tensors whose amax is `amax` (float32, any shape): see `scale_of`."""
     return jnp.where(amax > 0, amax / np.float32(largest(dtype)), np.float32(1.0))
 
 

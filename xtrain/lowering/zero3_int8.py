@@ -68,7 +68,7 @@ def _scales(shards: list, encodings: list, axes):
         return [None] * len(shards)
     local = jnp.stack([jnp.max(jnp.abs(shards[i].astype(jnp.float32))) for i in picked])
     amax = jnp.max(collectives.all_gather(local, axes, 0, tiled=False), axis=0)
-    scales = jnp.where(amax > 0, amax / jnp.float32(fp8.largest(fp8.E4M3)), jnp.float32(1.0))
+    scales = fp8.scale_from_amax(amax, fp8.E4M3)
     out = [None] * len(shards)
     for k, i in enumerate(picked):
         out[i] = scales[k]
