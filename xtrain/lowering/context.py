@@ -159,6 +159,12 @@ class Context:
     def regather(self):
         return self.options.regather
 
+    def unpacked(self, *values) -> None:
+        """Tells ZeRO-3's re-gather policy (if any) that `values` are gathered weights being
+        unpacked, so their reshapes and casts are redone in the backward pass, not saved."""
+        if self.options.regather is not None:
+            self.options.regather.record(*values)
+
     @property
     def unroll(self):
         return self.options.unroll

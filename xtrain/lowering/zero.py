@@ -237,10 +237,10 @@ class RegatherPolicy:
     A layer scan gathers each layer's shards as one flat buffer (`gather_flat`) and cuts it
     back into tensors (and, gathered in the compute dtype, casts them back to the traced
     dtype); the ops of that unpacking must not be saved either (their outputs are the gathered
-    weights), nor the compute-dtype casts that read them. A policy sees an operation and its operands' types, not where the
-    operands come from, so `gather_flat` records the (shape, dtype) of every operand it
-    unpacks in `unpacking`, and reshapes, transposes, splits and concatenations of such
-    operands are recomputed. An activation of the same type is then recomputed from its own
+    weights), nor the compute-dtype casts that read them. A policy sees an operation and its
+    operands' types, not where the operands come from, so `gather_flat` records the (shape,
+    dtype) of every operand it unpacks in `unpacking` (Context.unpacked), and reshapes,
+    transposes, splits, concatenations and casts of such operands are recomputed. An activation of the same type is then recomputed from its own
     saved input: the same bytes kept, never a wrong value."""
 
     _UNPACK_OPS = frozenset({"reshape", "transpose", "split", "concatenate", "convert_element_type"})
@@ -313,15 +313,14 @@ def gather_flat(ctx: Context, params: list[Sharded], vectors_apart: bool = False
             dtype = narrow[index] or x.dtype
             key = (found[1], str(dtype), vma(x.value), vectors_apart and len(x.shape) <= 1)
             groups.setdefault(key, []).append((index, found[0]))
-    record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
     for (axes, dtype, _, _), members in groups.items():
         values = _gather_flat(ctx, [params[i].value.astype(dtype) for i, _ in members], [d for _, d in members], axes)
         for (index, dim), value in zip(members, values):
             x = params[index]
             if value.dtype != x.dtype:  # the traced dtype again (exact): the body's cast undoes it
-                record(value)
+                ctx.unpacked(value)
                 value = value.astype(x.dtype)
-                record(value)
+                ctx.unpacked(value)
             dims = list(x.layout.dims)
             dims[dim] = dims[dim][: len(dims[dim]) - len(axes)]
             out[index] = dataclasses.replace(x, value=value, layout=x.layout.with_dims(dims))
@@ -332,15 +331,14 @@ def _gather_flat(ctx: Context, shards: list, dims: list[int], axes: Axes) -> lis
     if len(shards) == 1:
         return [collectives.all_gather(shards[0], axes, dims[0])]
     n = math.prod(ctx.sizes[a] for a in axes)
-    record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
     flat = [s.reshape(-1) for s in shards]
-    record(*shards, *flat)
+    ctx.unpacked(*shards, *flat)
     whole = collectives.all_gather(jnp.concatenate(flat), axes, 0, tiled=False)  # (n, sum of sizes): device-major
-    record(whole)
+    ctx.unpacked(whole)
     out = []
     for shard, dim, piece in zip(shards, dims, lax.split(whole, [s.size for s in shards], axis=1)):
         blocks = piece.reshape((n,) + shard.shape)
         moved = jnp.moveaxis(blocks, 0, dim)  # device index next to the local rows of `dim`
-        record(piece, blocks, moved)
+        ctx.unpacked(piece, blocks, moved)
         out.append(moved.reshape(shard.shape[:dim] + (n * shard.shape[dim],) + shard.shape[dim + 1:]))
     return out

@@ -98,12 +98,11 @@ def _gather(ctx: Context, shards: list, feedbacks: list, dims: list[int], axes, 
         for i, e in enumerate(encoded):
             by_dtype.setdefault(str(e.dtype), []).append(i)
         wholes = [None] * len(shards)
-        record = ctx.regather.record if ctx.regather is not None else (lambda *_: None)
         for members in by_dtype.values():
             gathered = zero._gather_flat(ctx, [encoded[i] for i in members], [dims[i] for i in members], axes)
             for i, g in zip(members, gathered):
                 wholes[i] = _decode(g, encodings[i], scales[i], shards[i].dtype)
-                record(g, wholes[i])  # their casts are redone in the backward, not saved (zero.RegatherPolicy)
+                ctx.unpacked(g, wholes[i])  # their casts are redone in the backward, not saved
         return wholes
 
     @jax.custom_vjp
