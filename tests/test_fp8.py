@@ -16,7 +16,7 @@ import torch
 
 import xtrain
 from xtrain.cost import hardware
-from xtrain.errors import PlanError, UnsupportedError
+from xtrain.errors import OptionsError, PlanError, UnsupportedError
 from xtrain.lowering import fp8
 from xtrain.sharding.precision import Precision
 
@@ -196,6 +196,8 @@ def test_the_default_search_lists_fp8_beside_the_pick_where_the_target_has_it():
         if fp8:  # the listing shows them with their own predictions
             assert search.FP8_LISTED in result.listing() and {r.candidate.zero for r in fp8} == {0, 3}
     assert listed == [2, 0], listed
+    with pytest.raises(OptionsError, match=r"search\(fp8_rows=-1\)"):
+        search.search(t.model, t.tx, (ids, ids), profile, devices, fp8_rows=-1)
 
 
 def test_the_plan_search_costs_fp8_where_the_target_has_it():

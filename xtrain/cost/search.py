@@ -49,7 +49,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
-from xtrain.errors import UnsupportedError
+from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
 from xtrain.cost import listing, placement
@@ -301,6 +301,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
     trace is replayed by every candidate; nothing reads a parameter's value, so a model built on
     the meta device (or under xtrain.checkpoint.meta_params()) plans at any size.
     """
+    if fp8_rows is not None and fp8_rows < 0:
+        raise OptionsError(f"search(fp8_rows={fp8_rows!r}): the FP8 candidates to list beside the others, 0 or more")
     facts = program_mod.model_facts(model, batch)
     default = candidate_list is None
     if candidate_list is None:
