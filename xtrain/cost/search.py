@@ -92,9 +92,8 @@ class Verified:
 # says whether it fits; called on the few best candidates only
 Verify = Callable[["Row", Plan], Verified]
 VERIFY_TOP = 3  # candidates compiled per round of verification
-# On a target with FP8 arithmetic (H100, H200, trn2) a search in the profile's precision also lists
-# its fastest FP8_ROWS candidates with FP8 matmuls, costed the same way, never picked: FP8 changes
-# the numerics, so the script asks for it (`--precision fp8`, search(precision="fp8"))
+# with an FP8 peak (H100, H200, trn2) a search in the profile's precision also lists its fastest FP8_ROWS
+# candidates with FP8 matmuls, never picked: FP8 changes the numerics (`--precision fp8` picks among them)
 FP8_ROWS = 3
 FP8_LISTED = "fp8 for comparison: not picked (FP8 matmuls change the numerics; --precision fp8 searches them)"
 # why a candidate is refused before lowering: its parameters, gradients and optimizer state alone,
@@ -357,9 +356,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
 
 
 def _fp8_rows(rows: Sequence[Row], profile: HardwareProfile, lower: Callable[[Candidate], Row], count: int) -> list[Row]:
-    """The FP8 forms of the fastest `count` usable rows, listed only (FP8_LISTED); none where
-    the profile has no FP8 peak (emulated CPUs compute FP8 by upcasting: nothing to gain) or the
-    rows already are FP8."""
+    """The FP8 forms of the fastest `count` usable rows, listed only (FP8_LISTED); none where the profile
+    has no FP8 peak (emulated CPUs compute FP8 by upcasting: nothing to gain) or the rows are FP8."""
     if "fp8" not in profile.peak_flops:
         return []
     best = sorted((r for r in rows if r.usable and r.candidate.precision != "fp8"),
