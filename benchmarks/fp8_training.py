@@ -6,7 +6,8 @@
 
 Trains the example's GPT (examples/gpt_model.py) on the example's corpus and batch stream from the
 same weights under each plan (data=8). FP8 (xtrain.lowering.fp8: e4m3 operands, e5m2 gradients,
-current per-tensor scaling) is computed on CPU by upcasting the FP8 values, so these are the
+per-tensor scaling, current and delayed: Precision(compute="fp8", scaling="delayed"), the scales
+from a 16-step amax history) is computed on CPU by upcasting the FP8 values, so these are the
 recipe's numerics, not an FP8 GEMM's speed (benchmarks/results/gpu_step_h200.md has that).
 Reports the mean loss of the last 20 steps and the eval loss on held-out text, their relative
 difference (the bar: within 2%), and writes benchmarks/results/fp8_training.md (and .json with
@@ -26,8 +27,12 @@ from gpt_model import default_corpus, split_corpus  # noqa: E402
 BAR = 0.02
 
 
+PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8",
+              "fp8 delayed": xtrain.Precision(compute="fp8", scaling="delayed")}
+
+
 def run(args, precision: str, train_tokens, val_tokens) -> dict:
-    result, _ = bench_common.long_run(args, train_tokens, val_tokens, plan=xtrain.Plan(precision=precision))
+    result, _ = bench_common.long_run(args, train_tokens, val_tokens, plan=xtrain.Plan(precision=PRECISIONS[precision]))
     return {"precision": precision, **result}
 
 
@@ -37,7 +42,8 @@ def table(runs: dict, args) -> str:
              "| precision | loss, last 20 steps | eval loss | wall s |", "|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['tail_loss']:.4f} | {r['eval_loss']:.4f} | {r['seconds']:.0f} |"
               for r in runs.values()]
-    lines += ["", *bench_common.verdict_lines("fp8 / bf16", (runs["bf16"], runs["fp8"]), BAR)]
+    lines += ["", *bench_common.verdict_lines("fp8 / bf16", (runs["bf16"], runs["fp8"]), BAR),
+              *bench_common.verdict_lines("fp8 delayed / bf16", (runs["bf16"], runs["fp8 delayed"]), BAR)]
     return "\n".join(lines) + "\n"
 
 
@@ -78,7 +84,7 @@ def main() -> None:
         runs = {name: run_zero3(args, name, train_tokens, val_tokens) for name in ZERO3}
         bench_common.save_long_run("fp8_training_zero3", table_zero3(runs, args), args, runs)
         return
-    runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in ("fp32", "bf16", "fp8")}
+    runs = {precision: run(args, precision, train_tokens, val_tokens) for precision in PRECISIONS}
     bench_common.save_long_run("fp8_training", table(runs, args), args, runs)
 
 

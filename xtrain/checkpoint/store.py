@@ -140,16 +140,22 @@ def _per_device(path: Path, name: str, info: dict | None, want: tuple, dtype, ve
 
 
 def _sources(path: Path, manifest: dict, target: dict[str, Any], rows, verify: bool,
-             per_device: tuple[str, ...] = ()) -> dict[str, tuple[list, str, Any]]:
+             per_device: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> dict[str, tuple[list, str, Any]]:
     """For each target leaf: (global shape, dtype, region reader) from the checkpoint. A leaf the
     step stores stacked (`model.layers.*.w`) reads its rows from the per-layer tensors
     checkpoints hold (padding rows: zeros). Leaves under a `per_device` prefix: `_per_device`
-    (stored ones the step does not hold are dropped)."""
+    (stored ones the step does not hold are dropped). Leaves named with an `optional` suffix
+    (delayed FP8 scaling's amax histories): zeros when the checkpoint has none, dropped when the
+    step holds none."""
     saved = manifest["tensors"]
     device_row = lambda name: name.startswith(per_device) if per_device else False
     stored = lambda name: (list(saved[name]["shape"]), saved[name]["dtype"], _reader(path, name, saved[name], verify))
-    out, used = {}, {n for n in saved if device_row(n)}
+    out, used = {}, {n for n in saved if device_row(n) or (optional and n.endswith(optional))}
     for name, leaf in target.items():
+        if optional and name.endswith(optional) and name not in saved:
+            out[name] = (list(leaf.shape), jnp.dtype(leaf.dtype).name,
+                         lambda region, dtype=leaf.dtype: np.zeros([hi - lo for lo, hi in region], dtype))
+            continue
         if device_row(name) and not stacked.is_stacked(name):
             out[name] = _per_device(path, name, saved.get(name), tuple(leaf.shape), leaf.dtype, verify)
             continue
@@ -207,19 +213,21 @@ def _agreed(path: Path, error: CheckpointError | None) -> None:
 
 
 def restore(path: str | os.PathLike, target: Any, rows: Mapping[str, tuple] | None = None,
-            per_device: tuple[str, ...] = (), *, verify: bool = True) -> tuple[dict[str, jax.Array], dict]:
+            per_device: tuple[str, ...] = (), *, verify: bool = True,
+            optional: tuple[str, ...] = ()) -> tuple[dict[str, jax.Array], dict]:
     """Reads a checkpoint onto the shardings of `target` (a TrainState of placed arrays, any
     mesh and plan, block parameters stacked or per layer; `rows` as for `save`). Each process
     reads only the regions its devices hold, verifying their checksums unless `verify=False`.
     `per_device`: name prefixes of leaves with one row per data-parallel device (`_per_device`
-    says what they become on another device count). Returns ({logical name: array}, manifest)."""
+    says what they become on another device count); `optional`: name suffixes of leaves that
+    may be absent on either side (`_sources`). Returns ({logical name: array}, manifest)."""
     path = Path(path)
     manifest = read_manifest(path)
     if verify and not verified(manifest):
         integrity.warn_unverified(path, "has no checksums (written by an xtrain before checkpoints had them)")
     leaves, error, out = named_leaves(target), None, {}
     try:
-        sources = _sources(path, manifest, leaves, rows, verify, per_device)
+        sources = _sources(path, manifest, leaves, rows, verify, per_device, optional)
         out = {name: make_array(name, tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.sharding, sources[name][2])
                for name, leaf in leaves.items()}
     except CheckpointError as err:

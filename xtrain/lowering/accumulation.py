@@ -53,7 +53,8 @@ def objective(loss, scale=None):
     return total if scale is None else total * scale.astype(total.dtype)
 
 
-def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int, raw: frozenset = frozenset()):
+def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int, raw: frozenset = frozenset(),
+                   maxed: frozenset = frozenset()):
     """Loss and gradient of `batch` from `steps` micro-batches.
 
     A scalar (mean) loss: the mean over micro-batches of their losses and gradients. A
@@ -66,11 +67,16 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int,
             per-step counts, e.g. tokens per expert) are summed over the micro-batches.
 
         raw: names of `params` whose gradients are summed over the micro-batches, not normalised.
+        maxed: names of `params` whose "gradients" are combined by elementwise max over the
+            micro-batches, not normalised (delayed FP8 scaling's amaxes: xtrain.lowering.fp8).
 
     Returns:
         (loss, buffers after the last micro-batch, gradient, counts).
     """
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    raw = raw | maxed
+    combine = lambda a, b: {n: jnp.maximum(a[n], b[n]) if n in maxed else jax.tree.map(jnp.add, a[n], b[n])
+                            for n in a}
     if steps == 1:
         (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, batch, 0)
         loss, grads = _normalised(loss, grads, 1, raw)
@@ -81,7 +87,7 @@ def value_and_grad(loss_of: Callable, params, buffers, batch: tuple, steps: int,
     def body(carry, index):
         loss_sum, buffers, grad_sum, count_sum = carry
         (_, (loss, buffers, counts)), grads = grad_fn(params, buffers, _pick(micro, batch, index), index)
-        return (jax.tree.map(jnp.add, loss_sum, loss), buffers, jax.tree.map(jnp.add, grad_sum, grads),
+        return (jax.tree.map(jnp.add, loss_sum, loss), buffers, combine(grad_sum, grads),
                 jax.tree.map(jnp.add, count_sum, counts)), None
 
     (loss, buffers, grads, counts), _ = lax.scan(body, (loss, buffers, grads, counts), jnp.arange(1, steps))

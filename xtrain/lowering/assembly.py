@@ -212,8 +212,13 @@ def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
 
 
 def _check_schedule(plan: Plan, target: Target) -> None:
-    """A zero-bubble schedule branches per stage (lax.switch): Trainium runs no conditionals."""
+    """A zero-bubble schedule branches per stage (lax.switch): Trainium runs no conditionals. Delayed
+    FP8 scaling's histories are not carried through a pipeline's stages."""
     pipe = plan.pipeline
+    if pipe is not None and plan.precision.delayed:
+        raise PlanError("Precision(scaling='delayed') records each FP8 weight's amax history as training state, "
+                        "which the pipeline step does not carry through its stages yet: use scaling='current' "
+                        "with Pipeline(...), or no pipeline")
     if pipe is not None and pipe.schedule in schedule.ZERO_BUBBLE and target.platform == "neuron":
         raise PlanError(f"Pipeline(schedule={pipe.schedule!r}) branches on what each stage does at each tick, and "
                         "Trainium (Neuron) runs no conditionals: use schedule='1f1b' or 'interleaved' there")

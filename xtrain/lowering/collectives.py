@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant  # no public name in jax 0.10
 
@@ -32,6 +33,23 @@ def _name(axes: Sequence[str]):
 def all_reduce(x, axes: Sequence[str]):
     """The sum of `x` over the devices of `axes`, on each of them."""
     return lax.psum(x, _name(axes))
+
+
+def all_max(values: dict) -> dict:
+    """Each value's elementwise max over every axis it varies on, typed invariant over them: one
+    all-reduce per set of axes (the values flattened into one buffer)."""
+    groups: dict = {}
+    for name, x in values.items():
+        groups.setdefault(tuple(sorted(vma(x))), []).append(name)
+    out = {}
+    for axes, names in groups.items():
+        if not axes:
+            out.update((n, values[n]) for n in names)
+            continue
+        flat = lax.pmax(jnp.concatenate([jnp.ravel(values[n]) for n in names]), _name(axes))
+        sizes = np.cumsum([values[n].size for n in names])[:-1]
+        out.update((n, piece.reshape(values[n].shape)) for n, piece in zip(names, jnp.split(flat, sizes)))
+    return out
 
 
 def broadcast_first(x, axes: Sequence[str]):

@@ -87,8 +87,9 @@ def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool):
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
-def _forward(x, w, dimension_numbers, dtype):
-    sx, sw = scale_of(x, E4M3), scale_of(w, E4M3)
+def _product(x, w, sx, sw, dimension_numbers, dtype):
+    """dot_general(x, w) of the e4m3 operands quantized with scales sx, sw, in `dtype`, and what
+    the backward reads."""
     qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
     y = jax.lax.dot_general(qx, qw, dimension_numbers, preferred_element_type=jnp.float32) * (sx * sw)
     # the saved operands travel as their bytes: under jax.checkpoint (remat, ZeRO-3's re-gather)
@@ -98,21 +99,11 @@ def _forward(x, w, dimension_numbers, dtype):
     return y.astype(dtype), (*saved, sx, sw, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def matmul(x, w, dimension_numbers, dtype):
-    """dot_general(x, w) with e4m3 operands, each scaled by its amax, the product in `dtype`;
-    its backward takes the e5m2 cotangent (x's and w's gradients in their own dtypes)."""
-    return _forward(x, w, dimension_numbers, dtype)[0]
-
-
-def _matmul_fwd(x, w, dimension_numbers, dtype):
-    return _forward(x, w, dimension_numbers, dtype)
-
-
-def _matmul_bwd(dimension_numbers, dtype, saved, g):
+def _gradients(dimension_numbers, saved, g, sg):
+    """The gradients of x and w (in their dtypes) from the output's cotangent `g`, quantized to
+    e5m2 with scale `sg`, times the saved e4m3 operands."""
     bx, bw, sx, sw, x_type, w_type = saved
     qx, qw = (jax.lax.bitcast_convert_type(b, E4M3) for b in (bx, bw))
-    sg = scale_of(g, E5M2)
     qg = quantize(g, E5M2, sg)
     (xc, wc), (xb, wb) = dimension_numbers
     dx = _cotangent(qg, qw, qx.ndim, dimension_numbers, swap=False) * (sg * sw)
@@ -120,17 +111,93 @@ def _matmul_bwd(dimension_numbers, dtype, saved, g):
     return dx.astype(x_type.dtype), dw.astype(w_type.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul(x, w, dimension_numbers, dtype):
+    """dot_general(x, w) with e4m3 operands, each scaled by its amax, the product in `dtype`;
+    its backward takes the e5m2 cotangent (x's and w's gradients in their own dtypes)."""
+    return _matmul_fwd(x, w, dimension_numbers, dtype)[0]
+
+
+def _matmul_fwd(x, w, dimension_numbers, dtype):
+    return _product(x, w, scale_of(x, E4M3), scale_of(w, E4M3), dimension_numbers, dtype)
+
+
+def _matmul_bwd(dimension_numbers, dtype, saved, g):
+    return _gradients(dimension_numbers, saved, g, scale_of(g, E5M2))
+
+
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# -- delayed scaling: the scales from an amax history kept as training state ----------------------
+# A history is (3, H) float32: the amaxes of the left operand, the right operand and the product's
+# cotangent over the last H steps, newest first. The step quantizes with the largest of each row
+# (all zeros, a fresh run's, gives scale 1) and records this step's amaxes; the record leaves the
+# backward pass as the history's cotangent (column 0: the amaxes, the rest zeros), which the step
+# rolls into the stored history (`recorded`). So no reduction of this step's tensors precedes its
+# matmuls; and the amaxes are each device's own over the batch axes (the explicit lowering's
+# reduction rule leaves them local: `LOCAL_AMAX`), max-reduced over them once per step with every
+# history at once. (NVIDIA Transformer Engine's DelayedScaling recipe, "max" over the history, margin 0;
+# its amax reduction over the data-parallel group once per step.)
+LOCAL_AMAX = "xtrain_fp8_local_amax"  # the name scope of delayed scaling's amaxes
+def history_scales(history):
+    """The scales of (left, right, cotangent): each row's largest amax over its format's largest
+    value (e4m3, e4m3, e5m2)."""
+    amax = jnp.max(history, axis=1)
+    return scale_from_amax(amax[0], E4M3), scale_from_amax(amax[1], E4M3), scale_from_amax(amax[2], E5M2)
+
+
+def recorded(history, amaxes):
+    """`history` after a step whose amaxes were `amaxes` (3,): newest first, the oldest dropped."""
+    return jnp.concatenate([amaxes[:, None].astype(history.dtype), history[:, :-1]], axis=1)
+
+
+def _amax(x):
+    """amax(|x|) in float32; this device's own over the batch axes under the explicit lowering."""
+    with jax.named_scope(LOCAL_AMAX):
+        return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def is_local_amax(eqn) -> bool:
+    """Whether reduction `eqn` is a delayed-scaling amax (reduced over the batch axes per step)."""
+    return LOCAL_AMAX in str(eqn.source_info.name_stack)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def delayed_matmul(x, w, history, dimension_numbers, dtype):
+    """`matmul` with the scales of `history` (3, H); the history's cotangent is this step's
+    amaxes (column 0), not a derivative."""
+    return _delayed_fwd(x, w, history, dimension_numbers, dtype)[0]
+
+
+def _delayed_fwd(x, w, history, dimension_numbers, dtype):
+    sx, sw, sg = history_scales(history)
+    y, saved = _product(x, w, sx, sw, dimension_numbers, dtype)
+    return y, (saved, sg, jnp.stack([_amax(x), _amax(w)]), jnp.zeros(history.shape[1:], history.dtype))
+
+
+def _delayed_bwd(dimension_numbers, dtype, residuals, g):
+    saved, sg, amaxes, row = residuals
+    amaxes = jnp.concatenate([amaxes, _amax(g)[None]])
+    record = jnp.concatenate([amaxes[:, None].astype(row.dtype), jnp.zeros((3, row.shape[0] - 1), row.dtype)], axis=1)
+    return (*_gradients(dimension_numbers, saved, g, sg), record)
+
+
+delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 SCOPE = "xtrain_fp8_matmul"  # the name scope of each FP8 matmul's call (ZeRO-3 finds its weights by it)
 
 
-def dot(bind, eqn, ins, dtype) -> list:
-    """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16)."""
+def dot(eqn, ins, dtype, history=None) -> list:
+    """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16):
+    current scaling, or delayed with `history` (3, H) when given."""
     x, w = ins
+    dims, dtype = eqn.params["dimension_numbers"], jnp.dtype(dtype)
     with jax.named_scope(SCOPE):
-        return [matmul(x, w, eqn.params["dimension_numbers"], jnp.dtype(dtype))]
+        if history is None:
+            return [matmul(x, w, dims, dtype)]
+        return [delayed_matmul(x, w, history, dims, dtype)]
 
 
 def is_matmul(eqn) -> bool:

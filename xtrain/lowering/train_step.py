@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xtrain.lowering import collectives, gradient_sync, input_checks, offload, router_bias
+from xtrain.lowering import collectives, gradient_sync, input_checks, offload, precision, router_bias
 from xtrain.lowering import neuron_lowering, ordering  # noqa: F401  (neuron_lowering: its lowering rule)
 from xtrain.lowering.findings import Findings
 from xtrain.lowering.grad_transforms import GradTransforms, finish_step
@@ -189,7 +189,9 @@ def _checks(model, config: StepConfig, runner, state: TrainState, batch: tuple, 
     """The input checks this step runs (none when switched off); recorded in `found`."""
     if not config.options.check_inputs:
         return []
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.buffers, state.key, batch))
+    histories = precision.histories_of(model)  # the front end's model reads its own buffers only
+    buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (buffers, state.key, batch))
     traced = input_checks.for_model(model, *shapes)
     found.checks[:] = [c for c in traced.checks if input_checks.checkable(c, runner.split_dims)]
     found.unchecked[:] = traced.unchecked + [f"{c.op} in module {c.module or '<top level>'!r} reads a part of batch "

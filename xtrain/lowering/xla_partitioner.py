@@ -12,7 +12,7 @@ import jax
 
 from xtrain.errors import UnsupportedError
 from xtrain.ir.model import Model
-from xtrain.lowering import accumulation
+from xtrain.lowering import accumulation, precision
 from xtrain.lowering.findings import Findings
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import GlobalView, Gradients, StepConfig
@@ -47,6 +47,7 @@ class XlaStrategy:
 
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
         steps = self.config.options.accumulate
+        histories = frozenset(precision.histories_of(self.model))
 
         def compute(state: TrainState, batch: tuple, key, scale) -> Gradients:
             def loss_of(params, buffers, micro, index):
@@ -56,7 +57,13 @@ class XlaStrategy:
                                                      micro_key, micro, training=True)
                 return accumulation.objective(loss, scale), (loss, buffers, {})
 
-            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, state.params, state.buffers, batch, steps)
+            # delayed FP8 scaling: the amax histories differentiated, their cotangents this step's amaxes
+            params = {**state.params, **{n: state.buffers[n] for n in histories}}
+            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, params, buffers, batch, steps,
+                                                                  maxed=histories)
+            amaxes = {n: grads.pop(n)[:, 0] for n in histories}
+            buffers = {**buffers, **precision.recorded({n: state.buffers[n] for n in histories}, amaxes)}
             return Gradients(loss, buffers, grads, {})
 
         return compute

@@ -14,7 +14,9 @@ dynamic loss scale.
            scale and the good-step count live in TrainState.loss_scale (checkpointed with it).
     fp8    as bf16, but matrix multiplications (not convolutions, not attention's kernel)
            take float8_e4m3fn operands and their output gradients float8_e5m2, each tensor
-           with its current scale (amax / the format's largest value, this step's);
+           with its current scale (amax / the format's largest value, this step's), or with
+           `scaling="delayed"` the largest amax of the last `amax_history` steps (a history per
+           weight, kept as training state: a buffer named `<weight>.amax_history`, checkpointed);
            `bf16_modules` keep bf16 matmuls (the LM head, say). On H100 / H200 XLA runs them
            as FP8 GEMMs; on CPU it computes the same values by upcasting
            (xtrain.lowering.fp8). A100, V100 and Trainium1 have no FP8 arithmetic: refused.
@@ -45,6 +47,7 @@ class Compute(enum.Enum):
 
 _DTYPES = {Compute.FP32: np.dtype(np.float32), Compute.BF16: np.dtype(ml_dtypes.bfloat16),
            Compute.FP16: np.dtype(np.float16), Compute.FP8: np.dtype(ml_dtypes.bfloat16)}
+SCALINGS = ("current", "delayed")  # FP8 scale recipes (xtrain.lowering.fp8)
 _WIRE = {Compute.FP32: None, Compute.BF16: "bfloat16", Compute.FP16: "float16", Compute.FP8: "bfloat16"}
 
 
@@ -80,12 +83,17 @@ class Precision:
         fp32_modules: fnmatch patterns over module paths whose matmuls stay float32.
         bf16_modules: under fp8, fnmatch patterns over module paths whose matmuls run in bf16.
         loss_scale: fp16's dynamic loss scale (default LossScale()); must be None otherwise.
+        scaling: under fp8, "current" (each tensor's amax this step) or "delayed" (the largest
+            amax of the last `amax_history` steps, recorded per weight: xtrain.lowering.fp8).
+        amax_history: delayed scaling's history length (steps).
     """
 
     compute: Compute | str = Compute.FP32
     fp32_modules: tuple[str, ...] = ()
     loss_scale: LossScale | None = None
     bf16_modules: tuple[str, ...] = ()
+    scaling: str = "current"
+    amax_history: int = 16
 
     def __post_init__(self):
         try:
@@ -102,6 +110,13 @@ class Precision:
         if self.bf16_modules and self.compute is not Compute.FP8:
             raise PlanError(f"Precision.bf16_modules={self.bf16_modules!r} is for compute='fp8' (it keeps those "
                             f"modules' matmuls in bf16), not {self.compute.value!r}")
+        if self.scaling not in SCALINGS:
+            raise PlanError(f"Precision.scaling={self.scaling!r} must be one of {list(SCALINGS)}")
+        if self.scaling != "current" and self.compute is not Compute.FP8:
+            raise PlanError(f"Precision.scaling={self.scaling!r} scales FP8 matmuls: it needs compute='fp8', "
+                            f"not {self.compute.value!r}")
+        if not isinstance(self.amax_history, int) or self.amax_history < 1:
+            raise PlanError(f"Precision.amax_history={self.amax_history!r} must be a positive number of steps")
         if self.compute is Compute.FP16 and self.loss_scale is None:
             object.__setattr__(self, "loss_scale", LossScale())
         if self.compute is not Compute.FP16 and self.loss_scale is not None:
@@ -123,6 +138,11 @@ class Precision:
 
     def keeps_fp32(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.fp32_modules)
+
+    @property
+    def delayed(self) -> bool:
+        """Whether FP8 matmuls scale from amax histories (training state)."""
+        return self.compute is Compute.FP8 and self.scaling == "delayed"
 
     def fp8_matmul(self, path: str) -> bool:
         """Whether the matmuls at module `path` run in FP8."""

@@ -373,7 +373,8 @@ class TrainStep:
             return manifest["extra"]
         built = self.built
         values, manifest = checkpoint.restore(path, self.state, rows=built.layout.stacking.row_table(),
-                                              per_device=(RESIDUAL,), verify=verify)
+                                              per_device=(RESIDUAL,), verify=verify,
+                                              optional=(precision.SUFFIX,))
         self.state = state_mod.in_order(rebuild(self.state, values), built.layout, built.shardings, to_torch=False)
         return manifest["extra"]
 

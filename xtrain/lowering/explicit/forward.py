@@ -13,7 +13,7 @@ from jax import lax
 
 from xtrain.errors import PlanError
 from xtrain.ir.model import Model
-from xtrain.lowering import accumulation, collectives, gradient_sync
+from xtrain.lowering import accumulation, collectives, gradient_sync, precision
 from xtrain.lowering import zero as zero_mod
 from xtrain.lowering import zero3_int8
 from xtrain.lowering.explicit import layer_scan
@@ -44,10 +44,13 @@ def layout_of(spec: Spec, ndim: int) -> Layout:
     return Layout(dims + ((),) * (ndim - len(dims)), segments=segments)
 
 
-def global_args(state: TrainState, batch: tuple):
-    """Global shapes of the model function's arguments: (params, buffers, key, batch)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        ({**state.params, **state.frozen}, state.buffers, state.key, batch))
+def global_args(state: TrainState, batch: tuple, histories=frozenset()):
+    """Global shapes of the model function's arguments: (params, buffers, key, batch). Delayed
+    FP8 scaling's amax histories are passed with the parameters (a layer's own inputs, which the
+    layer scan stacks; differentiated, their cotangents are the step's amaxes)."""
+    params = {**state.params, **state.frozen, **{n: state.buffers[n] for n in histories}}
+    buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, buffers, state.key, batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +91,11 @@ class Program:
         """Sharded values of the model function's arguments (params, buffers, key, batch);
         `feedback`: name -> this device's int8 residual of a ZeRO-3 parameter (zero3_int8)."""
         params, buffers, key, batch = global_args
-        names = sorted(params)  # the order of a dict's leaves
-        layouts = ([layout_of(self.layout.param_specs[n], params[n].ndim) for n in names]
+        names = sorted(params)  # the order of a dict's leaves (delayed FP8 scaling's histories: whole)
+        layouts = ([layout_of(self.layout.param_specs.get(n, ()), params[n].ndim) for n in names]
                    + [Layout.replicated(b.ndim) for b in jax.tree.leaves(buffers)] + [Layout.replicated(key.ndim)]
                    + [layout_of(self.layout.arg_spec(i), x.ndim) for i, x in enumerate(batch) if hasattr(x, "ndim")])
-        zero = [self.layout.zero_axes(n) for n in names]
+        zero = [self.layout.zero_axes(n) if n in self.layout.param_specs else () for n in names]
         avals = jax.tree.leaves(global_args)
         feedback = feedback or {}
         return [Sharded(v, l, tuple(a.shape), a.dtype, zero=zero[i] if i < len(names) else (),
@@ -185,6 +188,11 @@ class Program:
         return examined.found, notes
 
 
+def _varying(x, axes: tuple[str, ...]):
+    """`x` (whole, invariant) typed varying over `axes`."""
+    return lax.pcast(x, axes, to="varying") if axes else x
+
+
 def _invariant(ctx: Context, buffer):
     """A buffer the forward updated (BatchNorm's running statistics), whole and typed the same on
     every device. Whole values computed from parameters (cast to varying over the batch axes for
@@ -216,6 +224,7 @@ class ExplicitStrategy:
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec, layout.batch_args)
         self.update = zero_mod.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
         self.grad_axes = {n: layout.grad_axes(n) for n in layout.param_specs}
+        self.histories = frozenset(precision.histories_of(model))  # delayed FP8 scaling's amax histories
         # ZeRO-2 reduce-scatters the gradients it splits instead of all-reducing them
         self.pending = {n: () if self.update.scatters(n) else a for n, a in self.grad_axes.items()}
         if gradient_sync.reduces_in_backward(config.sync, config.options.accumulate):
@@ -227,7 +236,8 @@ class ExplicitStrategy:
 
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
         steps = self.config.options.accumulate
-        forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps)))
+        histories = self.histories
+        forward = self.program.forward(True, global_args(state, accumulation.micro_shapes(batch, steps), histories))
         regather, scattered, synced = self.program.regather, forward.scattered, forward.synced
         # ZeRO-3 shards whose gradients leave the backward pass reduced (not HSDP's, which an
         # all-reduce over the other batch axes follows: theirs reduce as before)
@@ -258,24 +268,36 @@ class ExplicitStrategy:
             # ZeRO-3 with int8 gradients: each micro-batch's share of the residual, differentiated
             # (its cotangent: what this step's quantization dropped, un-normalised)
             params.update({FEEDBACK + n: state.grad_residual[n] / steps for n in fed})
-            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, state.buffers, batch, steps,
-                                                                       raw=frozenset(FEEDBACK + n for n in fed))
+            # delayed FP8 scaling: each amax history differentiated, varying over the batch axes as the
+            # parameters are (so its cotangent, this step's amaxes, is not summed), then typed back by a max
+            params.update({n: _varying(state.buffers[n], self.layout.batch_axes) for n in histories})
+            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+            loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, buffers, batch, steps,
+                                                                       raw=frozenset(FEEDBACK + n for n in fed),
+                                                                       maxed=histories)
             dropped = {n: grads.pop(FEEDBACK + n) for n in fed}
+            amaxes = collectives.all_max({n: grads.pop(n)[:, 0] for n in histories})  # one all-reduce
+            buffers = {**buffers, **precision.recorded({n: state.buffers[n] for n in histories}, amaxes)}
             pending = {n: () if n in synced else a for n, a in self.pending.items()}
             return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered), forward.findings(), dropped)
 
         return compute
 
     def loss(self, state: TrainState, batch: tuple) -> Callable:
-        forward = self.program.forward(False, global_args(state, batch))
+        histories = self.histories
+        forward = self.program.forward(False, global_args(state, batch, histories))
 
         def compute(state: TrainState, batch: tuple, key):
-            return forward.run({**state.params, **state.frozen}, state.buffers, key, batch)[0][0]
+            params = {**state.params, **state.frozen, **{n: state.buffers[n] for n in histories}}
+            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+            return forward.run(params, buffers, key, batch)[0][0]
 
         return compute
 
     def notes(self, findings: Findings) -> list[str]:
-        return self._stacking_notes(findings.scanned) + findings.report_notes()
+        fp8 = [f"FP8 delayed scaling: {len(self.histories)} amax histories (training state), each device's amaxes "
+               "max-reduced once per step in one all-reduce"] if self.histories else []
+        return self._stacking_notes(findings.scanned) + findings.report_notes() + fp8
 
     def _stacking_notes(self, scanned: frozenset[str]) -> list[str]:
         groups = self.layout.stacking.groups

@@ -3,7 +3,7 @@ combine over the shards (max/min/prod/and/or/xor, variadic reduce); argmax/argmi
 The cumulative ops are in scans.py."""
 from __future__ import annotations
 
-from xtrain.lowering import collectives
+from xtrain.lowering import collectives, fp8
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
 from xtrain.lowering.explicit.registry import bind, out_avals, register, whole_dims_where, wrap
@@ -32,6 +32,8 @@ def reduce_combined(ctx: Context, eqn, args):
     x = C.resolve(ctx, args[0])
     axes = tuple(eqn.params["axes"])
     over = tuple(a for d in axes for a in x.layout.dims[d])
+    if fp8.is_local_amax(eqn):  # each device's own over the batch axes: the step max-reduces them once
+        over = tuple(a for a in over if a not in ctx.batch_axes)
     (out,) = bind(ctx, eqn, [x.value])
     if over:
         shards = collectives.all_gather(out[None], over, 0, invariant=True)
