@@ -7,7 +7,7 @@
 Trains the example's GPT (examples/gpt_model.py) on the example's corpus and batch stream from the
 same weights under each plan (data=8). FP8 (xtrain.lowering.fp8: e4m3 operands, e5m2 gradients,
 per-tensor scaling, current and delayed: Precision(compute="fp8", scaling="delayed"), the scales
-from a 16-step amax history) is computed on CPU by upcasting the FP8 values, so these are the
+from a 16-step amax history; and rowwise, a scale per row) is computed on CPU by upcasting the FP8 values, so these are the
 recipe's numerics, not an FP8 GEMM's speed (benchmarks/results/gpu_step_h200.md has that).
 Reports the mean loss of the last 20 steps and the eval loss on held-out text, their relative
 difference (the bar: within 2%), and writes benchmarks/results/fp8_training.md (and .json with
@@ -28,7 +28,8 @@ BAR = 0.02
 
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8",
-              "fp8 delayed": xtrain.Precision(compute="fp8", scaling="delayed")}
+              "fp8 delayed": xtrain.Precision(compute="fp8", scaling="delayed"),
+              "fp8 rowwise": xtrain.Precision(compute="fp8", scaling="rowwise")}
 
 
 def run(args, precision: str, train_tokens, val_tokens) -> dict:
@@ -43,7 +44,8 @@ def table(runs: dict, args) -> str:
     lines += [f"| {r['precision']} | {r['tail_loss']:.4f} | {r['eval_loss']:.4f} | {r['seconds']:.0f} |"
               for r in runs.values()]
     lines += ["", *bench_common.verdict_lines("fp8 / bf16", (runs["bf16"], runs["fp8"]), BAR),
-              *bench_common.verdict_lines("fp8 delayed / bf16", (runs["bf16"], runs["fp8 delayed"]), BAR)]
+              *bench_common.verdict_lines("fp8 delayed / bf16", (runs["bf16"], runs["fp8 delayed"]), BAR),
+              *bench_common.verdict_lines("fp8 rowwise / bf16", (runs["bf16"], runs["fp8 rowwise"]), BAR)]
     return "\n".join(lines) + "\n"
 
 

@@ -48,8 +48,10 @@ def scale_of(x, dtype):
 
 
 def scale_from_amax(amax, dtype):
-    """The scale(s) of tensors whose amax is `amax` (float32, any shape): see `scale_of`."""
-    return jnp.where(amax > 0, amax / np.float32(largest(dtype)), np.float32(1.0))
+    """The scale(s) of tensors whose amax is `amax` (float32, any shape): see `scale_of`. A product
+    with the reciprocal, not a quotient: XLA:CPU's vectorised division can be an ulp off IEEE's,
+    so a vector of scales (rowwise, several shards) would not equal each tensor's own."""
+    return jnp.where(amax > 0, amax * np.float32(1.0 / largest(dtype)), np.float32(1.0))
 
 
 def quantize(x, dtype, scale):
@@ -69,7 +71,11 @@ def quantize_dequantize(x, fp8, dtype):
     return dequantize(quantize(x, fp8, scale), scale, dtype)
 
 
-def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool):
+def _dot(a, b, dimension_numbers):
+    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool, dot=_dot):
     """The cotangent of the operand (of rank `ndim`) multiplied by `other` in a dot_general of
     `dimension_numbers` (the operand's dims first), from the output's cotangent `g`: one
     dot_general of g and `other`, accumulated in float32, transposed into the operand's dims
@@ -81,8 +87,7 @@ def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool):
     n = len(batch)
     start = n if swap else n + len(kept)
     g_other = list(range(start, start + len(other_kept)))
-    out = jax.lax.dot_general(g, other, ((g_other, other_kept), (list(range(n)), list(other_batch))),
-                              preferred_element_type=jnp.float32)
+    out = dot(g, other, ((g_other, other_kept), (list(range(n)), list(other_batch))))
     unsorted = list(batch) + kept + list(np.take(contract, np.argsort(other_contract)).astype(int))
     return jnp.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
@@ -186,15 +191,64 @@ def _delayed_bwd(dimension_numbers, dtype, residuals, g):
 delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 
 
+# -- rowwise scaling: one scale per row of each operand ----------------------------------------
+# Each operand of a dot is quantized with one scale per index of its dims the dot keeps (the amax
+# over the dims it contracts: x's rows, w's output columns), so one outlier token or channel does
+# not coarsen the others; the product's scale is the outer product of the two. A gradient's dot
+# contracts other dims, so the backward quantizes again, along them: the cotangent per row of the
+# dot it enters, and the operands, saved in the compute dtype (bf16) rather than as FP8, per
+# index of their dims that dot keeps. (torchao's float8 "rowwise" recipe.)
+def rowwise_dot(a, b, dimension_numbers, fa, fb):
+    """dot_general(a, b) in float32 of `a` quantized to `fa` and `b` to `fb`, each with one scale
+    per index of the dims the dot keeps (amax over those it contracts)."""
+    (ac, bc), (ab, bb) = dimension_numbers
+    sa, sb = (scale_from_amax(jnp.max(jnp.abs(t.astype(jnp.float32)), axis=tuple(c), keepdims=True), f)
+              for t, c, f in ((a, ac, fa), (b, bc, fb)))
+    out = _dot(quantize(a, fa, sa), quantize(b, fb, sb), dimension_numbers)
+    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
+    batch = [a.shape[d] for d in ab]
+    # the scales in the product's dims (batch, a's free, b's free): each broadcast along the other's
+    sa = jnp.transpose(sa, (*ab, *a_free, *ac)).reshape(*batch, *(a.shape[d] for d in a_free), *[1] * len(b_free))
+    sb = jnp.transpose(sb, (*bb, *b_free, *bc)).reshape(*batch, *[1] * len(a_free), *(b.shape[d] for d in b_free))
+    return out * (sa * sb)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rowwise_matmul(x, w, dimension_numbers, dtype):
+    """dot_general(x, w) with e4m3 operands scaled per row (`rowwise_dot`), in `dtype`; its
+    backward quantizes the cotangent to e5m2 and the saved operands to e4m3 along the other dims."""
+    return rowwise_dot(x, w, dimension_numbers, E4M3, E4M3).astype(dtype)
+
+
+def _rowwise_fwd(x, w, dimension_numbers, dtype):
+    saved = (x.astype(dtype), w.astype(dtype), jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+    return rowwise_dot(x, w, dimension_numbers, E4M3, E4M3).astype(dtype), saved
+
+
+def _rowwise_bwd(dimension_numbers, dtype, saved, g):
+    x, w, x_type, w_type = saved
+    (xc, wc), (xb, wb) = dimension_numbers
+    dot = lambda a, b, dims: rowwise_dot(a, b, dims, E5M2, E4M3)
+    dx = _cotangent(g, w, x.ndim, dimension_numbers, swap=False, dot=dot)
+    dw = _cotangent(g, x, w.ndim, ((wc, xc), (wb, xb)), swap=True, dot=dot)
+    return dx.astype(x_type.dtype), dw.astype(w_type.dtype)
+
+
+rowwise_matmul.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
 SCOPE = "xtrain_fp8_matmul"  # the name scope of each FP8 matmul's call (ZeRO-3 finds its weights by it)
 
 
-def dot(eqn, ins, dtype, history=None) -> list:
+def dot(eqn, ins, dtype, history=None, rowwise: bool = False) -> list:
     """The dot_general `eqn` on `ins` (float operands) in FP8, its product in `dtype` (bf16):
-    current scaling, or delayed with `history` (3, H) when given."""
+    current per-tensor scaling, per row (`rowwise`), or delayed with `history` (3, H) when given."""
     x, w = ins
     dims, dtype = eqn.params["dimension_numbers"], jnp.dtype(dtype)
     with jax.named_scope(SCOPE):
+        if rowwise:
+            return [rowwise_matmul(x, w, dims, dtype)]
         if history is None:
             return [matmul(x, w, dims, dtype)]
         return [delayed_matmul(x, w, history, dims, dtype)]

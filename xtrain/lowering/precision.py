@@ -87,7 +87,7 @@ def _bind(eqn, ins, policy: Precision, paths: frozenset, path: str, histories=No
             jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars):
         history = histories.take([origins.get(v) for v in eqn.invars[::-1] if not isinstance(v, jcore.Literal)]) \
             if histories is not None else None
-        return fp8.dot(eqn, ins, policy.dtype, history)
+        return fp8.dot(eqn, ins, policy.dtype, history, rowwise=policy.scaling == "rowwise")
     if eqn.primitive.name in _MATMULS and not policy.keeps_fp32(path):
         # the product in the compute dtype too (its consumers cast it back): then the
         # backward matmuls, fed its cotangent, also run in the compute dtype

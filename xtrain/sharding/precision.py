@@ -16,7 +16,8 @@ dynamic loss scale.
            take float8_e4m3fn operands and their output gradients float8_e5m2, each tensor
            with its current scale (amax / the format's largest value, this step's), or with
            `scaling="delayed"` the largest amax of the last `amax_history` steps (a history per
-           weight, kept as training state: a buffer named `<weight>.amax_history`, checkpointed);
+           weight, kept as training state: a buffer named `<weight>.amax_history`, checkpointed),
+           or with `scaling="rowwise"` one current scale per row of each operand;
            `bf16_modules` keep bf16 matmuls (the LM head, say). On H100 / H200 XLA runs them
            as FP8 GEMMs; on CPU it computes the same values by upcasting
            (xtrain.lowering.fp8). A100, V100 and Trainium1 have no FP8 arithmetic: refused.
@@ -47,7 +48,7 @@ class Compute(enum.Enum):
 
 _DTYPES = {Compute.FP32: np.dtype(np.float32), Compute.BF16: np.dtype(ml_dtypes.bfloat16),
            Compute.FP16: np.dtype(np.float16), Compute.FP8: np.dtype(ml_dtypes.bfloat16)}
-SCALINGS = ("current", "delayed")  # FP8 scale recipes (xtrain.lowering.fp8)
+SCALINGS = ("current", "delayed", "rowwise")  # FP8 scale recipes (xtrain.lowering.fp8)
 _WIRE = {Compute.FP32: None, Compute.BF16: "bfloat16", Compute.FP16: "float16", Compute.FP8: "bfloat16"}
 
 
@@ -83,8 +84,9 @@ class Precision:
         fp32_modules: fnmatch patterns over module paths whose matmuls stay float32.
         bf16_modules: under fp8, fnmatch patterns over module paths whose matmuls run in bf16.
         loss_scale: fp16's dynamic loss scale (default LossScale()); must be None otherwise.
-        scaling: under fp8, "current" (each tensor's amax this step) or "delayed" (the largest
-            amax of the last `amax_history` steps, recorded per weight: xtrain.lowering.fp8).
+        scaling: under fp8, "current" (each tensor's amax this step), "delayed" (the largest
+            amax of the last `amax_history` steps, recorded per weight) or "rowwise" (this step's,
+            one scale per row of each operand): xtrain.lowering.fp8.
         amax_history: delayed scaling's history length (steps).
     """
 
