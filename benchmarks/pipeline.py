@@ -13,7 +13,8 @@ Per configuration:
                   forward or a backward; a 1F1B / interleaved tick runs a forward and a
                   backward (one vjp) on every stage, masked where the table says idle or the
                   other kind, so it costs about F + B (plus the recompute of the forward); a
-                  zbh1 tick runs one F, B or W per stage (lax.switch), nothing masked
+                  zbh1 tick runs one F, B or W per stage (lax.switch), nothing masked; a zbv
+                  tick the same on half a stage (two chunks per stage, laid out as a V)
   matmul GFLOP    per device and step, from the traced program (the busiest stage's ticks for
                   zbh1, whose branches run one at a time), masked and recomputed work included
   temporaries     XLA's compiled memory analysis, per device
@@ -59,7 +60,7 @@ def configs(m: int):
     """(label, mesh, pipeline kwargs or None for pure data parallel)."""
     out = [("data parallel", dict(data=8), None)]
     for pipe in (2, 4):
-        for schedule in ("gpipe", "1f1b", "interleaved", "zbh1"):
+        for schedule in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"):
             kwargs = dict(stages=pipe, microbatches=m, schedule=schedule)
             if schedule == "interleaved":
                 kwargs["virtual_stages"] = 2
@@ -151,10 +152,11 @@ def write(args, rows):
                      f"{r['args'] / 2**20:.2f} |")
     by = dict(rows)
     for pipe in (2, 4):
-        zero, gpipe = by.get(f"pipe={pipe} zbh1"), by.get(f"pipe={pipe} gpipe")
-        if zero and gpipe:
-            lines.append(f"\npipe={pipe}: zbh1 / GPipe step time {zero['step_ms'] / gpipe['step_ms']:.2f}, matmul FLOPs "
-                         f"{zero['gflop'] / gpipe['gflop']:.2f}, temporaries {zero['temp'] / gpipe['temp']:.2f}")
+        for name in ("zbh1", "zbv"):
+            zero, gpipe = by.get(f"pipe={pipe} {name}"), by.get(f"pipe={pipe} gpipe")
+            if zero and gpipe:
+                lines.append(f"\npipe={pipe}: {name} / GPipe step time {zero['step_ms'] / gpipe['step_ms']:.2f}, matmul "
+                             f"FLOPs {zero['gflop'] / gpipe['gflop']:.2f}, temporaries {zero['temp'] / gpipe['temp']:.2f}")
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

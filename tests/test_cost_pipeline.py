@@ -4,6 +4,7 @@ with a reason when the batch or the layer count does not allow them, never picke
 device's memory, and a picked pipeline plan trains like torch."""
 import collections
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -272,8 +273,8 @@ def test_zero_bubble_candidates_are_costed_on_gpus_and_left_out_on_trainium():
 
     gpu = hardware.profile("p4d.24xlarge")
     listed = candidates(DEVICES, gpu, pipe_degrees=(2,), microbatches=(4,), zero_stages=(0,))
-    assert "zbh1" in {c.schedule for c in listed}
-    assert "zbh1" not in {c.schedule for c in candidates(DEVICES, PROFILE, pipe_degrees=(2,))}
+    assert {"zbh1", "zbv"} <= {c.schedule for c in listed}
+    assert not {"zbh1", "zbv"} & {c.schedule for c in candidates(DEVICES, PROFILE, pipe_degrees=(2,))}
     model, net, tx = wrapped()
     rows = {c.schedule: search.evaluate(net, tx, describe(model), c, gpt_batch(), gpu)
             for c in listed if c.pipe == 2 and c.data == 2 and not c.remat}
@@ -282,6 +283,15 @@ def test_zero_bubble_candidates_are_costed_on_gpus_and_left_out_on_trainium():
     assert zero.cost.pipeline.bubble_fraction == pytest.approx(1 / 13)             # 3m + p - 1 = 13 ticks
     assert gpipe.cost.pipeline.bubble_fraction == pytest.approx(1 / 5)
     assert zero.prediction.memory_bytes > 0 and zero.prediction.step_s > 0
+    # zbv runs two chunks per stage: this GPT's 2 layers cannot fill 2 x 2, which the row says
+    assert rows["zbv"].prediction is None and "zbv runs two per pipeline stage" in rows["zbv"].reason
+    model4 = GPT(layers=4)
+    trainable = wrap(model4, adamw(model4.parameters()))
+    v, h = (search.evaluate(trainable.model, trainable.tx, describe(model4),
+                            dataclasses.replace(zero.candidate, schedule=s), gpt_batch(), gpu) for s in ("zbv", "zbh1"))
+    assert v.cost.pipeline.bubble_fraction == pytest.approx(1 / 25)  # 2 chunks x 3m = 24 half-stage ticks of 25
+    assert h.cost.pipeline.bubble_fraction == pytest.approx(1 / 13)
+    assert v.prediction.memory_bytes > 0 and v.prediction.step_s > 0
     # the search lowers a zbh1 candidate only where its GPipe form, without its bubble, could win
     listed = [c for c in listed if c.pipe == 1 or (c.data == 2 and not c.remat and c.schedule != "1f1b")]
     result = search.search(net, tx, gpt_batch(), gpu, DEVICES, structure=describe(model), candidate_list=listed)

@@ -1,7 +1,8 @@
 """Zero-bubble pipelines: the zbh1 table (every F, B and W once, in dependency order, W's in
 1F1B's bubbles), durations and the lockstep bubble of every schedule, the backward split into B
 and W without doing work twice, the dependence analysis that decides which residuals a stage
-keeps, and the refusal on Trainium. The training parity of zbh1 is in test_zero_bubble_parity.py."""
+keeps, and the refusal on Trainium; the zbv table (two chunks per stage as a V). The training parity
+of zbh1 and zbv is in test_zero_bubble_parity.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +48,50 @@ def test_zbh1_runs_every_f_b_w_once_in_dependency_order(p, m):
                 assert when[(Kind.BACKWARD, i, s + 1)] < b
 
 
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zbv_runs_every_f_b_w_once_per_virtual_stage_down_the_v_and_back(p, m):
+    """zbv: stage s runs virtual stages s (chunk 0) and 2p - 1 - s (chunk 1); every F, B and W of
+    every (microbatch, virtual stage) once, F's in order down the V and back up, B's the reverse,
+    W after its B; at most 2p chunk activations held (1F1B's first-stage peak, in half-stage units);
+    a bubble below zbh1's. The tick tables deliver each activation and cotangent once, to the
+    (stage, chunk) of the next virtual stage: over the ring one way for chunk 0, the other way for
+    chunk 1, and without a send at the turn (the last stage's chunk 0 to its chunk 1)."""
+    table = schedule.build("zbv", p, m)
+    assert table.chunks == 2 and table.place(0) == (0, 0) and table.place(2 * p - 1) == (0, 1)
+    assert table.place(p - 1) == table.place(p)[:1] + (0,) and table.place(p) == (p - 1, 1)
+    when = {}
+    for t, row in enumerate(table.ticks):
+        for s, op in enumerate(row):
+            if op is not None:
+                key = (op.kind, op.microbatch, table.virtual_stage(s, op.chunk))
+                assert key not in when, f"{key} scheduled twice"
+                when[key] = t
+    assert len(when) == 3 * m * 2 * p
+    for i in range(m):
+        for vs in range(2 * p):
+            f, b, w = (when[(k, i, vs)] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT))
+            assert f < b < w
+            assert vs == 0 or when[(Kind.FORWARD, i, vs - 1)] < f
+            assert vs == 2 * p - 1 or when[(Kind.BACKWARD, i, vs + 1)] < b
+    assert max(table.held(s) for s in range(p)) <= 2 * p
+    assert table.bubble() < schedule.build("zbh1", p, m).bubble()
+    tables = tick_tables(table)
+    got = {Kind.FORWARD: {}, Kind.BACKWARD: {}}
+    entries = [(tables.act_in, None, Kind.FORWARD), (tables.grad_in, None, Kind.BACKWARD),
+               (tables.turned, 0, Kind.FORWARD), (tables.turned, 1, Kind.FORWARD),
+               (tables.turned, 2, Kind.BACKWARD), (tables.turned, 3, Kind.BACKWARD)]
+    for t in range(len(table.ticks)):
+        for s in range(p):
+            for array, k, kind in entries:
+                ok, c, _ = array[t, s] if k is None else array[t, s, k]
+                if ok:
+                    got[kind][(s, c)] = got[kind].get((s, c), 0) + 1
+    # each virtual stage but the first receives m activations, each but the last m cotangents
+    assert got[Kind.FORWARD] == {table.place(vs): m for vs in range(1, 2 * p)}
+    assert got[Kind.BACKWARD] == {table.place(vs): m for vs in range(2 * p - 1)}
+    assert tables.turned[:, p - 1, 1, 0].sum() == m and tables.turned[:, p - 1, 3, 0].sum() == m  # the turn
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 5)])
 def test_zbh1_reaches_the_zero_bubble_length_and_holds_at_most_p_plus_1(p, m):
     """3m + p - 1 unit ticks (F = B = W = 1): the bubble is only the warm-up's p - 1 ticks,
@@ -57,6 +102,12 @@ def test_zbh1_reaches_the_zero_bubble_length_and_holds_at_most_p_plus_1(p, m):
     assert table.bubble() < 0.6 * one_f_one_b.bubble()
     assert max(table.held(s) for s in range(p)) <= p + 1
     assert max(table.held(s) for s in range(p)) <= max(one_f_one_b.held(s) for s in range(p)) + 1
+
+
+def test_zbv_virtual_stages_are_checked():
+    assert xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule="zbv").pipeline.virtual_stages == 2
+    with pytest.raises(PlanError, match="zbv lays two chunks per stage"):
+        xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule="zbv", virtual_stages=3)
 
 
 def test_durations_a_whole_backward_lasts_two():
@@ -129,16 +180,17 @@ def test_split_backward_equals_the_whole_backward_and_does_no_work_twice():
     assert w_flops == weight_grads and b_flops + w_flops == whole
 
 
-def test_zero_bubble_is_refused_for_trainium():
+@pytest.mark.parametrize("name", ["zbh1", "zbv"])
+def test_zero_bubble_is_refused_for_trainium(name):
     import torch
 
     from models import GPT
     from xtrain.cost.program import abstract_step, trainable_of
     from xtrain.frontend.torch_module import wrap
 
-    model = GPT(layers=2)
+    model = GPT(layers=4)
     wrapped = wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     batch = (np.zeros((8, 16), np.int32),) * 2
-    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule="zbh1")
-    with pytest.raises(PlanError, match="zbh1.*Trainium.*1f1b"):
+    plan = xtrain.Plan().with_pipeline(stages=2, microbatches=4, schedule=name)
+    with pytest.raises(PlanError, match=f"{name}.*Trainium.*1f1b"):
         abstract_step(trainable_of(wrapped.model, wrapped.tx), {"pipe": 2}, plan, batch, platform="neuron")

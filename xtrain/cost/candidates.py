@@ -34,9 +34,9 @@ SKIPPED_OFFLOAD = "not lowered: fits with the optimizer state on the device, whi
 SKIPPED_ACT_OFFLOAD = "not lowered: fits with the activations on the device, which saves the host transfers"
 # a candidate's name for what it offloads
 OFFLOAD_NAMES = {Offload.NONE: "", Offload.OPTIMIZER: " offload", Offload.ACTIVATIONS: " act-offload"}
-SCHEDULES = ("gpipe", "1f1b", "zbh1")
+SCHEDULES = ("gpipe", "1f1b", "zbh1", "zbv")
 # schedules that branch per stage (lax.switch): not on Trainium, which runs no conditionals
-BRANCHING = ("zbh1",)
+BRANCHING = ("zbh1", "zbv")
 # mesh axes, outermost first: tensor parallelism (the chattiest) on neighbouring devices, expert
 # parallel's all-to-alls next
 DEFAULT_ORDER = ("data", "pipe", "context", "expert", "tensor")
@@ -64,7 +64,8 @@ class Candidate:
         remat: activation checkpointing of the layer stack (with a pipeline: GPipe's
             checkpoint of each stage, `with_pipeline(checkpoint=True)`).
         pipe, microbatches: pipeline stages and microbatches (1, 1: no pipeline).
-        schedule: the pipeline schedule, "gpipe", "1f1b" or "zbh1" (zero bubble; not on Trainium).
+        schedule: the pipeline schedule, "gpipe", "1f1b", "zbh1" or "zbv" (zero bubble; not on
+            Trainium; zbv runs two chunks per stage, so needs 2 x pipe layers).
         order: the mesh axes from outermost to innermost (device ids are numbered row-major
             over them, so the last axis takes neighbouring devices); () is DEFAULT_ORDER.
         precision: the plan's compute precision (`HardwareProfile.plan_precision`: "fp16" with

@@ -7,7 +7,7 @@ from typing import Sequence, Union
 from xtrain.errors import PlanError
 
 Split = Union[str, tuple[str, ...]]
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")  # the tables of xtrain.lowering.pipeline.schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")  # the tables of xtrain.lowering.pipeline.schedule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,10 +23,11 @@ class Pipeline:
             `virtual_stages` chunks per stage; m must be divisible by `stages`) or "zbh1" (zero
             bubble: each backward split into its input-gradient and weight-gradient halves, the
             latter filling the ticks 1F1B idles; CPU and GPU, not Trainium, which has no
-            conditionals).
+            conditionals) or "zbv" (zero bubble over two chunks per stage laid out as a V: stage s
+            holds virtual stages s and 2p - 1 - s; virtual_stages is 2).
         split: "auto" (balance the stages by FLOPs and bytes measured on the traced graph) or
             the module paths where stages 1..p-1 start, e.g. ("blocks.2", "blocks.5").
-        virtual_stages: chunks per stage for "interleaved" (v >= 2); 1 otherwise.
+        virtual_stages: chunks per stage for "interleaved" (v >= 2); 2 for "zbv"; 1 otherwise.
         axis: the mesh axis the stages are laid along.
         checkpoint: GPipe only: keep each stage's input per microbatch and recompute the
             stage's forward in the backward (activation checkpointing per stage) instead of
@@ -52,7 +53,12 @@ class Pipeline:
             object.__setattr__(self, "split", tuple(self.split))
         elif self.split != "auto":
             raise PlanError(f"Pipeline(split={self.split!r}): pass 'auto' or a list of module paths")
-        if self.schedule == "interleaved":
+        if self.schedule == "zbv" and self.virtual_stages in (1, 2):
+            object.__setattr__(self, "virtual_stages", 2)  # the V: two chunks per stage
+        elif self.schedule == "zbv":
+            raise PlanError(f"Pipeline(schedule='zbv', virtual_stages={self.virtual_stages}): zbv lays two chunks "
+                            "per stage as a V; leave virtual_stages at its default")
+        elif self.schedule == "interleaved":
             self._check_interleaved()
         elif self.virtual_stages != 1:
             raise PlanError(f"Pipeline(virtual_stages={self.virtual_stages}) needs schedule='interleaved' "

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from xtrain.lowering.collectives import vma
-from xtrain.lowering.pipeline.schedule import Kind, Table
+from xtrain.lowering.pipeline.schedule import V_SHAPED, Kind, Table
 from xtrain.lowering.pipeline.stage import microbatch, ring, take
 
 
@@ -61,28 +61,43 @@ def scan_tree(body, carry, xs, length: int):
 
 @dataclasses.dataclass(frozen=True)
 class TickTables:
-    """Static per-(tick, stage) arrays for the table executor."""
+    """Static per-(tick, stage) arrays for the table executor. An arrival entry is (valid, chunk,
+    slot). The activations travel the ring forward (+1) and the cotangents backward (-1); in a
+    V-shaped table (zbv) the second chunk's travel the other way and turn at the last stage
+    without leaving it (`turned`: entries of the other direction, then of the stage's own output)."""
 
     kind: np.ndarray        # (T, p) Kind
     micro: np.ndarray       # (T, p) microbatch
     chunk: np.ndarray       # (T, p) chunk
-    act_in: np.ndarray      # (T, p, 3) activation arriving at the end of the tick: valid, chunk, slot
-    grad_in: np.ndarray     # (T, p, 3) cotangent arriving: valid, chunk, slot
+    act_in: np.ndarray      # (T, p, 3) activation arriving at the end of the tick
+    grad_in: np.ndarray     # (T, p, 3) cotangent arriving
     slots: int              # K
     warmup: int             # ticks before the first backward anywhere: forward only
+    turned: np.ndarray | None = None  # V-shaped: (T, p, 4, 3): activation via -1, own; cotangent via +1, own
+    loss_at: tuple[int, int] = (-1, -1)  # (stage, chunk) of the last virtual stage (-1: the last of each)
+
+    def last(self, stage, chunk):
+        """Whether (stage, chunk) (traced) runs the last virtual stage: the loss."""
+        s, c = self.loss_at
+        p, v = self.kind.shape[1], int(self.chunk.max()) + 1
+        return (stage == (p - 1 if s < 0 else s)) & (chunk == (v - 1 if c < 0 else c))
 
 
-def _arrivals(table: Table, kind: Kind, t: int, s: int):
-    """What stage s receives at the end of tick t: (valid, chunk, microbatch)."""
+def _arrivals(table: Table, kind: Kind, t: int, s: int, src: int | None = None):
+    """What stage s receives from stage `src` (default: its ring neighbour: s - 1 for
+    activations, s + 1 for cotangents; s itself: its own output, turning) at the end of tick t:
+    (valid, chunk, microbatch)."""
     p = table.stages
-    src = (s - 1) % p if kind == Kind.FORWARD else (s + 1) % p
+    if src is None:
+        src = (s - 1) % p if kind == Kind.FORWARD else (s + 1) % p
     op = table.ticks[t][src]
     if op is None or op.kind != kind:
         return 0, 0, 0
     vs = table.virtual_stage(src, op.chunk) + (1 if kind == Kind.FORWARD else -1)
     if not 0 <= vs < table.virtual_stages:
         return 0, 0, 0
-    return 1, vs // p, op.microbatch
+    stage, chunk = table.place(vs)
+    return (1, chunk, op.microbatch) if stage == s else (0, 0, 0)
 
 
 def _slots_needed(table: Table, held: dict) -> int:
@@ -101,6 +116,8 @@ def tick_tables(table: Table) -> TickTables:
     T, p = len(table.ticks), table.stages
     kind, micro, chunk = (np.zeros((T, p), np.int32) for _ in range(3))
     act, grad = np.zeros((T, p, 3), np.int32), np.zeros((T, p, 3), np.int32)
+    v_shaped = table.name in V_SHAPED
+    turned = np.zeros((T, p, 4, 3), np.int32)
     uses: dict = {}  # (stage, chunk) -> microbatch -> [first tick held, backward tick]
     for t, row in enumerate(table.ticks):
         for s, op in enumerate(row):
@@ -108,17 +125,25 @@ def tick_tables(table: Table) -> TickTables:
                 kind[t, s], micro[t, s], chunk[t, s] = op.kind, op.microbatch, op.chunk
                 held = uses.setdefault((s, op.chunk), {}).setdefault(op.microbatch, [t, t])
                 held[0], held[1] = min(held[0], t), max(held[1], t)
-            for out, k in ((act, Kind.FORWARD), (grad, Kind.BACKWARD)):
-                ok, c, i = _arrivals(table, k, t, s)
-                out[t, s] = (ok, c, i)
+            entries = [(act[t, s], Kind.FORWARD, None), (grad[t, s], Kind.BACKWARD, None)]
+            if v_shaped:  # the other ring direction, then the stage's own output
+                entries += [(turned[t, s, 0], Kind.FORWARD, (s + 1) % p), (turned[t, s, 1], Kind.FORWARD, s),
+                            (turned[t, s, 2], Kind.BACKWARD, (s - 1) % p), (turned[t, s, 3], Kind.BACKWARD, s)]
+            for out, k, src in entries:
+                if p == 2 and src is not None and src != s:  # one neighbour, one arrival: counted once
+                    continue
+                ok, c, i = _arrivals(table, k, t, s, src)
+                out[:] = (ok, c, i)
                 if ok:
                     held = uses.setdefault((s, c), {}).setdefault(i, [t, t])
                     held[0] = min(held[0], t)
     slots = _slots_needed(table, uses)
-    act[..., 2] %= slots
-    grad[..., 2] %= slots
+    for entries in (act, grad, turned):
+        entries[..., 2] %= slots
     warmup = int(np.argmax((kind == Kind.BACKWARD).any(axis=1)))
-    return TickTables(kind, micro, chunk, act, grad, slots, warmup)
+    if not v_shaped:
+        return TickTables(kind, micro, chunk, act, grad, slots, warmup)
+    return TickTables(kind, micro, chunk, act, grad, slots, warmup, turned, table.place(table.virtual_stages - 1))
 
 
 def _like(cotangents, primals):
@@ -189,7 +214,7 @@ def table_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     # (a dropout key threaded through the blocks) have no cotangent
     real = [jnp.issubdtype(x.dtype, jnp.inexact) for x in x0]
     buf = lambda xs: [jnp.zeros((v, K) + x.shape, x.dtype) for x in xs]
-    last_stage = lambda c: (stage == p - 1) & (c == v - 1)
+    last_stage = lambda c: tables.last(stage, c)
 
     def forward_tick(carry, t):
         """A warm-up tick: no stage runs a backward yet, so no vjp and no cotangents."""

@@ -115,4 +115,4 @@ def check_enough_layers(num_layers: int, stages: int, prefix: str) -> None:
     if stages > num_layers:
         raise PlanError(f"Pipeline: {stages} stages but the model has only {num_layers} repeated blocks "
                         f"({prefix}.0 .. {prefix}.{num_layers - 1}); use at most {num_layers} stages "
-                        "(stages x virtual_stages)")
+                        "(stages x virtual_stages; zbv runs two per pipeline stage)")

@@ -100,7 +100,8 @@ class PipelineProgram:
             starts = partition.balance(weights, chunks)
         else:
             starts = partition.explicit_starts(self.pipeline.split, paths)
-        self.layers = Layers.from_starts(starts, blocks.length, self.pipeline.stages, self.pipeline.virtual_stages)
+        self.layers = Layers.from_starts(starts, blocks.length, self.pipeline.stages, self.pipeline.virtual_stages,
+                                         self.table.place)
         self.cut, self.paths = cut, paths
 
     def describe(self) -> list[str]:
@@ -129,12 +130,14 @@ class PipelineProgram:
             if vs == p.chunks - 1:
                 mods.append("epilogue (head, loss)")
                 cost = cost + self.epilogue_cost
-            lines.append(f"  stage {vs % p.stages}" + (f" chunk {vs // p.stages}" if p.virtual_stages > 1 else "")
+            stage, chunk = table.place(vs)
+            lines.append(f"  stage {stage}" + (f" chunk {chunk}" if p.virtual_stages > 1 else "")
                          + f": {', '.join(mods)}; {cost.flops / 1e6:.2f} MFLOP per microbatch (all of it, before data/tensor splits), params "
                          f"{cost.param_bytes / 2**20:.2f} MiB, activations {cost.activation_bytes / 2**20:.2f} MiB")
         held = [table.held(s) for s in range(p.stages)]
         if table.split_backward:
-            lines.append(f"  microbatches held per stage (the forward's residuals, from F to W): {held}; lockstep "
+            lines.append(f"  {'(microbatch, chunk) pairs' if p.virtual_stages > 1 else 'microbatches'} held per stage "
+                         f"(the forward's residuals, from F to W): {held}; lockstep "
                          "SPMD: a tick runs one F, B or W per stage (lax.switch), no masked or recomputed work")
         else:
             lines.append(f"  activations held per stage (microbatch inputs): {held}; lockstep SPMD: "

@@ -34,16 +34,18 @@ class Layers:
 
     index: np.ndarray   # (p, v, Lc) int: layer number (0 in padding slots)
     valid: np.ndarray   # (p, v, Lc) bool
-    starts: tuple[int, ...]  # first layer of each virtual stage c * p + s, in virtual-stage order
+    starts: tuple[int, ...]  # first layer of each virtual stage, in virtual-stage order
 
     @staticmethod
-    def from_starts(starts: list[int], num_layers: int, stages: int, chunks: int) -> "Layers":
+    def from_starts(starts: list[int], num_layers: int, stages: int, chunks: int, place=None) -> "Layers":
+        """`place(vs)`: the (stage, chunk) of virtual stage vs (default: chunk c of stage s is
+        virtual stage c * p + s; schedule.place)."""
         bounds = list(starts) + [num_layers]
         width = max(b - a for a, b in zip(bounds, bounds[1:]))
         index = np.zeros((stages, chunks, width), dtype=np.int32)
         valid = np.zeros((stages, chunks, width), dtype=bool)
         for vs in range(stages * chunks):
-            c, s = divmod(vs, stages)
+            s, c = place(vs) if place is not None else divmod(vs, stages)[::-1]
             n = bounds[vs + 1] - bounds[vs]
             index[s, c, :n] = np.arange(bounds[vs], bounds[vs + 1])
             valid[s, c, :n] = True

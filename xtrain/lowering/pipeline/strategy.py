@@ -183,7 +183,7 @@ class PipelineStrategy:
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):
         """(run, x0): run(chunk params, other params, x, (batch_mb, i), chunk) for this device,
         and the zero activation the pipeline starts from."""
-        p, v, axis = self.pipeline.stages, self.pipeline.virtual_stages, self.pipeline.axis
+        axis, table = self.pipeline.axis, self.program.table
         index, templates, layers = lax.axis_index(axis), runner.block_params(), self.program.layers
 
         def run(chunk_params, other, x, mb, c):
@@ -193,7 +193,7 @@ class PipelineStrategy:
             env = runner.env({**named, **other}, keyed, batch_mb)
             params = [dataclasses.replace(t, value=w) for t, w in zip(templates, chunk_params)]
             slots = take(layers.index, index)[c], take(layers.valid, index)[c]
-            return stage(env, x, params, slots, (index == 0) & (c == 0), (index == p - 1) & (c == v - 1))
+            return stage(env, x, params, slots, table.holds(index, c, 0), table.holds(index, c, table.virtual_stages - 1))
 
         return run
 
@@ -278,9 +278,10 @@ class PipelineStrategy:
                 total, count, _ = executors.gpipe_forward(
                     lambda x, mb, active: run([w[0] for w in chunks], {}, x, mb, 0), x0, mbs, pipe.stages,
                     pipe.microbatches, pipe.axis)
-            else:  # the interleaved table's forwards (its backwards run too, on zero cotangents: eval is rare)
-                total, count, _, _, _ = executors.table_grads(run, chunks, {}, x0, mbs, self.program.ticks, pipe.stages,
-                                                           pipe.virtual_stages, pipe.axis)
+            else:  # the interleaved / zbv table's forwards (its backwards run too, on zero cotangents: eval is rare)
+                table = zero_bubble.split_grads if self.program.table.split_backward else executors.table_grads
+                total, count, _, _, _ = table(run, chunks, {}, x0, mbs, self.program.ticks, pipe.stages,
+                                              pipe.virtual_stages, pipe.axis)
             return collectives.all_reduce(total, (pipe.axis,)) / collectives.all_reduce(count, (pipe.axis,))
 
         return compute

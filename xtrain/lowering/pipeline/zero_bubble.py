@@ -1,5 +1,5 @@
-"""The zero-bubble executor: a scan over a zbh1 table's ticks (schedule.py) in which every stage
-branches on its own entry (`lax.switch` on a per-device index):
+"""The zero-bubble executor: a scan over a zbh1 or zbv table's ticks (schedule.py) in which every
+stage branches on its own entry (`lax.switch` on a per-device index):
 
     F     the stage's forward, as jax.vjp: the output goes to the next stage; of the pullback's
           residuals, the ones that depend on the microbatch (activations) are kept in slot
@@ -190,7 +190,7 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     def tick(carry, t):
         inputs, residuals, edges, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
-        slot, last = i % K, (stage == p - 1) & (c == v - 1)
+        slot, last = i % K, tables.last(stage, c)
         read = lambda buffers: [b[c, slot] for b in buffers]
         args = lambda inputs: (params(c), other, read(inputs), microbatch(batch, i), i, c)
         # traced at this tick's operands (their mesh-axis variance); these reads feed only the trace
@@ -204,8 +204,12 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         # a write the tick does not make goes to the scratch slot K
         residuals = [r.at[c, jnp.where(is_f, slot, K)].set(k) for r, k in zip(residuals, kept)]
         edges = [e.at[c, jnp.where(is_b, slot, K)].set(k) for e, k in zip(edges, edge)]
-        inputs = [store(b, send_forward(a), take(tables.act_in, t)[stage]) for b, a in zip(inputs, y)]
-        cotangents = [store(b, send_backward(d), take(tables.grad_in, t)[stage]) for b, d in zip(cotangents, dx)]
+        if tables.turned is None:
+            inputs = [store(b, send_forward(a), take(tables.act_in, t)[stage]) for b, a in zip(inputs, y)]
+            cotangents = [store(b, send_backward(d), take(tables.grad_in, t)[stage]) for b, d in zip(cotangents, dx)]
+        else:
+            inputs, cotangents = _v_arrivals(tables, t, stage, (send_forward, send_backward if p > 2 else None),
+                                             inputs, cotangents, y, dx, is_f, probe.real)
         return (inputs, residuals, edges, cotangents, g_chunks, g_other, total, count), masked(counts, is_f, c, v)
 
     buf = lambda avals, extra=0: [jnp.zeros((v, K + extra) + tuple(a.shape), a.dtype) for a in avals]
@@ -216,6 +220,26 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     T = tables.kind.shape[0]
     (*_, g_chunks, g_other, total, count), counts = scan_tree(tick, init, jnp.arange(T), T)
     return total, count, g_chunks, g_other, {key: c.sum(axis=0) for key, c in counts.items()}
+
+
+def _v_arrivals(tables: TickTables, t, stage, sends, inputs, cotangents, y, dx, is_f, real):
+    """The buffers after a zbv tick: a stage's one output (an F's activation or a B's cotangent)
+    goes one way, by chunk (chunk 0's activations right, its cotangents left; chunk 1's the other
+    way round) or stays (the turn at the last stage), so each tick sends one buffer each way
+    around the ring (one in all for 2 stages, whose neighbours coincide) and the static tables say
+    what each arrival is. `sends`: around the ring forward and backward (None: the same ring)."""
+    gy = iter(dx)
+    out = [jnp.where(is_f, a, next(gy)) if r else a for a, r in zip(y, real)]  # what this stage computed
+    from_left = [sends[0](o) for o in out]
+    from_right = from_left if sends[1] is None else [sends[1](o) for o in out]
+    entries = take(tables.turned, t)[stage]
+    act_in, grad_in = take(tables.act_in, t)[stage], take(tables.grad_in, t)[stage]
+    inputs = [store(store(store(b, left, act_in), right, entries[0]), own, entries[1])
+              for b, left, right, own in zip(inputs, from_left, from_right, y)]
+    arrived = [(left, right) for (left, right), r in zip(zip(from_left, from_right), real) if r]
+    cotangents = [store(store(store(b, right, grad_in), left, entries[2]), own, entries[3])
+                  for b, (left, right), own in zip(cotangents, arrived, dx)]
+    return inputs, cotangents
 
 
 def _tick_switch(jaxpr):
@@ -242,8 +266,9 @@ def stage_matmul_flops(program, table: Table) -> list[float]:
         inner = [e for e in branch.jaxpr.eqns if e.primitive.name == "cond"]
         last_only.append(sum(flops.of_eqn(e).matmul for e in inner))
         own.append(flops.count(branch).matmul - last_only[-1])
-    out = []
+    out, loss = [], table.virtual_stages - 1
     for s in range(table.stages):
-        kinds = [int(row[s].kind) if row[s] is not None else 0 for row in table.ticks]
-        out.append(sum(own[k] + (last_only[k] if s == table.stages - 1 else 0) for k in kinds))
+        ops = [row[s] for row in table.ticks if row[s] is not None]
+        out.append(sum(own[int(op.kind)] + (last_only[int(op.kind)] if table.holds(s, op.chunk, loss) else 0)
+                       for op in ops))
     return out
