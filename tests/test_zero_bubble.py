@@ -53,9 +53,9 @@ def test_zbv_runs_every_f_b_w_once_per_virtual_stage_down_the_v_and_back(p, m):
     """zbv: stage s runs virtual stages s (chunk 0) and 2p - 1 - s (chunk 1); every F, B and W of
     every (microbatch, virtual stage) once, F's in order down the V and back up, B's the reverse,
     W after its B; at most 2p chunk activations held (1F1B's first-stage peak, in half-stage units);
-    a bubble below zbh1's. The tick tables deliver each activation and cotangent once, to the
-    (stage, chunk) of the next virtual stage: over the ring one way for chunk 0, the other way for
-    chunk 1, and without a send at the turn (the last stage's chunk 0 to its chunk 1)."""
+    a bubble below zbh1's. The tick tables deliver each activation and cotangent to the stage of the
+    next virtual stage: over the ring one way for chunk 0, the other way for chunk 1, and without a
+    send at the turn (the last stage's chunk 0 to its chunk 1), into slots of one pool per stage."""
     table = schedule.build("zbv", p, m)
     assert table.chunks == 2 and table.place(0) == (0, 0) and table.place(2 * p - 1) == (0, 1)
     assert table.place(p - 1) == table.place(p)[:1] + (0,) and table.place(p) == (p - 1, 1)
@@ -75,21 +75,46 @@ def test_zbv_runs_every_f_b_w_once_per_virtual_stage_down_the_v_and_back(p, m):
             assert vs == 2 * p - 1 or when[(Kind.BACKWARD, i, vs + 1)] < b
     assert max(table.held(s) for s in range(p)) <= 2 * p
     assert table.bubble() < schedule.build("zbh1", p, m).bubble()
+    _check_deliveries(table)
+
+
+def _check_deliveries(table):
+    """The executor's data flow on tokens: each tick a stage's F output ("act", microbatch, next
+    virtual stage) or B output ("cot", microbatch, previous one) goes around the ring both ways
+    (one way for 2 stages) and stays on the stage; the tick tables' entries store them in the
+    stage's slots; then every F, B and W (but the first virtual stage's) finds its own activation
+    in its slot, and every B and W (but the last virtual stage's) its own cotangent."""
     tables = tick_tables(table)
-    got = {Kind.FORWARD: {}, Kind.BACKWARD: {}}
-    entries = [(tables.act_in, None, Kind.FORWARD), (tables.grad_in, None, Kind.BACKWARD),
-               (tables.turned, 0, Kind.FORWARD), (tables.turned, 1, Kind.FORWARD),
-               (tables.turned, 2, Kind.BACKWARD), (tables.turned, 3, Kind.BACKWARD)]
-    for t in range(len(table.ticks)):
+    p, last = table.stages, table.virtual_stages - 1
+    inputs, cotangents = [{} for _ in range(p)], [{} for _ in range(p)]
+    for t, row in enumerate(table.ticks):
+        out = [None] * p
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            vs, slot = table.virtual_stage(s, op.chunk), tables.pool[t, s]
+            if vs:  # the first virtual stage's input is the prologue's, not a buffer's
+                assert inputs[s].get(slot) == ("act", op.microbatch, vs), (t, s, str(op))
+            if op.kind != Kind.FORWARD and vs != last:
+                assert cotangents[s].get(slot) == ("cot", op.microbatch, vs), (t, s, str(op))
+            if op.kind == Kind.FORWARD:
+                out[s] = ("act", op.microbatch, vs + 1)
+            elif op.kind == Kind.BACKWARD:
+                out[s] = ("cot", op.microbatch, vs - 1)
         for s in range(p):
-            for array, k, kind in entries:
-                ok, c, _ = array[t, s] if k is None else array[t, s, k]
+            left, right, own = out[(s - 1) % p], out[(s + 1) % p], out[s]
+            arrivals = [(tables.act_in[t, s], left, inputs), (tables.grad_in[t, s], right, cotangents)]
+            if tables.turned is not None:
+                arrivals += [(tables.turned[t, s, 0], right, inputs), (tables.turned[t, s, 1], own, inputs),
+                             (tables.turned[t, s, 2], left, cotangents), (tables.turned[t, s, 3], own, cotangents)]
+            for (ok, _, slot), token, buffers in arrivals:
                 if ok:
-                    got[kind][(s, c)] = got[kind].get((s, c), 0) + 1
-    # each virtual stage but the first receives m activations, each but the last m cotangents
-    assert got[Kind.FORWARD] == {table.place(vs): m for vs in range(1, 2 * p)}
-    assert got[Kind.BACKWARD] == {table.place(vs): m for vs in range(2 * p - 1)}
-    assert tables.turned[:, p - 1, 1, 0].sum() == m and tables.turned[:, p - 1, 3, 0].sum() == m  # the turn
+                    buffers[s][slot] = token
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zbh1_tick_tables_deliver_every_input_to_its_slot(p, m):
+    _check_deliveries(schedule.build("zbh1", p, m))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 5)])

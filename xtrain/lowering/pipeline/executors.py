@@ -75,6 +75,7 @@ class TickTables:
     warmup: int             # ticks before the first backward anywhere: forward only
     turned: np.ndarray | None = None  # V-shaped: (T, p, 4, 3): activation via -1, own; cotangent via +1, own
     loss_at: tuple[int, int] = (-1, -1)  # (stage, chunk) of the last virtual stage (-1: the last of each)
+    pool: np.ndarray | None = None  # zero bubble: (T, p) the buffer slot of each entry's (chunk, microbatch)
 
     def last(self, stage, chunk):
         """Whether (stage, chunk) (traced) runs the last virtual stage: the loss."""
@@ -137,13 +138,45 @@ def tick_tables(table: Table) -> TickTables:
                 if ok:
                     held = uses.setdefault((s, c), {}).setdefault(i, [t, t])
                     held[0] = min(held[0], t)
-    slots = _slots_needed(table, uses)
-    for entries in (act, grad, turned):
-        entries[..., 2] %= slots
     warmup = int(np.argmax((kind == Kind.BACKWARD).any(axis=1)))
-    if not v_shaped:
-        return TickTables(kind, micro, chunk, act, grad, slots, warmup)
-    return TickTables(kind, micro, chunk, act, grad, slots, warmup, turned, table.place(table.virtual_stages - 1))
+    if table.split_backward:  # one pool of slots per stage, shared by its chunks
+        slot_of, slots = _pooled(uses, p)
+        pool = np.zeros((T, p), np.int32)
+        for t, row in enumerate(table.ticks):
+            for s, op in enumerate(row):
+                if op is not None:
+                    pool[t, s] = slot_of[(s, op.chunk, op.microbatch)]
+        for entries in (act, grad, turned):
+            for index in zip(*np.nonzero(entries[..., 0])):
+                s = index[1]
+                entries[index][1:] = (0, slot_of[(s, entries[index][1], entries[index][2])])
+        loss_at = table.place(table.virtual_stages - 1)
+        return TickTables(kind, micro, chunk, act, grad, slots, warmup, turned if v_shaped else None, loss_at, pool)
+    slots = _slots_needed(table, uses)
+    for entries in (act, grad):
+        entries[..., 2] %= slots
+    return TickTables(kind, micro, chunk, act, grad, slots, warmup)
+
+
+def _pooled(uses: dict, p: int) -> tuple[dict, int]:
+    """A slot per (stage, chunk, microbatch), from one pool per stage: each held from its first
+    arrival to its last use (W), a slot reused only after its last holder's last tick (greedy
+    interval colouring, optimal for intervals). Returns ({(stage, chunk, microbatch): slot}, the
+    largest pool)."""
+    slot_of, size = {}, 1
+    for s in range(p):
+        spans = sorted((lo, hi, c, i) for (stage, c), held in uses.items() if stage == s
+                       for i, (lo, hi) in held.items())
+        free_at: list[int] = []  # per slot: the tick after which it is free
+        for lo, hi, c, i in spans:
+            slot = next((k for k, end in enumerate(free_at) if end < lo), None)
+            if slot is None:
+                slot = len(free_at)
+                free_at.append(hi)
+            free_at[slot] = hi
+            slot_of[(s, c, i)] = slot
+        size = max(size, len(free_at))
+    return slot_of, size
 
 
 def _like(cotangents, primals):

@@ -88,14 +88,14 @@ class _Tick:
     """A stage's forward, B and W traced for one tick's operands (their mesh-axis variance is
     the tick's): the forward with its kept residuals, the backward split into B and W."""
 
-    def __init__(self, run, args: tuple, x0: list, axis: str, saved=None, slots: int = 1):
+    def __init__(self, run, args: tuple, x0: list, axis: str, saved=None, at=(0, 0)):
         """`saved`: the tick's (kept residuals, cotangents, last); zeros (the probe) if None."""
         self.fwd = fwd = _Forward(run, args)
         self.real = [jnp.issubdtype(x.dtype, jnp.inexact) for x in x0]
         self.y_avals = fwd.out_avals[:len(x0)]
         self.s_aval, self.n_aval = fwd.out_avals[len(x0)], fwd.out_avals[len(x0) + 1]
         self.counts_avals = jax.tree.unflatten(fwd.out_tree, fwd.out_avals)[3]
-        self.slots = slots
+        self.at = at  # the buffers' (chunk, slot) of this tick's microbatch
         if saved is None:
             kept = [widen(z, varying(a)) for z, a in zip(zeros_of(fwd.kept_avals), fwd.kept_avals)]
             gy = [widen(z, varying(a)) for a, r in zip(self.y_avals, self.real) if r
@@ -108,14 +108,15 @@ class _Tick:
         self.split = split_backward.SplitBackward(closed, [k < n_dx for k in range(len(closed.out_avals))],
                                                   frozenset({axis}))
 
-    def _read(self, buffers: tuple, c, i) -> list:
-        """Each buffer list's entries at (chunk c, microbatch i's slot)."""
-        return [[b[c, i % self.slots] for b in group] for group in buffers]
+    def _read(self, buffers: tuple) -> list:
+        """Each buffer list's entries at this tick's (chunk, slot)."""
+        return [[b[self.at] for b in group] for group in buffers]
 
     def cotangent(self, gy: list, last):
-        """The pullback's output cotangent: the next stage's, or the loss seed on the last."""
+        """The pullback's output cotangent: the next stage's, or the loss seed on the last (whose
+        activation output nothing reads: zero, whatever its buffer slot last held)."""
         gy = iter(gy)
-        ys = [widen(next(gy), varying(a)) if r else np.zeros(a.shape, jax.dtypes.float0)
+        ys = [widen(jnp.where(last, 0, next(gy)), varying(a)) if r else np.zeros(a.shape, jax.dtypes.float0)
               for a, r in zip(self.y_avals, self.real)]
         seed = widen(jnp.where(last, 1.0, 0.0).astype(self.s_aval.dtype), varying(self.s_aval))
         return ys, seed, widen(jnp.zeros(self.n_aval.shape, self.n_aval.dtype), varying(self.n_aval))
@@ -142,7 +143,7 @@ class _Tick:
         def saved(ops):
             inputs, residuals, cotangents, edges, last, _ = ops
             c, i = args(inputs)[5], args(inputs)[4]
-            return (*args(inputs), *self._read((residuals, cotangents), c, i), last)
+            return (*args(inputs), *self._read((residuals, cotangents)), last)
 
         def forward(ops):
             (y, s, n, counts), kept = self.fwd(*args(ops[0]))
@@ -154,7 +155,7 @@ class _Tick:
 
         def weight(ops):
             a = args(ops[0])
-            (edge,) = self._read((ops[3],), a[5], a[4])
+            (edge,) = self._read((ops[3],))
             dw, do = jax.tree.unflatten(self.grads_tree, self.split.w(edge, *jax.tree.leaves(saved(ops))))
             g_chunks, g_other = ops[5]
             g_chunks = [g.at[a[5]].add(d) for g, d in zip(g_chunks, dw)]
@@ -183,18 +184,20 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
     if note is not None:
         size = lambda avals: sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals) / 2**20
         kept, edge = size(probe.fwd.kept_avals), size(probe.split.boundary_avals())
-        note(f"zero bubble: per microbatch a stage keeps {kept:.2f} MiB of its forward's residuals from F to W, and B "
-             f"hands W {edge:.2f} MiB (the layers' output cotangents); buffers for {K} microbatches, a scratch slot "
-             f"and the tick's own: {v * (K + 2) * (kept + edge):.2f} MiB per device")
+        held = "microbatches" if v == 1 else "(microbatch, chunk) pairs, its chunks sharing them"
+        note(f"zero bubble: per microbatch{' and chunk' if v > 1 else ''} a stage keeps {kept:.2f} MiB of its forward's "
+             f"residuals from F to W, and B hands W {edge:.2f} MiB (the layers' output cotangents); buffers for {K} "
+             f"{held}, a scratch slot and the tick's own: {(K + 2) * (kept + edge):.2f} MiB per device")
 
     def tick(carry, t):
         inputs, residuals, edges, cotangents, g_chunks, g_other, total, count = carry
         kind, i, c = take(tables.kind, t)[stage], take(tables.micro, t)[stage], take(tables.chunk, t)[stage]
-        slot, last = i % K, tables.last(stage, c)
-        read = lambda buffers: [b[c, slot] for b in buffers]
+        # the buffers: one pool of slots per stage, shared by its chunks (executors.tick_tables)
+        bc, slot, last = 0, take(tables.pool, t)[stage], tables.last(stage, c)
+        read = lambda buffers: [b[bc, slot] for b in buffers]
         args = lambda inputs: (params(c), other, read(inputs), microbatch(batch, i), i, c)
         # traced at this tick's operands (their mesh-axis variance); these reads feed only the trace
-        here = _Tick(run, args(inputs), x0, axis, (read(residuals), read(cotangents), last), K)
+        here = _Tick(run, args(inputs), x0, axis, (read(residuals), read(cotangents), last), (bc, slot))
         if shapes(here) != shapes(probe):
             raise AssertionError("zero-bubble: the stage's residuals differ between two traces")
         y, kept, s, n, counts, dx, edge, (g_chunks, g_other) = switch(
@@ -202,8 +205,8 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
         is_f, is_b = kind == Kind.FORWARD, kind == Kind.BACKWARD
         total, count = total + jnp.where(is_f & last, s, 0), count + jnp.where(is_f & last, n, 0)
         # a write the tick does not make goes to the scratch slot K
-        residuals = [r.at[c, jnp.where(is_f, slot, K)].set(k) for r, k in zip(residuals, kept)]
-        edges = [e.at[c, jnp.where(is_b, slot, K)].set(k) for e, k in zip(edges, edge)]
+        residuals = [r.at[bc, jnp.where(is_f, slot, K)].set(k) for r, k in zip(residuals, kept)]
+        edges = [e.at[bc, jnp.where(is_b, slot, K)].set(k) for e, k in zip(edges, edge)]
         if tables.turned is None:
             inputs = [store(b, send_forward(a), take(tables.act_in, t)[stage]) for b, a in zip(inputs, y)]
             cotangents = [store(b, send_backward(d), take(tables.grad_in, t)[stage]) for b, d in zip(cotangents, dx)]
@@ -212,7 +215,7 @@ def split_grads(run, chunks: list, other: dict, x0: list, batch: list, tables: T
                                              inputs, cotangents, y, dx, is_f, probe.real)
         return (inputs, residuals, edges, cotangents, g_chunks, g_other, total, count), masked(counts, is_f, c, v)
 
-    buf = lambda avals, extra=0: [jnp.zeros((v, K + extra) + tuple(a.shape), a.dtype) for a in avals]
+    buf = lambda avals, extra=0: [jnp.zeros((1, K + extra) + tuple(a.shape), a.dtype) for a in avals]
     zero = jnp.zeros((), jnp.float32)
     init = (buf(x0), buf(probe.fwd.kept_avals, 1), buf(probe.split.boundary_avals(), 1),
             buf([a for a, r in zip(probe.y_avals, probe.real) if r]), [jnp.zeros_like(w) for w in chunks],
