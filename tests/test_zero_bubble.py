@@ -59,13 +59,9 @@ def test_zbv_runs_every_f_b_w_once_per_virtual_stage_down_the_v_and_back(p, m):
     table = schedule.build("zbv", p, m)
     assert table.chunks == 2 and table.place(0) == (0, 0) and table.place(2 * p - 1) == (0, 1)
     assert table.place(p - 1) == table.place(p)[:1] + (0,) and table.place(p) == (p - 1, 1)
-    when = {}
-    for t, row in enumerate(table.ticks):
-        for s, op in enumerate(row):
-            if op is not None:
-                key = (op.kind, op.microbatch, table.virtual_stage(s, op.chunk))
-                assert key not in when, f"{key} scheduled twice"
-                when[key] = t
+    from test_pipeline_schedule import _when as by_virtual_stage
+
+    when = by_virtual_stage(table)
     assert len(when) == 3 * m * 2 * p
     for i in range(m):
         for vs in range(2 * p):

@@ -26,21 +26,28 @@ def llama(layers: int = 4):
         num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
 
 
-def test_zbh1_matches_torch_and_runs_each_matmul_once():
+def _trained(schedule: str, layers: int):
+    """An HF Llama trained 4 AdamW steps by `schedule` on Mesh(data=2, pipe=4), 8 microbatches,
+    checked against torch under the parity standard, and its eval loss against torch's."""
     torch.manual_seed(0)
-    model, batches = llama(), lm_batches(n=4, batch=16)
+    model, batches = llama(layers), lm_batches(n=4, batch=16)
     reference = torch_reference(model, adamw, batches, lm_loss)
     candidate = copy.deepcopy(model)
-    plan = xtrain.Plan().with_pipeline(stages=4, microbatches=8, schedule="zbh1")
+    plan = xtrain.Plan().with_pipeline(stages=4, microbatches=8, schedule=schedule)
     step = xtrain.compile(candidate, xtrain.Mesh(data=2, pipe=4), optimizer=adamw(candidate.parameters()), plan=plan,
                           loss_fn=lm_loss)
     losses = [step(*b)["loss"] for b in batches]
     assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
-    trained = llama()  # eval runs the GPipe forward loop over the same stages (no backward)
+    trained = llama(layers)
     trained.load_state_dict(reference[1])
     with torch.no_grad():
         expected = lm_loss(trained.eval(), *batches[0]).item()
     assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
+    return model, step, batches
+
+
+def test_zbh1_matches_torch_and_runs_each_matmul_once():
+    model, step, batches = _trained("zbh1", 4)  # eval runs the GPipe forward loop over the same stages
 
     # per stage, the matmuls its ticks' branches run: one F, B and W per microbatch. Summed over
     # the stages that is the model's training FLOPs of one data shard's batch, plus only the
@@ -70,20 +77,7 @@ def test_zbv_matches_torch_and_runs_each_matmul_once():
     s holds layers s and 7 - s; the loss on stage 0), 8 microbatches: the parity standard against
     torch, eval through the same table, one F, B and W per (microbatch, chunk) and no masked
     matmuls, and a bubble below zbh1's in the report."""
-    torch.manual_seed(0)
-    model, batches = llama(8), lm_batches(n=4, batch=16)
-    reference = torch_reference(model, adamw, batches, lm_loss)
-    candidate = copy.deepcopy(model)
-    plan = xtrain.Plan().with_pipeline(stages=4, microbatches=8, schedule="zbv")
-    step = xtrain.compile(candidate, xtrain.Mesh(data=2, pipe=4), optimizer=adamw(candidate.parameters()), plan=plan,
-                          loss_fn=lm_loss)
-    losses = [step(*b)["loss"] for b in batches]
-    assert_parity(ParityResult(losses, reference[0], step.state_dict(), reference[1], 5e-5))
-    trained = llama(8)
-    trained.load_state_dict(reference[1])
-    with torch.no_grad():
-        expected = lm_loss(trained.eval(), *batches[0]).item()
-    assert abs(step.eval(*batches[0])["loss"] - expected) <= 1e-5 * expected
+    _, step, batches = _trained("zbv", 8)
     per_stage = stage_matmul_flops(step.program(), step.built.table)
     model_flops = observe.model_flops(step, *batches[0]) / 2
     assert 0.9 * model_flops <= sum(per_stage) <= 1.1 * model_flops
