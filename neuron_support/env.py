@@ -52,6 +52,11 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"
+
+
+# compiler targets with FP8 arithmetic (AWS Trainium2 docs: FP8 matmuls); Trainium1 has none
+FP8_TARGETS = ("trn2",)
 
 
 def _choice(enum_type: type[enum.Enum], name: str, value) -> enum.Enum:
@@ -114,11 +119,15 @@ def compiler_flags(topology: str | InstanceTopology, *, optimization: int = 1,
     multiplications to bf16, which would break fp32 parity with every other backend, and under
     bf16 / fp16 the program xtrain emits is already cast by the plan's precision policy
     (matmuls in bf16, the modules the policy keeps in fp32 left in fp32), which the compiler
-    must not override. bf16 and fp16 add `--enable-mixed-precision-accumulation`: their matmuls
-    accumulate in fp32, as they do on GPUs and in torch.autocast."""
+    must not override. bf16, fp16 and fp8 (bf16 with FP8 matmuls) add
+    `--enable-mixed-precision-accumulation`: their matmuls accumulate in fp32, as they do on GPUs and
+    in torch.autocast. fp8 is refused on Trainium1, which has no FP8 arithmetic."""
     t = instance(topology)
     if optimization not in (1, 2, 3):
         raise OptionsError(f"optimization={optimization} is not a neuronx-cc level; use 1, 2 or 3 (-O1/-O2/-O3)")
+    if _choice(Precision, "precision", precision) is Precision.FP8 and t.compiler_target not in FP8_TARGETS:
+        raise OptionsError(f"precision='fp8': {t.name} has no FP8 arithmetic (Trainium1); use 'bf16', or a "
+                           f"Trainium2 instance (trn2.48xlarge)")
     flags = ["--model-type", model_type, f"-O{optimization}", "--target", t.compiler_target or "", "--auto-cast", "none"]
     if _choice(Precision, "precision", precision) is not Precision.FP32:
         flags.append("--enable-mixed-precision-accumulation")
@@ -126,9 +135,10 @@ def compiler_flags(topology: str | InstanceTopology, *, optimization: int = 1,
 
 
 def precision_env(precision: Precision | str) -> dict[str, str]:
-    """bf16 training rounds stochastically (Neuron docs, "Rounding modes"; the old XLA_USE_BF16 is
-    deprecated)."""
-    return {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"} if _choice(Precision, "precision", precision) is Precision.BF16 else {}
+    """bf16 training (and fp8's, bf16 but for its matmuls) rounds stochastically (Neuron docs,
+    "Rounding modes"; the old XLA_USE_BF16 is deprecated)."""
+    chosen = _choice(Precision, "precision", precision)
+    return {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"} if chosen in (Precision.BF16, Precision.FP8) else {}
 
 
 def neuron_env(process: ProcessEnv, topology: str | InstanceTopology,
@@ -141,7 +151,7 @@ def neuron_env(process: ProcessEnv, topology: str | InstanceTopology,
         process: the launcher's view of this process (`xtrain.runtime.process_env()`).
         topology: the instance type, e.g. "trn1.32xlarge".
         layout: "process-per-node" (JAX recipe) or "process-per-core" (torchrun per core).
-        precision: the plan's compute precision, "fp32", "bf16" or "fp16" (compiler flags;
+        precision: the plan's compute precision, "fp32", "bf16", "fp16" or "fp8" (compiler flags;
             bf16 also enables stochastic rounding).
         optimization: neuronx-cc optimisation level (-O1, -O2, -O3).
         compile_cache: NEURON_COMPILE_CACHE_URL (a directory or s3://...); Neuron's default

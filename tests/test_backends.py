@@ -162,7 +162,7 @@ def test_neuron_compiler_flags_and_rounding_follow_the_plans_precision():
     assert bf16["NEURON_CC_FLAGS"].endswith("--auto-cast none --enable-mixed-precision-accumulation")
     assert bf16["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert "NEURON_RT_STOCHASTIC_ROUNDING_EN" not in env("fp16")  # fp16 scales its loss instead
-    with pytest.raises(OptionsError, match="precision='int8' is not one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(OptionsError, match="precision='int8' is not one of 'fp32', 'bf16', 'fp16', 'fp8'"):
         env("int8")
 
 
@@ -180,5 +180,5 @@ def test_a_plan_of_another_precision_than_init_is_an_error_naming_the_fix():
 def test_init_refuses_an_unknown_precision():
     from xtrain.runtime import devices
 
-    with pytest.raises(OptionsError, match=r"xtrain.init\(precision='tf32'\): use one of fp32, bf16, fp16"):
+    with pytest.raises(OptionsError, match=r"xtrain.init\(precision='tf32'\): use one of fp32, bf16, fp16, fp8"):
         devices.init(precision="tf32")

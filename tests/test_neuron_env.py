@@ -83,8 +83,13 @@ def test_layout_mismatch(process, layout, message):
 def test_bad_options():
     with pytest.raises(OptionsError, match="layout='process-per-chip' is not one of 'process-per-node'"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", "process-per-chip")
-    with pytest.raises(OptionsError, match="precision='fp8' is not one of 'fp32', 'bf16'"):
+    with pytest.raises(OptionsError, match="precision='int8' is not one of 'fp32', 'bf16'"):
+        nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", precision="int8")
+    with pytest.raises(OptionsError, match=r"precision='fp8': trn1.32xlarge has no FP8 arithmetic.*trn2.48xlarge"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", precision="fp8")
+    fp8 = nenv.neuron_env(ProcessEnv(), "trn2.48xlarge", precision="fp8")  # bf16's flags: FP8 dots in the program
+    assert fp8["NEURON_CC_FLAGS"].endswith("--auto-cast none --enable-mixed-precision-accumulation")
+    assert fp8["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     with pytest.raises(OptionsError, match="optimization=4 is not a neuronx-cc level"):
         nenv.neuron_env(ProcessEnv(), "trn1.32xlarge", optimization=4)
     with pytest.raises(OptionsError, match="p4d.24xlarge has no NeuronCores"):

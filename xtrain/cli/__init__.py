@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--emulate", help="fly a cluster on CPU devices, e.g. trn1.32xlarge:2")
     env.add_argument("--instance-type", help="instance type when it cannot be detected, e.g. trn1.32xlarge")
     env.add_argument("--no-start", action="store_true", help="do not start JAX (no device list)")
-    env.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+    env.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"),
                      help="the plan's compute precision, as the script passes it to xtrain.init(precision=...)")
     r = sub.add_parser("run", help="launch a script with torchrun and this backend's defaults")
     r.add_argument("--nproc-per-node", type=int, help="processes per node (default: per backend)")

@@ -295,7 +295,7 @@ def backend_env(backend: str, process: ProcessEnv, *, instance: str | None, comp
         process: the launcher's view of this process.
         instance: the instance type (needed on Trainium to map processes onto NeuronCores).
         compile_cache: Neuron's compile cache (NEURON_COMPILE_CACHE_URL).
-        precision: the plan's compute precision, "fp32", "bf16" or "fp16" (Neuron's compiler
+        precision: the plan's compute precision, "fp32", "bf16", "fp16" or "fp8" (Neuron's compiler
             flags and stochastic rounding).
         efa: whether the instance has EFA (`efa_present()`); CUDA's NCCL variables need it.
     """

@@ -43,7 +43,7 @@ HEARTBEAT_TIMEOUT_S = 20
 
 _state: dict = {"initialized": False, "process_env": None, "cluster": None, "backend_env": {}, "precision": "fp32",
                 "allocator": {}}
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def _backends_started() -> bool:
@@ -133,9 +133,9 @@ def init(cpu_devices: int | None = None, env: ProcessEnv | None = None, *,
             jax.distributed declares it dead and ends every other process with an error (20 s:
             the survivors of a dead process end within 30 s when no launcher stops them).
         precision: the compute precision of the plans this process will run ("fp32", "bf16",
-            "fp16"): on Trainium it sets the Neuron compiler's flags and stochastic rounding,
-            which the plugin reads once, when it starts. A plan of another precision is then
-            an error at `xtrain.compile` (`check_plan_precision`).
+            "fp16", "fp8"): on Trainium it sets the Neuron compiler's flags and stochastic
+            rounding, which the plugin reads once, when it starts (fp8: Trainium2 only). A plan
+            of another precision is then an error at `xtrain.compile` (`check_plan_precision`).
 
     Returns:
         The ProcessEnv this process runs in.
