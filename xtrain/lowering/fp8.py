@@ -75,15 +75,16 @@ def _dot(a, b, dimension_numbers):
     return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
 
 
-def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool, dot=_dot):
+def _cotangent(g, other, ndim: int, dimension_numbers, swap: bool, dot=_dot, other_ndim: int | None = None):
     """The cotangent of the operand (of rank `ndim`) multiplied by `other` in a dot_general of
     `dimension_numbers` (the operand's dims first), from the output's cotangent `g`: one
     dot_general of g and `other`, accumulated in float32, transposed into the operand's dims
     (the transpose rule autodiff applies to dot_general, on FP8 tensors here). `swap`: the
-    operand was the right-hand one (g's free dims list the left-hand operand's first)."""
+    operand was the right-hand one (g's free dims list the left-hand operand's first). `dot`
+    multiplies g and `other` (of rank `other_ndim`: default other.ndim)."""
     (contract, other_contract), (batch, other_batch) = dimension_numbers
-    kept = [d for d in range(ndim) if d not in contract and d not in batch]
-    other_kept = [d for d in range(other.ndim) if d not in other_contract and d not in other_batch]
+    kept = _free(ndim, contract, batch)
+    other_kept = _free(other.ndim if other_ndim is None else other_ndim, other_contract, other_batch)
     n = len(batch)
     start = n if swap else n + len(kept)
     g_other = list(range(start, start + len(other_kept)))
@@ -195,43 +196,62 @@ delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 # Each operand of a dot is quantized with one scale per index of its dims the dot keeps (the amax
 # over the dims it contracts: x's rows, w's output columns), so one outlier token or channel does
 # not coarsen the others; the product's scale is the outer product of the two. A gradient's dot
-# contracts other dims, so the backward quantizes again, along them: the cotangent per row of the
-# dot it enters, and the operands, saved in the compute dtype (bf16) rather than as FP8, per
-# index of their dims that dot keeps. (torchao's float8 "rowwise" recipe.)
+# contracts other dims, so each operand is also quantized along them, in the forward, and saved
+# as those e4m3 bytes and scales (half of bf16's); the backward quantizes the cotangent per row of
+# the dot it enters. (torchao's float8 "rowwise" recipe.)
+def _rows(t, contract, fmt):
+    """`t` quantized to `fmt` with one scale per index of its dims outside `contract` (the amax
+    over `contract`): (FP8 values, scales with `contract`'s dims kept as 1)."""
+    scale = scale_from_amax(jnp.max(jnp.abs(t.astype(jnp.float32)), axis=tuple(contract), keepdims=True), fmt)
+    return quantize(t, fmt, scale), scale
+
+
+def _scaled_product(qa, sa, qb, sb, dimension_numbers):
+    """dot_general of FP8 `qa`, `qb` in float32, times their per-row scales' outer product."""
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free = [d for d in range(qa.ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(qb.ndim) if d not in bc and d not in bb]
+    batch = [qa.shape[d] for d in ab]
+    # the scales in the product's dims (batch, a's free, b's free): each broadcast along the other's
+    sa = jnp.transpose(sa, (*ab, *a_free, *ac)).reshape(*batch, *(qa.shape[d] for d in a_free), *[1] * len(b_free))
+    sb = jnp.transpose(sb, (*bb, *b_free, *bc)).reshape(*batch, *[1] * len(a_free), *(qb.shape[d] for d in b_free))
+    return _dot(qa, qb, dimension_numbers) * (sa * sb)
+
+
 def rowwise_dot(a, b, dimension_numbers, fa, fb):
     """dot_general(a, b) in float32 of `a` quantized to `fa` and `b` to `fb`, each with one scale
     per index of the dims the dot keeps (amax over those it contracts)."""
-    (ac, bc), (ab, bb) = dimension_numbers
-    sa, sb = (scale_from_amax(jnp.max(jnp.abs(t.astype(jnp.float32)), axis=tuple(c), keepdims=True), f)
-              for t, c, f in ((a, ac, fa), (b, bc, fb)))
-    out = _dot(quantize(a, fa, sa), quantize(b, fb, sb), dimension_numbers)
-    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
-    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
-    batch = [a.shape[d] for d in ab]
-    # the scales in the product's dims (batch, a's free, b's free): each broadcast along the other's
-    sa = jnp.transpose(sa, (*ab, *a_free, *ac)).reshape(*batch, *(a.shape[d] for d in a_free), *[1] * len(b_free))
-    sb = jnp.transpose(sb, (*bb, *b_free, *bc)).reshape(*batch, *[1] * len(a_free), *(b.shape[d] for d in b_free))
-    return out * (sa * sb)
+    (ac, bc), _ = dimension_numbers
+    return _scaled_product(*_rows(a, ac, fa), *_rows(b, bc, fb), dimension_numbers)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rowwise_matmul(x, w, dimension_numbers, dtype):
     """dot_general(x, w) with e4m3 operands scaled per row (`rowwise_dot`), in `dtype`; its
-    backward quantizes the cotangent to e5m2 and the saved operands to e4m3 along the other dims."""
+    backward quantizes the cotangent to e5m2, times the operands quantized along the other dims."""
     return rowwise_dot(x, w, dimension_numbers, E4M3, E4M3).astype(dtype)
 
 
+def _free(ndim: int, contract, batch) -> list[int]:
+    return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
 def _rowwise_fwd(x, w, dimension_numbers, dtype):
-    saved = (x.astype(dtype), w.astype(dtype), jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+    (xc, wc), (xb, wb) = dimension_numbers
+    # each operand along the dims its gradient's dot contracts (its free ones), as bytes (`_product`)
+    (qx, sx), (qw, sw) = _rows(x, _free(x.ndim, xc, xb), E4M3), _rows(w, _free(w.ndim, wc, wb), E4M3)
+    saved = (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, jax.lax.bitcast_convert_type(qw, jnp.uint8), sw,
+             jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
     return rowwise_dot(x, w, dimension_numbers, E4M3, E4M3).astype(dtype), saved
 
 
 def _rowwise_bwd(dimension_numbers, dtype, saved, g):
-    x, w, x_type, w_type = saved
+    bx, sx, bw, sw, x_type, w_type = saved
+    qx, qw = (jax.lax.bitcast_convert_type(b, E4M3) for b in (bx, bw))
     (xc, wc), (xb, wb) = dimension_numbers
-    dot = lambda a, b, dims: rowwise_dot(a, b, dims, E5M2, E4M3)
-    dx = _cotangent(g, w, x.ndim, dimension_numbers, swap=False, dot=dot)
-    dw = _cotangent(g, x, w.ndim, ((wc, xc), (wb, xb)), swap=True, dot=dot)
+    dot = lambda a, other, dims: _scaled_product(*_rows(a, dims[0][0], E5M2), *other, dims)
+    dx = _cotangent(g, (qw, sw), qx.ndim, dimension_numbers, swap=False, dot=dot, other_ndim=qw.ndim)
+    dw = _cotangent(g, (qx, sx), qw.ndim, ((wc, xc), (wb, xb)), swap=True, dot=dot, other_ndim=qx.ndim)
     return dx.astype(x_type.dtype), dw.astype(w_type.dtype)
 
 
