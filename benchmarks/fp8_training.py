@@ -3,6 +3,7 @@
     python benchmarks/fp8_training.py                 # 8 emulated CPU devices, ~4 min on 2 cores
     python benchmarks/fp8_training.py --steps 5       # a smoke run (writes nothing)
     python benchmarks/fp8_training.py --zero3         # ZeRO-3: bf16 vs FP8 gathers + int8 gradients
+    python benchmarks/fp8_training.py --seeds 0,1,2   # each plan from 3 seeds: the run-to-run spread
 
 Trains the example's GPT (examples/gpt_model.py) on the example's corpus and batch stream from the
 same weights under each plan (data=8). FP8 (xtrain.lowering.fp8: e4m3 operands, e5m2 gradients,
@@ -76,12 +77,44 @@ def table_zero3(runs: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_seeds(runs: dict, args) -> str:
+    """Per plan and seed, the relative difference from bf16 of the same seed (+: higher loss), and
+    their mean: one seed's difference is within the spread of the runs (fp32 vs bf16 shows it)."""
+    seeds = sorted({seed for _, seed in runs})
+    lines = [f"# FP8 vs bf16 over seeds {seeds}: example GPT (d_model {args.d_model}, {args.layers} layers), "
+             f"{args.steps} steps, batch {args.batch} x {args.seq}, 8 emulated CPU devices, data=8", "",
+             "Relative difference of the last 20 steps' loss / the eval loss from bf16's of the same seed "
+             "(+: higher than bf16).", "",
+             "| precision | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    rel = lambda name, seed, k: runs[(name, seed)][k] / runs[("bf16", seed)][k] - 1
+    verdicts = []
+    for name in (n for n in PRECISIONS if n != "bf16"):
+        cells = [f"{rel(name, s, 'tail_loss'):+.2%} / {rel(name, s, 'eval_loss'):+.2%}" for s in seeds]
+        means = [sum(rel(name, s, k) for s in seeds) / len(seeds) for k in ("tail_loss", "eval_loss")]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {means[0]:+.2%} / {means[1]:+.2%} |")
+        if name != "fp32":
+            verdicts.append(f"{name}: mean {means[0]:+.2%} / {means[1]:+.2%} from bf16: "
+                            f"{'PASS' if max(map(abs, means)) <= BAR else 'FAIL'} (bar: {BAR:.0%})")
+    return "\n".join(lines + [""] + verdicts) + "\n"
+
+
 def main() -> None:
     p = bench_common.long_run_args(__doc__.splitlines()[0])
     p.add_argument("--zero3", action="store_true", help="ZeRO-3: bf16 vs FP8 gathers with int8 gradient sync")
+    p.add_argument("--seeds", help="comma-separated seeds: every plan from each (writes fp8_training_seeds.md)")
     args = p.parse_args()
     xtrain.init(cpu_devices=8)
     train_tokens, val_tokens = split_corpus(default_corpus())
+    if args.seeds:
+        runs = {}
+        for seed in (int(s) for s in args.seeds.split(",")):
+            args.seed = seed
+            runs.update({(name, seed): run(args, name, train_tokens, val_tokens) for name in PRECISIONS})
+        args.seed = None
+        bench_common.save_long_run("fp8_training_seeds", table_seeds(runs, args), args,
+                                   {f"{name} seed {seed}": r for (name, seed), r in runs.items()})
+        return
     if args.zero3:
         runs = {name: run_zero3(args, name, train_tokens, val_tokens) for name in ZERO3}
         bench_common.save_long_run("fp8_training_zero3", table_zero3(runs, args), args, runs)
