@@ -157,10 +157,17 @@ def histories_of(model) -> dict[str, str]:
     return dict(getattr(model, "amax_histories", None) or {})
 
 
+def split_histories(buffers: Mapping[str, Any], histories) -> tuple[dict, dict]:
+    """(the amax histories among `buffers`, the other buffers): the strategies pass the histories
+    with the parameters (differentiated: their cotangents are the step's amaxes)."""
+    return ({n: b for n, b in buffers.items() if n in histories},
+            {n: b for n, b in buffers.items() if n not in histories})
+
+
 def recorded(old: Mapping[str, Any], amaxes: Mapping[str, Any]) -> dict:
     """The histories after a step: this step's amaxes (3,) of each (its cotangent's column 0,
-    combined over micro-batches and devices by max) rolled in, newest first."""
-    return {n: fp8.recorded(old[n], amaxes[n]) for n in old}
+    combined over micro-batches and devices by max) rolled into its history in `old`, newest first."""
+    return {n: fp8.recorded(old[n], a) for n, a in amaxes.items()}
 
 
 # -- fp16's dynamic loss scale ---------------------------------------------------------------

@@ -189,8 +189,7 @@ def _checks(model, config: StepConfig, runner, state: TrainState, batch: tuple, 
     """The input checks this step runs (none when switched off); recorded in `found`."""
     if not config.options.check_inputs:
         return []
-    histories = precision.histories_of(model)  # the front end's model reads its own buffers only
-    buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+    _, buffers = precision.split_histories(state.buffers, precision.histories_of(model))  # the model's own only
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (buffers, state.key, batch))
     traced = input_checks.for_model(model, *shapes)
     found.checks[:] = [c for c in traced.checks if input_checks.checkable(c, runner.split_dims)]

@@ -58,12 +58,11 @@ class XlaStrategy:
                 return accumulation.objective(loss, scale), (loss, buffers, {})
 
             # delayed FP8 scaling: the amax histories differentiated, their cotangents this step's amaxes
-            params = {**state.params, **{n: state.buffers[n] for n in histories}}
-            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
-            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, params, buffers, batch, steps,
-                                                                  maxed=histories)
+            moved, buffers = precision.split_histories(state.buffers, histories)
+            loss, buffers, grads, _ = accumulation.value_and_grad(loss_of, {**state.params, **moved}, buffers, batch,
+                                                                  steps, maxed=histories)
             amaxes = {n: grads.pop(n)[:, 0] for n in histories}
-            buffers = {**buffers, **precision.recorded({n: state.buffers[n] for n in histories}, amaxes)}
+            buffers = {**buffers, **precision.recorded(state.buffers, amaxes)}
             return Gradients(loss, buffers, grads, {})
 
         return compute

@@ -48,8 +48,8 @@ def global_args(state: TrainState, batch: tuple, histories=frozenset()):
     """Global shapes of the model function's arguments: (params, buffers, key, batch). Delayed
     FP8 scaling's amax histories are passed with the parameters (a layer's own inputs, which the
     layer scan stacks; differentiated, their cotangents are the step's amaxes)."""
-    params = {**state.params, **state.frozen, **{n: state.buffers[n] for n in histories}}
-    buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+    moved, buffers = precision.split_histories(state.buffers, histories)
+    params = {**state.params, **state.frozen, **moved}
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, buffers, state.key, batch))
 
 
@@ -270,14 +270,14 @@ class ExplicitStrategy:
             params.update({FEEDBACK + n: state.grad_residual[n] / steps for n in fed})
             # delayed FP8 scaling: each amax history differentiated, varying over the batch axes as the
             # parameters are (so its cotangent, this step's amaxes, is not summed), then typed back by a max
-            params.update({n: _varying(state.buffers[n], self.layout.batch_axes) for n in histories})
-            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
+            moved, buffers = precision.split_histories(state.buffers, histories)
+            params.update({n: _varying(h, self.layout.batch_axes) for n, h in moved.items()})
             loss, buffers, grads, counts = accumulation.value_and_grad(loss_of, params, buffers, batch, steps,
                                                                        raw=frozenset(FEEDBACK + n for n in fed),
                                                                        maxed=histories)
             dropped = {n: grads.pop(FEEDBACK + n) for n in fed}
             amaxes = collectives.all_max({n: grads.pop(n)[:, 0] for n in histories})  # one all-reduce
-            buffers = {**buffers, **precision.recorded({n: state.buffers[n] for n in histories}, amaxes)}
+            buffers = {**buffers, **precision.recorded(state.buffers, amaxes)}
             pending = {n: () if n in synced else a for n, a in self.pending.items()}
             return Gradients(loss, buffers, grads, pending, counts, frozenset(scattered), forward.findings(), dropped)
 
@@ -288,9 +288,8 @@ class ExplicitStrategy:
         forward = self.program.forward(False, global_args(state, batch, histories))
 
         def compute(state: TrainState, batch: tuple, key):
-            params = {**state.params, **state.frozen, **{n: state.buffers[n] for n in histories}}
-            buffers = {n: b for n, b in state.buffers.items() if n not in histories}
-            return forward.run(params, buffers, key, batch)[0][0]
+            moved, buffers = precision.split_histories(state.buffers, histories)
+            return forward.run({**state.params, **state.frozen, **moved}, buffers, key, batch)[0][0]
 
         return compute
 

@@ -73,15 +73,13 @@ class TickTables:
     grad_in: np.ndarray     # (T, p, 3) cotangent arriving
     slots: int              # K
     warmup: int             # ticks before the first backward anywhere: forward only
+    loss_at: tuple[int, int]  # (stage, chunk) of the last virtual stage: the loss
     turned: np.ndarray | None = None  # V-shaped: (T, p, 4, 3): activation via -1, own; cotangent via +1, own
-    loss_at: tuple[int, int] = (-1, -1)  # (stage, chunk) of the last virtual stage (-1: the last of each)
     pool: np.ndarray | None = None  # zero bubble: (T, p) the buffer slot of each entry's (chunk, microbatch)
 
     def last(self, stage, chunk):
         """Whether (stage, chunk) (traced) runs the last virtual stage: the loss."""
-        s, c = self.loss_at
-        p, v = self.kind.shape[1], int(self.chunk.max()) + 1
-        return (stage == (p - 1 if s < 0 else s)) & (chunk == (v - 1 if c < 0 else c))
+        return (stage == self.loss_at[0]) & (chunk == self.loss_at[1])
 
 
 def _arrivals(table: Table, kind: Kind, t: int, s: int, src: int | None = None):
@@ -139,6 +137,7 @@ def tick_tables(table: Table) -> TickTables:
                     held = uses.setdefault((s, c), {}).setdefault(i, [t, t])
                     held[0] = min(held[0], t)
     warmup = int(np.argmax((kind == Kind.BACKWARD).any(axis=1)))
+    loss_at = table.place(table.virtual_stages - 1)
     if table.split_backward:  # one pool of slots per stage, shared by its chunks
         slot_of, slots = _pooled(uses, p)
         pool = np.zeros((T, p), np.int32)
@@ -150,12 +149,11 @@ def tick_tables(table: Table) -> TickTables:
             for index in zip(*np.nonzero(entries[..., 0])):
                 s = index[1]
                 entries[index][1:] = (0, slot_of[(s, entries[index][1], entries[index][2])])
-        loss_at = table.place(table.virtual_stages - 1)
-        return TickTables(kind, micro, chunk, act, grad, slots, warmup, turned if v_shaped else None, loss_at, pool)
+        return TickTables(kind, micro, chunk, act, grad, slots, warmup, loss_at, turned if v_shaped else None, pool)
     slots = _slots_needed(table, uses)
     for entries in (act, grad):
         entries[..., 2] %= slots
-    return TickTables(kind, micro, chunk, act, grad, slots, warmup)
+    return TickTables(kind, micro, chunk, act, grad, slots, warmup, loss_at)
 
 
 def _pooled(uses: dict, p: int) -> tuple[dict, int]:

@@ -200,9 +200,9 @@ def _ready(table: Table, op: Op, stage: int, done: dict) -> bool:
 
 
 def _zero_bubble_op(p: int, m: int, s: int, count: dict, done: dict, t: int) -> Op | None:
-    """What stage s does at tick t of the zero-bubble table (module docstring): count holds
-    (kind, stage) -> how many it did, done (tag, microbatch, stage) -> tick."""
-    f, b, w = (count[(k, s)] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT))
+    """What stage s does at tick t of the zbh1 table (module docstring): count holds
+    (kind, stage, chunk 0) -> how many it did, done (tag, microbatch, stage) -> tick."""
+    f, b, w = (count[(k, s, 0)] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT))
     earlier = lambda key: done.get(key, t) < t
     if b < f and earlier(("F", b, s)) and (s == p - 1 or earlier(("B", b, s + 1))):
         return Op(Kind.BACKWARD, b)
@@ -250,11 +250,8 @@ def _zero_bubble(name: str, p: int, m: int) -> Table:
     rows: list[tuple] = []
     while any(count[(Kind.WEIGHT, s, c)] < m for s in range(p) for c in range(chunks)):
         t = len(rows)
-        if chunks == 1:
-            flat = {(k, s): count[(k, s, 0)] for k in Kind for s in range(p)}
-            row = tuple(_zero_bubble_op(p, m, s, flat, done, t) for s in range(p))
-        else:
-            row = tuple(_zbv_op(shape, s, count, done, t) for s in range(p))
+        row = tuple(_zero_bubble_op(p, m, s, count, done, t) if chunks == 1 else _zbv_op(shape, s, count, done, t)
+                    for s in range(p))
         if not any(row):
             raise AssertionError(f"{name} schedule deadlocked at tick {t}")
         for s, op in enumerate(row):

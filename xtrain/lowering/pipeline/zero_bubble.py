@@ -142,7 +142,6 @@ class _Tick:
         function's arguments (w, o, x, batch_mb, i, c)."""
         def saved(ops):
             inputs, residuals, cotangents, edges, last, _ = ops
-            c, i = args(inputs)[5], args(inputs)[4]
             return (*args(inputs), *self._read((residuals, cotangents)), last)
 
         def forward(ops):
