@@ -146,8 +146,15 @@ def _f(shape=(8, 6)):
     return np.random.default_rng(0).normal(size=shape).astype(np.float32)
 
 
+def depthwise(x, w=_f((8, 1, 3))):
+    """A state-space mixer's short convolution: one group per channel, (batch, channels, length)."""
+    return lax.conv_general_dilated(x, w, (1,), [(2, 0)], feature_group_count=8)
+
+
 # family -> [(fn, args, split dim of args[0] (over "a"), the output dim that keeps it)]
 UNTOUCHED = {
+    "grouped_conv": [(depthwise, [_f((2, 8, 6))], 1, 1), (depthwise, [_f((4, 8, 6))], 0, 0),
+                     (jax.grad(lambda x: (depthwise(x) ** 2).sum()), [_f((2, 8, 6))], 1, 1)],
     "complex": [(lambda x: jnp.real(lax.complex(x, x * 2) * jnp.conj(lax.complex(x, -x))), [_f()], 0, 0)],
     "bits": [(lambda x: lax.clz(x) + lax.mulhi(x, x), [_I], 0, 0),
              (lambda x: lax.bitcast_convert_type(x, jnp.int8), [_I], 0, 0),

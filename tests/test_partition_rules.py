@@ -147,9 +147,12 @@ def case_dot(rng):
 
 
 def case_conv(rng):
-    x = normal(rng, (int(rng.choice([2, 4, 8])), 3, 6, 6))
-    w = normal(rng, (4, 3, 3, 3))
-    return (lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))), [x, w]
+    groups = int(rng.choice([1, 1, 4, 8]))  # grouped and depthwise: their channels keep a split
+    channels = 3 if groups == 1 else 8
+    x = normal(rng, (int(rng.choice([2, 4, 8])), channels, 6, 6))
+    w = normal(rng, (4 if groups == 1 else 8, channels // groups, 3, 3))
+    return (lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                                  feature_group_count=groups)), [x, w]
 
 
 def case_gather(rng):

@@ -75,7 +75,9 @@ class _Derivation:
 
     def group(self, g: Group) -> None:
         cols, rows = _names(g.columns), _names(g.rows)
-        heads = max(g.heads.values(), default=0)
+        heads = max(g.heads.values(), default=0) - sum(  # less the key/value heads kept whole (MQA's)
+            (b - a) // g.units[n] for n, bounds in g.segments.items() if n in g.units for a, b in bounds
+            if (b - a) // g.units[n] % self.tp)
         what = f"the {heads} heads of {cols}'s output" if heads else f"{cols}'s output"
         per = f" ({heads // self.tp} of {heads} heads per device)" if heads else ""
         if cols == rows:  # a routed-experts call: up and down weights of one module
@@ -102,15 +104,26 @@ class _Derivation:
         tiles = column is not None and bounds[0][0] == 0 and bounds[-1][1] == column.size and \
             all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
         head = f"{_module(name)}: fused output sliced into {len(bounds)} segments {sizes}; "
-        if routed or not tiles or len(g.columns) > 1:
+        if routed or not tiles:
             why = "a routed-experts call gathers its own" if routed else "the segments do not tile one column's output"
             self.notes.append(head + f"split contiguously over {self.where()} ({why}: correct, the lowering gathers "
                               "where a segment crosses shards)")
             return
+        stored = _whole_heads(sizes, self.tp * g.units.get(name, 1))
+        if stored is None:
+            self.notes.append(head + f"split contiguously over {self.where()} (its heads do not group into segments "
+                              f"divisible by {self.where()}: correct, the lowering gathers where a segment crosses "
+                              "shards)")
+            return
         for use in [column] + [f for f in g.followers if f.size == column.size]:
-            self.segments[use.name] = tuple(sizes)
+            self.segments[use.name] = stored
         self.notes.append(head + f"split per segment over {self.where()} (xtrain.Segments: each device holds its "
                           "slice of every segment, stored interleaved, so the slices are local)")
+        if stored != tuple(sizes):
+            unit = g.units[name]
+            self.notes.append(f"{_module(name)}: segments of {[s // unit for s in sizes]} heads; those fewer than "
+                              f"{self.where()} (MQA's key and value heads) stored together as {list(stored)} and "
+                              "gathered after the product (each device computes them whole)")
 
     def broken(self, g: Group) -> None:
         kind, op, where = next(((k, o, w) for k, o, w in g.breaks if k != "reduce"), g.breaks[0])
@@ -128,6 +141,18 @@ class _Derivation:
             self.notes.append(f"{cols} kept whole: {where} not divisible by {self.where()}")
         else:
             self.notes.append(f"{cols} kept whole: its output dimension meets {op} at {where or 'top level'}")
+
+
+def _whole_heads(sizes, step: int) -> tuple[int, ...] | None:
+    """`sizes` with runs of consecutive segments merged until each is a multiple of `step` (the
+    axis times one head's rows), or None when they cannot be."""
+    out, run = [], 0
+    for size in sizes:
+        run += size
+        if run % step == 0:
+            out.append(run)
+            run = 0
+    return tuple(out) if not run else None
 
 
 def _vocab(d: _Derivation, flow: Flow, logits: list[Group], vocab_parallel: bool) -> None:

@@ -6,9 +6,11 @@ dimension (column-parallel if split). The analysis follows that dimension, as a 
 dimensions of the variables that carry it, through ops that keep a contiguous split local:
 elementwise ops, broadcasts, transposes, reshapes into heads (the split goes to the head
 dimension when the axis divides the heads) and back, the batch dimensions of attention's
-dot_generals, slices of a fused output (the slice bounds become the source's *segments*), and
-call bodies (pjit, custom_jvp). It ends well at a dot_general that contracts it with a
-parameter: the *sink*, row-parallel (its output is a partial sum: one all-reduce). Sources
+dot_generals, slices of a fused output (the slice bounds become the source's *segments*; sliced
+after the reshape into heads, in whole heads, and a slice of fewer heads than the axis, MQA's key
+or value head, is whole on every device), grouped convolutions' channels and stacks
+(xtrain.ir.analysis.structural), and call bodies (pjit, custom_jvp). It ends well at a
+dot_general that contracts it with a parameter: the *sink*, row-parallel (its output is a partial sum: one all-reduce). Sources
 that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
 split together or not at all. A group breaks at anything else (a reduction over the split
 dimension, a reshape that mixes it, a gather), and the first break is kept, with its op and
@@ -25,7 +27,8 @@ from jax.extend import core as jcore
 
 from xtrain.ir import graph as graph_mod
 from xtrain.ir import markers, walk
-from xtrain.ir.analysis import detour, per_head, provenance, reshapes, slice_update
+from xtrain.ir.analysis import detour, per_head, provenance, reshapes, slice_update, structural
+from xtrain.ir.analysis.groups import Flow, Group, Use
 from xtrain.ir.kernels import moe
 from xtrain.ir.model import Model
 
@@ -35,49 +38,10 @@ _LOOKUP = frozenset({"gather", "dynamic_slice", "take_along_axis"})
 
 
 @dataclasses.dataclass(frozen=True)
-class Use:
-    """One parameter dimension that a group splits."""
-
-    name: str
-    dim: int
-    size: int
-    path: str      # the module path of the equation that reads it
-
-
-@dataclasses.dataclass
-class Group:
-    """Sources split together: their columns, the sinks that contract them, the parameters read
-    elementwise with them (biases) and what, if anything, stops the split."""
-
-    columns: list[Use] = dataclasses.field(default_factory=list)
-    rows: list[Use] = dataclasses.field(default_factory=list)
-    followers: list[Use] = dataclasses.field(default_factory=list)
-    segments: dict[str, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    heads: dict[str, int] = dataclasses.field(default_factory=dict)   # column name -> heads it reshapes into
-    breaks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (kind, op, where)
-    detours: list[tuple[detour.Ghost, list[str]]] = dataclasses.field(default_factory=list)  # LoRA's B, its A
-
-    @property
-    def logits(self) -> bool:
-        return not self.rows and bool(self.breaks) and all(k in ("reduce", "lookup") for k, _, _ in self.breaks)
-
-    @property
-    def splittable(self) -> bool:
-        return bool(self.rows) and not self.breaks
-
-
-@dataclasses.dataclass(frozen=True)
-class Flow:
-    """The result: groups in program order and the embedding tables (gathered parameters)."""
-
-    groups: tuple[Group, ...]
-    tables: tuple[Use, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Label:
     source: int
     identity: bool   # the dimension still indexes the source's output directly (slices are segments)
+    unit: int = 1    # ... in steps of `unit` elements (the output reshaped into (heads, head_dim): one head)
 
 
 class _Analysis:
@@ -111,6 +75,7 @@ class _Analysis:
         ga.followers += gb.followers
         ga.breaks += gb.breaks
         ga.heads.update(gb.heads)
+        ga.units.update(gb.units)
         ga.detours += gb.detours
         for k, v in gb.segments.items():
             ga.segments.setdefault(k, set()).update(v)
@@ -220,6 +185,8 @@ class _Analysis:
                                eqn.params.get("strides"), path)]
         if prim == "split":
             return self.split(eqn, ins[0], shapes[0], path)
+        if (outs := structural.carry(self, eqn, ins, vws, shapes, path)) is not None:
+            return outs
         if prim == "concatenate":
             return [self.elementwise(ins, vws, shapes, out_shape, path, skip=eqn.params["dimension"])]
         if (out := slice_update.carry(self, eqn, ins, shapes, out_shape, path)) is not None:
@@ -268,16 +235,21 @@ class _Analysis:
                 self.brk([x], "op", "slice", f"{path}: a strided or nested slice of the split dimension")
                 out[d] = None
                 continue
-            self.segment(x, [(starts[d], limits[d])])
+            self.segment(x, [(starts[d] * x.unit, limits[d] * x.unit)], x.unit)
+            if (limits[d] - starts[d]) % self.tp and x.unit > 1:
+                out[d] = None  # key/value heads fewer than the axis (MQA's, fused): whole on every device
+                continue
             if (limits[d] - starts[d]) % self.tp:
                 self.brk([x], "indivisible", "slice", f"{path}: a segment of {limits[d] - starts[d]}")
             out[d] = _Label(x.source, False)
         return tuple(out)
 
-    def segment(self, label: _Label, bounds) -> None:
+    def segment(self, label: _Label, bounds, unit: int = 1) -> None:
         group = self.group(label)
-        group.segments.setdefault(group.columns[0].name if len(group.columns) == 1 else str(label.source),
-                                  set()).update(bounds)
+        name = group.columns[0].name if len(group.columns) == 1 else str(label.source)
+        group.segments.setdefault(name, set()).update(bounds)
+        if unit > 1:
+            group.units[name] = unit
 
     def split(self, eqn, lab, shape, path) -> list:
         axis, outs, start = eqn.params["axis"], [], 0
@@ -312,7 +284,11 @@ class _Analysis:
                     self.brk([lab[d]], "heads", prim, f"{path}: {out_shape[first]} ({in_shape} -> {out_shape})")
                     continue
                 same = len(big_in) == 1 and len(big_out) == 1
-                out[first] = _Label(lab[d].source, lab[d].identity and same)
+                # (q | k | v) -> (heads, head_dim): slices of whole heads are segments (Falcon's MQA)
+                heads = lab[d].identity and len(big_in) == 1 and len(big_out) == 2 and big_out == outs[-2:] \
+                    and not fused
+                unit = lab[d].unit if same else lab[d].unit * out_shape[big_out[1]] if heads else 1
+                out[first] = _Label(lab[d].source, lab[d].identity and same or heads, unit)
                 if len(big_in) == 1 and len(big_out) > 1:
                     group = self.group(lab[d])
                     for use in group.columns:

@@ -12,7 +12,11 @@ collective where a contiguous split would gather.
                      the rule runs on the plain split and the segments follow the dim
     into segments    a reshape of the dim into (segments, heads, ...) (a fused q | k | v into
                      (3, heads, head_dim)): the segments become a whole dim, the heads split
-    slice, split     one whole segment cut out: this device's slice of it, local
+    into heads       a reshape of the dim into (heads, head_dim), each segment whole heads per
+                     device (Falcon's q | k + v): the heads dim split per segment, in heads
+    slice, split     one whole segment cut out: this device's slice of it, local; a piece of a
+                     segment (MQA's key head, stored with the value head): that segment gathered
+                     once, the piece whole on every device
     anything else    the value is gathered and put back in torch's order first (`unsegment`,
                      named in the report's notes), then the op's own rule runs: correct, never silent
 """
@@ -146,10 +150,30 @@ def _into_segments(ctx, eqn, x, rule):
     return rule(ctx, eqn, [rows])
 
 
+def _into_heads(ctx, eqn, x):
+    """A reshape of the one per-segment dim into (heads, head_dim), each segment whole heads on
+    every device (Falcon's q | k + v): locally this device's heads of every segment, so the
+    heads dim is split per segment in heads."""
+    new, old = tuple(eqn.params["new_sizes"]), x.shape
+    if len(x.layout.segments) != 1 or x.layout.partial:
+        return None
+    ((dim, sizes),) = x.layout.segments
+    parts = math.prod(ctx.sizes[a] for a in x.layout.dims[dim])
+    if new[:dim] != old[:dim] or new[dim + 2:] != old[dim + 1:] or len(new) != len(old) + 1 or \
+            new[dim] * new[dim + 1] != old[dim] or any(s % (new[dim + 1] * parts) for s in sizes):
+        return None
+    unit = new[dim + 1]
+    local = x.value.shape[:dim] + (x.value.shape[dim] // unit, unit) + x.value.shape[dim + 1:]
+    dims = x.layout.dims[:dim] + (x.layout.dims[dim], ()) + x.layout.dims[dim + 1:]
+    return wrap(eqn, [jnp.reshape(x.value, local)], [Layout(dims, (), ((dim, tuple(s // unit for s in sizes)),))])
+
+
 def _reshape(ctx, eqn, args, rule):
     new, old = tuple(eqn.params["new_sizes"]), args[0].shape
     if (rows := _into_segments(ctx, eqn, args[0], rule)) is not None:
         return rows
+    if (heads := _into_heads(ctx, eqn, args[0])) is not None:
+        return heads
 
     def where(i, dim):  # the dim kept as one output dim, the same elements before it
         hits = [t for t, s in enumerate(new) if s == old[dim] and math.prod(new[:t]) == math.prod(old[:dim])]
@@ -163,19 +187,42 @@ def _squeeze(ctx, eqn, args, rule):
 
 
 def _cut(ctx, eqn, x, dim, pieces):
-    """Each (start, stop) of `pieces` (whole segments of `dim`): this device's slice of it."""
+    """Each (start, stop) of `pieces`: a whole segment of `dim` is this device's slice of it; a
+    piece inside one segment (MQA's key heads, stored with the value heads: _into_heads) is cut
+    from that segment gathered over the axes (once for all its pieces), whole on every device."""
     sizes, axes = x.layout.segmented(dim), x.layout.dims[dim]
-    if any(p not in Segments(axes, sizes).bounds() for p in pieces):
+    bounds = Segments(axes, sizes).bounds()
+    within = [next((b for b in bounds if b[0] <= p[0] and p[1] <= b[1]), None) for p in pieces]
+    if None in within:
         return None
     parts = math.prod(ctx.sizes[a] for a in axes)
     x = _plain(x)
-    outs = []
-    for start, stop in pieces:
-        starts, limits = [0] * x.ndim, list(x.value.shape)
-        starts[dim], limits[dim] = start // parts, stop // parts
-        outs.append(lax.slice(x.value, starts, limits))
+    outs, layouts = [], []
     rest = tuple(s for s in x.layout.segments if s[0] != dim)
-    return wrap(eqn, outs, [Layout(x.layout.dims, x.layout.partial, rest)] * len(outs))
+    for (start, stop), (a, b) in zip(pieces, within):
+        starts, limits = [0] * x.ndim, list(x.value.shape)
+        if (start, stop) == (a, b):
+            starts[dim], limits[dim] = start // parts, stop // parts
+            outs.append(lax.slice(x.value, starts, limits))
+            layouts.append(Layout(x.layout.dims, x.layout.partial, rest))
+            continue
+        whole = _segment_gathered(ctx, x, dim, (a, b), parts)
+        starts[dim], limits[dim] = start - a, stop - a
+        outs.append(lax.slice(whole, starts, limits))
+        dims = list(x.layout.dims)
+        dims[dim] = ()
+        layouts.append(Layout(tuple(dims), x.layout.partial, rest))
+    return wrap(eqn, outs, layouts)
+
+
+def _segment_gathered(ctx, x: Sharded, dim: int, segment: tuple[int, int], parts: int):
+    """The whole of one segment of `x`'s per-segment `dim` (its local slices all-gathered)."""
+    def gather():
+        start, stop = segment[0] // parts, segment[1] // parts
+        local = lax.slice_in_dim(x.value, start, stop, axis=dim)
+        # varying: every device's query heads read it, so its backward is one reduce-scatter
+        return dataclasses.replace(x, value=collectives.all_gather(local, x.layout.dims[dim], dim))
+    return C.memoized(ctx, ("segment", id(x.value), x.layout, dim, segment), x.value, gather).value
 
 
 def _slice(ctx, eqn, args, rule):

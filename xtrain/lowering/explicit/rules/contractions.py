@@ -1,6 +1,8 @@
 """Partition rules of contractions: dot_general (column/row parallel products, pending partial
-sums over split contracting dims) and convolutions (batch split only)."""
+sums over split contracting dims) and convolutions (batch split, and the channels of grouped ones)."""
 from __future__ import annotations
+
+import math
 
 from xtrain.lowering import sharded as C
 from xtrain.sharding.mesh import CONTEXT
@@ -132,17 +134,26 @@ def _local_dot(ctx: Context, eqn, x, y):
 
 
 def conv(ctx: Context, eqn, args):
-    """Convolutions split over the batch dim only; everything else whole."""
+    """Convolutions keep a split of the batch dim, and a split of the input channels of a grouped
+    convolution (depthwise: a state-space mixer's) whose group count the split divides: each device
+    convolves its own groups with its slice of the kernel's output channels. Everything else whole."""
     lhs, rhs = C.resolve_all(ctx, args)
-    dn = eqn.params["dimension_numbers"]
-    batch_dim, out_batch = dn.lhs_spec[0], dn.out_spec[0]
-    lhs = whole_dims_where(ctx, lhs, lambda d: d != batch_dim)
-    rhs = C.replicate(ctx, rhs)
+    dn, groups = eqn.params["dimension_numbers"], eqn.params["feature_group_count"]
+    (batch_dim, feature), (out_batch, out_feature), kernel_out = dn.lhs_spec[:2], dn.out_spec[:2], dn.rhs_spec[0]
+    channels = lhs.layout.dims[feature] if eqn.params["batch_group_count"] == 1 else ()
+    parts = math.prod(ctx.sizes[a] for a in channels)
+    if groups % parts or lhs.layout.segmented(feature):
+        channels, parts = (), 1
+    lhs = whole_dims_where(ctx, lhs, lambda d: d != batch_dim and (d != feature or not channels))
+    rhs = whole_dims_where(ctx, rhs, lambda d: d != kernel_out or rhs.layout.dims[d] != channels)
+    if channels and not rhs.layout.dims[kernel_out]:
+        rhs = C.split_dim(ctx, rhs, kernel_out, channels)
     if eqn.params["batch_group_count"] != 1:
         lhs = C.gather_dim(ctx, lhs, batch_dim)
     dims = [()] * lhs.ndim
-    dims[out_batch] = lhs.layout.dims[batch_dim]
-    return wrap(eqn, bind(ctx, eqn, [lhs.value, rhs.value]), [Layout(tuple(dims))])
+    dims[out_batch], dims[out_feature] = lhs.layout.dims[batch_dim], channels
+    out = bind(ctx, eqn, [lhs.value, rhs.value], feature_group_count=groups // parts)
+    return wrap(eqn, out, [Layout(tuple(dims))])
 
 
 register(dot_general, "dot_general")
