@@ -134,9 +134,24 @@ def case_stack(rng):
     return ops[rng.integers(len(ops))], [x]
 
 
+def merged_scores(x, bias):
+    """Attention over batch x heads merged into one dim, as Bloom's baddbmm: (B, H, T, D) ->
+    (B*H, T, D), scores plus a (B*H, 1, T) bias, back to (B, H, T, T)."""
+    b, h, t, d = x.shape
+    m = x.reshape(b * h, t, d)
+    scores = lax.dot_general(m, m, (((2,), (2,)), ((0,), (0,)))) + bias
+    return jax.nn.softmax(scores.reshape(b, h, t, t), -1)
+
+
+def case_merged(rng):
+    b, h = int(rng.choice([2, 4, 8])), int(rng.choice([2, 4, 8]))
+    return merged_scores, [normal(rng, (b, h, 3, 2)), normal(rng, (b * h, 1, 3))]
+
+
 CASES = {"complex": case_complex, "bits": case_bits, "pooling": case_pooling, "cond": case_cond,
          "dynamic_update_slice": case_update, "variadic_reduce": case_variadic_reduce, "cumulative": case_cumulative,
-         "fft": case_fft, "scatter_combiners": case_scatter_combiners, "stack_tile": case_stack}
+         "fft": case_fft, "scatter_combiners": case_scatter_combiners, "stack_tile": case_stack,
+         "merged_heads": case_merged}
 
 _ROWS = np.array([0, 3], np.int32)
 _I = np.arange(48, dtype=np.int32).reshape(8, 6) * 977
@@ -153,6 +168,9 @@ def depthwise(x, w=_f((8, 1, 3))):
 
 # family -> [(fn, args, split dim of args[0] (over "a"), the output dim that keeps it)]
 UNTOUCHED = {
+    "merged_heads": [(merged_scores, [_f((4, 8, 3, 2)), _f((32, 1, 3))], 1, 1),
+                     (lambda x: (x.reshape(32, 6) * jnp.arange(32.0)[:, None]).reshape(4, 8, 6), [_f((4, 8, 6))],
+                      1, 1)],
     "grouped_conv": [(depthwise, [_f((2, 8, 6))], 1, 1), (depthwise, [_f((4, 8, 6))], 0, 0),
                      (jax.grad(lambda x: (depthwise(x) ** 2).sum()), [_f((2, 8, 6))], 1, 1)],
     "complex": [(lambda x: jnp.real(lax.complex(x, x * 2) * jnp.conj(lax.complex(x, -x))), [_f()], 0, 0)],

@@ -1,7 +1,8 @@
 """Megatron plans derived from the graph (xtrain.plans.megatron) on fused projections and state-space
 mixers: ModernBERT's fused Wqkv reshaped into (q | k | v, heads, head_dim) splits per segment by
 heads, Falcon's multi-query query_key_value splits its query heads and keeps the key/value heads
-whole, Mamba's in/out projections and d_inner channels split like an MLP. Each trains with parity
+whole, Bloom's ALiBi attention over batch x heads merged into one dim keeps its heads split, Mamba's
+in/out projections and d_inner channels split like an MLP. Each trains with parity
 on Mesh(data=4, tensor=2) and leaves at most 5% of its parameters whole."""
 import functools
 
@@ -43,7 +44,12 @@ def falcon():  # multi-query attention through one fused query_key_value: (4 que
         attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
 
 
-MODELS = {"modernbert": modernbert, "mamba": mamba, "falcon": falcon}
+def bloom():  # ALiBi attention over batch x heads merged into one dim (baddbmm, bmm)
+    return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                              attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
+
+
+MODELS = {"modernbert": modernbert, "mamba": mamba, "falcon": falcon, "bloom": bloom}
 
 
 @functools.cache
@@ -88,6 +94,17 @@ def test_falcon_multi_query_keeps_key_value_heads_whole():
     assert any("(2 of 4 heads per device)" in n for n in plan.notes)
 
 
+@pytest.mark.unit
+def test_bloom_splits_heads_through_batch_times_heads():
+    """Bloom's attention merges (batch, heads) into one dim for baddbmm with the ALiBi bias and
+    bmm, and splits it back: the heads' split passes through, so query_key_value is
+    column-parallel (its q, k, v interleaved per head: a contiguous split) and dense row-parallel."""
+    _, _, plan = case("bloom")
+    assert plan.params["transformer.h.*.self_attention.query_key_value.weight"] == ("tensor", None)
+    assert plan.params["transformer.h.*.self_attention.query_key_value.bias"] == ("tensor",)
+    assert plan.params["transformer.h.*.self_attention.dense.weight"] == (None, "tensor")
+
+
 @functools.cache
 def trained(name):
     model, data, plan = case(name)
@@ -114,3 +131,15 @@ def test_falcon_moves_only_the_key_value_heads():
     moved = [(c.kind, c.payload_bytes) for c in step.report().collectives
              if c.axes == ("tensor",) and c.kind != "all-reduce" and "self_attention" in c.source]
     assert sorted(moved) == [("all-gather", 2048)] * 2 + [("reduce-scatter", 2048)] * 2
+
+
+@pytest.mark.e2e
+def test_bloom_attention_moves_only_its_row_parallel_sums():
+    """Batch x heads merged stays split per segment (each device its batch rows' heads; the ALiBi
+    bias taken locally): over tensor the attention moves only the row-parallel output's sum
+    forward and the column input's gradient sum backward, per layer; nothing is gathered."""
+    _, step = trained("bloom")
+    moved = [(c.kind, c.payload_bytes) for c in step.report().collectives
+             if c.axes == ("tensor",) and "self_attention" in c.source]
+    assert sorted(moved) == [("all-reduce", 4096)] * 4
+    assert not [n for n in step.report().notes if "split per segment" in n and "gathered" in n]

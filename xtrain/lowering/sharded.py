@@ -36,15 +36,23 @@ class Layout:
     # (dim, segment sizes): dim holds this device's slice of every segment (its dims entry's
     # axes split each one; xtrain.sharding.segments), not one contiguous block
     segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # (dim, n): the first n axes of a per-segment dim divide its segments among them, contiguously,
+    # and the rest split each one (batch x heads merged into one dim: the batch's axes, the heads')
+    outer: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         used = self.split_axes() + tuple(self.partial)
         assert len(set(used)) == len(used), f"mesh axis used twice in layout {self}"
         assert all(self.dims[d] for d, _ in self.segments), f"a segmented dim is whole in layout {self}"
+        assert all(self.segmented(d) for d, _ in self.outer), f"outer axes of a dim not split per segment in {self}"
 
     def segmented(self, dim: int) -> tuple[int, ...] | None:
         """The segment sizes of `dim` split per segment, else None."""
         return dict(self.segments).get(dim)
+
+    def outer_axes(self, dim: int) -> int:
+        """How many of `dim`'s axes divide its segments among them (0: each axis splits each one)."""
+        return dict(self.outer).get(dim, 0)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -65,10 +73,10 @@ class Layout:
         dims = tuple(tuple(d) for d in dims)
         # a per-segment split moves only with its reordering (lowering.explicit.segmented)
         assert all(dims[d] == self.dims[d] for d, _ in self.segments), f"segmented dim of {self} moved to {dims}"
-        return Layout(dims, self.partial, self.segments)
+        return Layout(dims, self.partial, self.segments, self.outer)
 
     def with_partial(self, partial) -> "Layout":
-        return Layout(self.dims, tuple(partial), self.segments)
+        return Layout(self.dims, tuple(partial), self.segments, self.outer)
 
     def factor(self, dim: int, sizes: Mapping[str, int]) -> int:
         return math.prod(sizes[a] for a in self.dims[dim])
@@ -82,7 +90,8 @@ class Layout:
     def __str__(self) -> str:
         dims = ", ".join("x".join(d) if d else "-" for d in self.dims)
         return f"[{dims}]" + (f" partial({','.join(self.partial)})" if self.partial else "") + \
-            "".join(f" segments{d}{sizes}" for d, sizes in self.segments)
+            "".join(f" segments{d}{sizes}" for d, sizes in self.segments) + \
+            "".join(f" outer{d}:{n}" for d, n in self.outer)
 
 
 @dataclasses.dataclass
@@ -183,7 +192,8 @@ def scatter_partial(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
     assert not x.layout.dims[dim] and set(axes) <= set(x.layout.partial)
     dims = list(x.layout.dims)
     dims[dim] = tuple(axes)
-    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes), x.layout.segments)
+    layout = Layout(tuple(dims), tuple(a for a in x.layout.partial if a not in axes), x.layout.segments,
+                    x.layout.outer)
     local = x.value.shape[dim] // math.prod(ctx.sizes[a] for a in axes)
     at = lambda b: dim - (x.value.ndim - b.ndim)  # numpy broadcasting aligns trailing dims
     piece = lambda b: b if at(b) < 0 or b.shape[at(b)] == 1 else lax.dynamic_slice_in_dim(
@@ -256,7 +266,7 @@ def unsplit_to_partial(ctx: Context, x: Sharded, dim: int) -> Sharded:
     dims = list(x.layout.dims)
     dims[dim] = ()
     return dataclasses.replace(x, value=value, layout=Layout(tuple(dims), x.layout.partial + tuple(axes),
-                                                                    x.layout.segments))
+                                                                    x.layout.segments, x.layout.outer))
 
 
 def subsplit(ctx: Context, x: Sharded, dim: int, axes: Axes) -> Sharded:
@@ -299,6 +309,8 @@ def relayout(ctx: Context, x: Sharded, target: Layout) -> Sharded:
     x = resolve(ctx, x, tuple(a for a in x.layout.partial if a not in keep))
     for axis in target.partial:
         if axis not in x.layout.partial:  # a whole value as addends: all of it on device 0
+            for dim in [d for d, have in enumerate(x.layout.dims) if axis in have]:
+                x = gather_dim(ctx, x, dim)  # (whole over it first: a value is split or pending over an axis)
             value = jnp.where(lax.axis_index(axis) == 0, x.value, jnp.zeros_like(x.value))
             x = dataclasses.replace(x, value=value, layout=x.layout.with_partial(x.layout.partial + (axis,)))
     for dim, (have, want) in enumerate(zip(x.layout.dims, target.dims)):

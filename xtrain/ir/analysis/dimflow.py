@@ -42,6 +42,7 @@ class _Label:
     source: int
     identity: bool   # the dimension still indexes the source's output directly (slices are segments)
     unit: int = 1    # ... in steps of `unit` elements (the output reshaped into (heads, head_dim): one head)
+    minor: int = 0   # the split dim of this size merged as the minor part of this one (batch x heads)
 
 
 class _Analysis:
@@ -269,8 +270,16 @@ class _Analysis:
             for d in ins:
                 if lab[d] is None:
                     continue
-                if d != big_in[0] or not big_out:
+                # (batch, heads) merged (Bloom's baddbmm): the heads split inside it
+                if d == big_in[-1] and len(big_in) > 1 and len(big_out) == 1 and \
+                        not any(lab[e] for e in big_in[:-1]) and not lab[d].minor:
+                    out[big_out[0]] = _Label(lab[d].source, False, minor=in_shape[d])
+                    continue
+                if d != big_in[0] or not big_out or lab[d].minor and out_shape[big_out[-1]] != lab[d].minor:
                     self.brk([lab[d]], "op", prim, f"{path}: {in_shape} -> {out_shape} mixes the split dimension")
+                    continue
+                if lab[d].minor:  # ... and apart again
+                    out[big_out[-1]] = _Label(lab[d].source, False)
                     continue
                 first = big_out[0]
                 if reshapes.one_head(in_shape, out_shape, first):

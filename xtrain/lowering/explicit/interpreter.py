@@ -62,7 +62,9 @@ def interpret(ctx: Context, jaxpr, consts, args: list[Sharded], *, regions: Mapp
     if inline:  # a deferred pad may leave an inline call (torch's pad is a jit of its own)
         return _run(ctx, jaxpr, consts, args, regions, live)
     with ctx.cursor.fresh_memo():  # the jaxpr may run in another trace (a scan body)
-        return [shift.materialize(ctx, o) for o in _run(ctx, jaxpr, consts, args, regions, live)]
+        # (a value split per segment leaves in torch's order: the caller lays it out as it wants)
+        return [segmented.unsegment(ctx, shift.materialize(ctx, o)) for o in _run(ctx, jaxpr, consts, args, regions,
+                                                                                   live)]
 
 
 def _run(ctx: Context, jaxpr, consts, args, regions, live) -> list[Sharded]:
