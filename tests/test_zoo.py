@@ -114,6 +114,22 @@ def test_complex_rotary_llama_megatron_splits_attention():
 
 
 @pytest.mark.e2e
+def test_hybrid_state_space_megatron_splits_every_mixer():
+    """Jamba-style (attention, Mamba mixers, routed experts) under Megatron: the mixers' in/out
+    projections, depthwise convolution and per-channel state split with the attention and the
+    experts; only norms, the router and the embedding and head (vocabulary 61: odd) stay whole; parity."""
+    model, batches, loss_fn = case("jamba")
+    mesh = dict(data=4, tensor=2)
+    plan = xtrain.plans.megatron(model, mesh, example=batches[0], loss_fn=loss_fn)
+    whole = [n for n, _ in xtrain.plans.largest_replicated(plan, model, mesh, top=1000)]
+    assert all(n.endswith(("norm.weight", "router.weight")) or n in ("model.embed_tokens.weight", "lm_head.weight")
+               for n in whole), whole
+    result = run_parity(model, sgd, batches, xtrain.Mesh(**mesh), plan=plan, loss_fn=loss_fn,
+                        reference=reference("jamba"))
+    assert_parity(result)
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["fnet", "resnet", "mobilenet", "audio"])
 def test_failure_classes_train_with_parity(name):
     """FNet (complex constants in the FFT mixer), ResNet (BatchNorm after a gathered max pool:
