@@ -169,8 +169,8 @@ def depthwise(x, w=_f((8, 1, 3))):
 # family -> [(fn, args, split dim of args[0] (over "a"), the output dim that keeps it)]
 UNTOUCHED = {
     "merged_heads": [(merged_scores, [_f((4, 8, 3, 2)), _f((32, 1, 3))], 1, 1),
-                     (lambda x: (x.reshape(32, 6) * jnp.arange(32.0)[:, None]).reshape(4, 8, 6), [_f((4, 8, 6))],
-                      1, 1)],
+                     (lambda x: (x.reshape(32, 3, 2) * jnp.arange(32.0)[:, None, None]).reshape(4, 8, 3, 2),
+                      [_f((4, 8, 3, 2))], 1, 1)],
     "grouped_conv": [(depthwise, [_f((2, 8, 6))], 1, 1), (depthwise, [_f((4, 8, 6))], 0, 0),
                      (jax.grad(lambda x: (depthwise(x) ** 2).sum()), [_f((2, 8, 6))], 1, 1)],
     "complex": [(lambda x: jnp.real(lax.complex(x, x * 2) * jnp.conj(lax.complex(x, -x))), [_f()], 0, 0)],

@@ -61,17 +61,20 @@ def _order(sizes, axes, ctx: Context, outer: int = 0) -> np.ndarray:
 
 
 def unsegment(ctx: Context, x: Sharded) -> Sharded:
-    """`x` with every per-segment dim gathered over its axes and put back in torch's order."""
+    """`x` with every per-segment dim gathered over the axes that split each segment and put
+    back in torch's order (axes that divide the segments among them stay: a contiguous split)."""
     for dim, sizes in x.layout.segments:
         axes, outer = x.layout.dims[dim], x.layout.outer_axes(dim)
-        ctx.note(f"{ctx.path or 'top level'}: a value split per segment {sizes} over {axes} is read by an op without "
-                 "a per-segment rule: gathered over them")
+        what = f"({len(sizes)} segments of {sizes[0]})" if len(set(sizes)) == 1 and len(sizes) > 4 else f"{sizes}"
+        ctx.note(f"{ctx.path or 'top level'}: a value split per segment {what} over {axes} is read by an op "
+                 f"without a per-segment rule: gathered over {axes[outer:]}")
 
         def gather(x=x, dim=dim, sizes=sizes, axes=axes, outer=outer):
-            value = collectives.all_gather(x.value, axes, dim, invariant=True)
+            value = collectives.all_gather(x.value, axes[outer:], dim, invariant=True)
             dims = list(x.layout.dims)
-            dims[dim] = ()
-            order = np.argsort(_order(sizes, axes, ctx, outer))
+            dims[dim] = axes[:outer]
+            block = sizes[:len(sizes) // _parts(ctx, axes[:outer])]  # the segments this device holds
+            order = np.argsort(_order(block, axes[outer:], ctx))
             return dataclasses.replace(x, value=jnp.take(value, order, axis=dim),
                                        layout=Layout(tuple(dims), x.layout.partial, *_without(x.layout, dim)))
         x = C.memoized(ctx, ("unsegment", id(x.value), x.layout, dim), x.value, gather)
@@ -320,14 +323,15 @@ HANDLERS = {"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_genera
 
 
 def _merge(ctx, eqn, x: Sharded):
-    """A reshape merging two dims (major, minor) whose minor is split, not over `context` (Bloom's
-    batch x heads for baddbmm): locally this device's majors times its minors, which is the
+    """A reshape merging two dims (major, minor) whose minor is split, not over `context`, and
+    followed by two more (Bloom's (batch, heads, length, dim) into batch x heads for baddbmm): locally this device's majors times its minors, which is the
     merged dim split per segment (one segment per major index; the major's axes, if any, divide
     the segments among them); a plain split would gather the heads. None: not such a reshape."""
     new, old = tuple(eqn.params["new_sizes"]), x.shape
     a = next((d for d in range(len(new)) if d >= len(old) - 1 or new[d] != old[d]), None)
     if a is None or x.layout.segments or len(new) != len(old) - 1 or a + 1 >= len(old) or \
-            new[a] != old[a] * old[a + 1] or new[a + 1:] != old[a + 2:] or min(old[a], old[a + 1]) == 1:
+            new[a] != old[a] * old[a + 1] or new[a + 1:] != old[a + 2:] or min(old[a], old[a + 1]) == 1 or \
+            len(old) - a < 4:  # (batch, heads, length, dim): a merged (batch, sequence) gathers as it did
         return None
     major, minor = x.layout.dims[a], x.layout.dims[a + 1]
     if not minor or CONTEXT in minor or eqn.params.get("dimensions") is not None:
