@@ -1,7 +1,8 @@
-"""Does auxiliary-loss-free balancing balance the experts? HF DeepSeek-V3 (tiny), with and without
-Plan(router_bias_rate=...).
+"""Does auxiliary-loss-free balancing balance the experts? HF DeepSeek-V3 (tiny), or an MoE written
+here (`--model moe_lm`), with and without Plan(router_bias_rate=...).
 
     python benchmarks/router_bias.py                  # 8 emulated CPU devices, ~15 min on 2 cores
+    python benchmarks/router_bias.py --model moe_lm   # the MoE written here (results/router_bias_moe_lm.md)
     python benchmarks/router_bias.py --steps 5        # a smoke run (writes nothing)
     python benchmarks/router_bias.py --rates 1e-3     # one rate
 
@@ -12,6 +13,12 @@ load imbalance is max / mean tokens per expert (`step(...)["expert_tokens"]`); r
 mean over the layers and the last 50 steps, and the loss. The bar: with the bias, the imbalance
 is at most 1.3 and at most 0.8x that without. Writes benchmarks/results/router_bias.md (and
 .json with every step's figures) for runs of 100 steps or more.
+
+The MoE written here (examples/moe_model.py's `MoELM`): 4 pre-norm blocks of causal attention and an MoE of 16 SwiGLU
+experts, top-4 on sigmoid scores plus the selection bias (its router's `e_score_correction_bias`
+buffer: xtrain finds it beside the experts and updates it), gate weights from the scores alone,
+no shared expert and no auxiliary loss; hidden 64, expert FFN 32. Its experts are an HF experts
+module (`use_experts_implementation`), so they run as xtrain's routed-experts call.
 
 The batch is 128 x 64 tokens: a step's max / mean also measures how unevenly one batch's tokens
 fall, whatever the bias; at smaller batches the same rates end higher (measured, 200 steps: batch
@@ -29,6 +36,7 @@ import numpy as np
 import torch
 import xtrain  # noqa: E402
 from gpt_model import default_corpus, sample_batch, split_corpus  # noqa: E402
+from moe_model import MoEConfig, MoELM  # noqa: E402
 
 TAIL = 50
 
@@ -49,10 +57,19 @@ def lm_loss(m, x, y):
     return m(input_ids=x, labels=y).loss
 
 
+def moe_lm():
+    torch.manual_seed(0)
+    return MoELM(MoEConfig())
+
+
+MODELS = {"deepseek_v3": (model, lm_loss), "moe_lm": (moe_lm, lambda m, x, y: m(x, y))}
+
+
 def run(args, rate: float | None, tokens) -> dict:
-    m = model()
+    make, loss_fn = MODELS[args.model]
+    m = make()
     step = xtrain.compile(m, xtrain.Mesh(data=8), optimizer=torch.optim.AdamW(m.parameters(), lr=args.lr),
-                          loss_fn=lm_loss, plan=dataclasses.replace(xtrain.Plan(), router_bias_rate=rate))
+                          loss_fn=loss_fn, plan=dataclasses.replace(xtrain.Plan(), router_bias_rate=rate))
     rng, losses, imbalance = np.random.default_rng(args.seed), [], []
     for _ in range(args.steps):
         x, y = sample_batch(tokens, rng, args.batch, args.seq)
@@ -68,12 +85,20 @@ def table(runs: dict, args) -> str:
     off = runs["off"]
     every = max(1, args.steps // 4)
     trend = lambda r: " / ".join(f"{np.mean(r['imbalance'][i:i + every]):.2f}" for i in range(0, args.steps, every))
-    lines = ["# Auxiliary-loss-free balancing: HF DeepSeek-V3 (tiny), 16 experts top-4", "",
-             f"`python benchmarks/router_bias.py --steps {args.steps}`: 4 layers (1 dense), hidden 64, 16 routed + 1 "
-             f"shared experts, top-4 of 2 of 4 groups, sigmoid scores, no auxiliary loss, byte corpus, batch "
-             f"{args.batch} x {args.seq}, AdamW lr {args.lr}, Mesh(data=8) on 8 emulated CPU devices. Imbalance = max / "
-             f"mean tokens per expert, mean over the 3 MoE layers; 'last {TAIL}': over the last {TAIL} steps; 'trend': "
-             f"the mean over each quarter of the run. The bar: imbalance <= 1.3 and <= 0.8x the run without.", "",
+    model_text = {
+        "deepseek_v3": ("HF DeepSeek-V3 (tiny), 16 experts top-4", "4 layers (1 dense), hidden 64, 16 routed + "
+                        "1 shared experts, top-4 of 2 of 4 groups, sigmoid scores", 3),
+        "moe_lm": ("the MoE written here (MoELM), 16 experts top-4", "4 layers of causal attention + MoE, hidden "
+                   "64, 16 SwiGLU experts (FFN 32), top-4 on sigmoid scores + selection bias, no shared expert", 4)}
+    title, what, moe_layers = model_text[args.model]
+    flag = " --model moe_lm" if args.model == "moe_lm" else ""
+    lines = [f"# Auxiliary-loss-free balancing: {title}", "",
+             f"`python benchmarks/router_bias.py{flag} --steps {args.steps}`: {what}, no auxiliary loss, byte "
+             f"corpus, batch {args.batch} x {args.seq}, AdamW lr {args.lr}, Mesh(data=8) on 8 emulated CPU devices. "
+             f"Imbalance = max / mean tokens per expert, mean over the {moe_layers} MoE layers; 'last {TAIL}': over "
+             f"the last {TAIL} steps; 'trend': the mean over each quarter of the run. The bar: imbalance <= 1.3 and "
+             "<= 0.8x the run without.",
+             "",
              "| router_bias_rate | imbalance, last steps | x without | trend | loss, last steps | verdict |",
              "|---|---|---|---|---|---|",
              f"| None | {off['tail_imbalance']:.3f} | 1.00x | {trend(off)} | {off['tail_loss']:.4f} | |"]
@@ -91,6 +116,7 @@ def main() -> None:
     p.set_defaults(steps=200, batch=128, seq=64)
     p.add_argument("--rates", type=float, nargs="+", default=[5e-3, 7e-3],
                    help="router_bias_rate values (DeepSeek-V3 used 1e-3 over 14.8T tokens)")
+    p.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3")
     args = p.parse_args()
     xtrain.init(cpu_devices=8)
     tokens, _ = split_corpus(default_corpus())
@@ -99,8 +125,9 @@ def main() -> None:
     print(text)
     if args.steps >= 100:
         results = pathlib.Path(__file__).resolve().parent / "results"
-        (results / "router_bias.md").write_text(text)
-        (results / "router_bias.json").write_text(json.dumps({"args": vars(args), "runs": runs}))
+        name = "router_bias" if args.model == "deepseek_v3" else f"router_bias_{args.model}"
+        (results / f"{name}.md").write_text(text)
+        (results / f"{name}.json").write_text(json.dumps({"args": vars(args), "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ the experts: no op of an MoE layer replicated, no collective in it beyond the lo
 import copy
 import dataclasses
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +16,15 @@ import torch
 from jax import lax
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-from transformers.integrations.moe import use_experts_implementation
 
 import xtrain
 from xtrain.errors import InputError, PlanError
 from xtrain.ir.analysis import flops
 from xtrain.ir.model import TraceError
 from xtrain.testing import ParityResult, assert_parity, run_parity, torch_reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from moe_model import Experts  # noqa: E402  (SwiGLU experts as HF stores them: an HF experts module)
 
 VOCAB = 101
 TOP_K, EXPERTS = 2, 4
@@ -59,28 +63,6 @@ class MoEConfig:
     top_k: int = TOP_K
     aux: float = 0.1
     _experts_implementation: str = "grouped_mm"  # HF's experts switch (its default)
-
-
-@use_experts_implementation
-class Experts(nn.Module):
-    """SwiGLU experts stored as (experts, out, in) like HF's; the decorator dispatches forward
-    to HF's grouped_mm implementation (its own forward below is the "eager" one)."""
-
-    def __init__(self, config: MoEConfig):
-        super().__init__()
-        self.num_experts = config.experts
-        self.gate_up_proj = nn.Parameter(torch.randn(config.experts, 2 * config.ffn, config.d) / config.d ** 0.5)
-        self.down_proj = nn.Parameter(torch.randn(config.experts, config.d, config.ffn) / config.ffn ** 0.5)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x, top_k_index, top_k_weights):
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            hit = (top_k_index == e)  # (N, k)
-            gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
-            out = out + y * (top_k_weights * hit).sum(-1, keepdim=True)
-        return out
 
 
 class Router(nn.Module):

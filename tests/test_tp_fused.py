@@ -49,7 +49,14 @@ def bloom():  # ALiBi attention over batch x heads merged into one dim (baddbmm,
                                               attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
 
 
-MODELS = {"modernbert": modernbert, "mamba": mamba, "falcon": falcon, "bloom": bloom}
+def falcon_alibi():  # RefinedWeb-style Falcon: ALiBi over merged batch x heads, q | k | v interleaved per head, biases
+    return tf.FalconForCausalLM(tf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+        new_decoder_architecture=False, parallel_attn=False, bias=True, alibi=True, hidden_dropout=0.0,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
+
+
+MODELS = {"modernbert": modernbert, "mamba": mamba, "falcon": falcon, "bloom": bloom, "falcon_alibi": falcon_alibi}
 
 
 @functools.cache
