@@ -18,7 +18,8 @@ The MoE written here (examples/moe_model.py's `MoELM`): 4 pre-norm blocks of cau
 experts, top-4 on sigmoid scores plus the selection bias (its router's `e_score_correction_bias`
 buffer: xtrain finds it beside the experts and updates it), gate weights from the scores alone,
 no shared expert and no auxiliary loss; hidden 64, expert FFN 32. Its experts are an HF experts
-module (`use_experts_implementation`), so they run as xtrain's routed-experts call.
+module (`use_experts_implementation`), so they run as xtrain's routed-experts call. Measured (200
+steps, 128 x 64 tokens): without the bias 2.33, rate 5e-3 1.11 (0.48x), 7e-3 1.12: PASS.
 
 The batch is 128 x 64 tokens: a step's max / mean also measures how unevenly one batch's tokens
 fall, whatever the bias; at smaller batches the same rates end higher (measured, 200 steps: batch
