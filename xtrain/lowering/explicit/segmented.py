@@ -116,8 +116,8 @@ def _localize(ctx: Context, a: Sharded, dim: int, like: Sharded, at: int) -> Sha
     dims = list(a.layout.dims)
     dims[dim] = axes
     outer_entry = ((dim, outer),) if outer else ()
-    return Sharded(value, Layout(tuple(dims), a.layout.partial, a.layout.segments + ((dim, sizes),),
-                                 a.layout.outer + outer_entry), a.shape, a.dtype)
+    return dataclasses.replace(a, value=value, layout=Layout(tuple(dims), a.layout.partial, a.layout.segments +
+                                                             ((dim, sizes),), a.layout.outer + outer_entry))
 
 
 def _positional(ctx, eqn, args, rule, where):
