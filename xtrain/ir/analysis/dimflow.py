@@ -10,8 +10,8 @@ dot_generals, slices of a fused output (the slice bounds become the source's *se
 after the reshape into heads, in whole heads, and a slice of fewer heads than the axis, MQA's key
 or value head, is whole on every device), grouped convolutions' channels and stacks
 (xtrain.ir.analysis.structural), and call bodies (pjit, custom_jvp). It ends well at a
-dot_general that contracts it with a parameter: the *sink*, row-parallel (its output is a partial sum: one all-reduce). Sources
-that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
+dot_general that contracts it with a parameter: the *sink*, row-parallel (its output is a
+partial sum: one all-reduce). Sources that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
 split together or not at all. A group breaks at anything else (a reduction over the split
 dimension, a reshape that mixes it, a gather), and the first break is kept, with its op and
 module path, to explain why it stays whole. A group without a sink whose breaks are all

@@ -230,7 +230,7 @@ def _into_heads(ctx, eqn, x):
     if len(x.layout.segments) != 1 or x.layout.partial or x.layout.outer:
         return None
     ((dim, sizes),) = x.layout.segments
-    parts = math.prod(ctx.sizes[a] for a in x.layout.dims[dim])
+    parts = _parts(ctx, x.layout.dims[dim])
     if new[:dim] != old[:dim] or new[dim + 2:] != old[dim + 1:] or len(new) != len(old) + 1 or \
             new[dim] * new[dim + 1] != old[dim] or any(s % (new[dim + 1] * parts) for s in sizes):
         return None
@@ -269,7 +269,7 @@ def _cut(ctx, eqn, x, dim, pieces):
     within = [next((b for b in bounds if b[0] <= p[0] and p[1] <= b[1]), None) for p in pieces]
     if None in within:
         return None
-    parts = math.prod(ctx.sizes[a] for a in axes)
+    parts = _parts(ctx, axes)
     x = _plain(x)
     outs, layouts = [], []
     rest = _without(x.layout, dim)
@@ -324,8 +324,8 @@ HANDLERS = {"broadcast_in_dim": _broadcast, "transpose": _transpose, "dot_genera
 
 def _merge(ctx, eqn, x: Sharded):
     """A reshape merging two dims (major, minor) whose minor is split, not over `context`, and
-    followed by two more (Bloom's (batch, heads, length, dim) into batch x heads for baddbmm): locally this device's majors times its minors, which is the
-    merged dim split per segment (one segment per major index; the major's axes, if any, divide
+    followed by two more (Bloom's (batch, heads, length, dim) into batch x heads for baddbmm):
+    locally this device's majors times its minors, which is the merged dim split per segment (one segment per major index; the major's axes, if any, divide
     the segments among them); a plain split would gather the heads. None: not such a reshape."""
     new, old = tuple(eqn.params["new_sizes"]), x.shape
     a = next((d for d in range(len(new)) if d >= len(old) - 1 or new[d] != old[d]), None)
