@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.sharding import PartitionSpec as P
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
@@ -106,13 +107,15 @@ def train(name, mesh, plan=None):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mesh,context,calls", [
-    (dict(data=8), "ring", 8),                          # 8 devices, each the whole sequence of its rows
-    (dict(data=2, context=4), "ulysses", 8),            # each device the whole sequence of one head
-    (dict(data=2, context=4), "ring", 2),               # each ring of 4 computes one call's blocks
-    (dict(context=8), xtrain.ContextParallel(ulysses=2), 2),  # 2 head groups, each a ring of 4
-], ids=["data", "ulysses", "ring", "hybrid"])
-def test_packed_documents_train_like_separate_documents(blocks_of_16, mesh, context, calls):
+@pytest.mark.parametrize("mesh,context,calls,balanced", [
+    (dict(data=8), "ring", 8, None),                          # 8 devices, each the whole sequence of its rows
+    (dict(data=2, context=4), "ulysses", 8, None),            # each device the whole sequence of one head
+    (dict(data=2, context=4), "ring", 2, False),              # each ring of 4 computes one call's blocks
+    (dict(data=4, context=2), "ring", 4, True),               # rings of 2: 4 chunks of 48 tokens (whole blocks)
+    (dict(context=8), xtrain.ContextParallel(ulysses=2), 2, False),  # 2 head groups, each a ring of 4
+    (dict(context=8), xtrain.ContextParallel(ulysses=4), 4, True),   # 4 head groups, each a ring of 2
+], ids=["data", "ulysses", "ring", "balanced ring", "hybrid", "balanced hybrid"])
+def test_packed_documents_train_like_separate_documents(blocks_of_16, mesh, context, calls, balanced):
     result, step, outs = train("llama", xtrain.Mesh(**mesh), xtrain.Plan(context=context))
     assert_parity(result)
     # the block pairs computed: the documents' causal pairs (30 of 78, 38%) on every call, each step
@@ -123,6 +126,10 @@ def test_packed_documents_train_like_separate_documents(blocks_of_16, mesh, cont
     if "context" not in mesh:  # each device decides its blocks from its own rows: no collective for it
         assert not [c for c in step.report().collectives if c.source.startswith(PATH + " ")
                     and c.axes == ("data",) and c.kind != "all-reduce"], step.report()
+    if balanced is not None:  # a ring: balanced where its 2 x ring chunks are whole blocks, else says why not
+        ring = [n for n in step.report().notes if n.startswith(f"attention in {PATH!r}:") and "ring attention" in n]
+        assert ring and ("(packed documents, ordered within each: load-balanced chunks)" in ring[0]) == balanced
+        assert balanced or "does not cut into 8 chunks of whole attention blocks (16); a multiple of 128" in ring[0]
 
 
 @pytest.mark.e2e
@@ -222,6 +229,49 @@ def test_kernel_with_document_factors_equals_the_dense_mask(skip):
     assert int(documents.executed_blocks(b, operands)) == (9 if skip else 36)
     if skip:
         assert "cond" in str(jax.make_jaxpr(with_factors)(q, k, v))
+
+
+@pytest.mark.unit
+def test_a_ring_over_packed_documents_is_balanced_and_exact():
+    """Rows of 3 documents of 4 blocks (HF's factors: key position <= query position, same
+    document) on a ring of 2 devices: contiguous chunks leave the devices 13 and 17 of the 30 block
+    pairs, balanced chunks (0 and 3, 1 and 2 of 4) 15 each; both equal the whole call with
+    dropout, forward and gradients."""
+    from xtrain.ir.kernels import attention_dropout
+    from xtrain.lowering import ring_attention as ra
+    c, key = 2, jax.random.key(5)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 2, 2, SEQ, 8))  # (B, Hk, G, L, D)
+    k, v = (jax.random.normal(x, (1, 2, SEQ, 8)) for x in keys[1:])
+    pos, doc = jnp.tile(jnp.arange(DOC), DOCS)[None], jnp.repeat(jnp.arange(DOCS), DOC)[None]
+    rows, cols = (lambda x: x[:, None, None, :, None]), (lambda x: x[:, None, None, None, :])
+    mask = (cols(pos), rows(pos), rows(doc), cols(doc))
+    b = dataclasses.replace(bw.blocking_for(SEQ, SEQ, BLOCK, scale=0.3, causal=False, dropout=0.2),
+                            factors=("le", "eq"), skip_at_run_time=True)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:c]), ("context",))
+    whole = lambda q, k, v: bw.blockwise(q, k, v, mask, key, b)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *x: jnp.sum(jnp.sin(f(*x))), argnums=(0, 1, 2)))
+    want, want_grads = loss(whole)(q, k, v)
+    for balanced, blocks in [(False, [13, 17]), (True, [15, 15])]:
+        ring = ra.Ring(b, "context", c, balanced=balanced)
+
+        def local(q, k, v, ring=ring):
+            drop = (key, attention_dropout.flat_index(q.shape[:-2]))
+            m = tuple(ra.mask_rows(ring, x) for x in mask)
+            if ring.balanced:
+                q, k, v = ra.balance(q, ring, 3), ra.balance(k, ring, 2), ra.balance(v, ring, 2)
+            out = ra.ring_attention(ring, q, k, v, m, drop)
+            out = ra.unbalance(out, ring, 3) if ring.balanced else out
+            return out, ra.executed_blocks(ring, q.shape[-2], m)[None]
+
+        seq = P(None, None, None, "context")
+        split = jax.shard_map(local, mesh=mesh, in_specs=(seq, P(None, None, "context"), P(None, None, "context")),
+                              out_specs=(seq, P("context")))
+        assert [int(n) for n in jax.jit(split)(q, k, v)[1]] == blocks
+        got, got_grads = loss(lambda *x: split(*x)[0])(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=5e-6)
+        for g, w in zip(got_grads, want_grads):
+            np.testing.assert_allclose(g, w, atol=1e-5)
 
 
 @pytest.mark.e2e

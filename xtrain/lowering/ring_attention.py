@@ -23,6 +23,13 @@ two chunks under the causal mask, later either all its queries against the arriv
 chunk (it comes from a device of lower index) or its second query chunk against both arriving
 chunks (from a higher index). Without a causal mask every device computes all pairs and no
 balancing is needed.
+
+Packed documents (a mask of per-token comparisons, Blocking.factors) ordered within each document
+(HF's `key position <= query position`) are triangular per document: their ring runs on the same
+balanced chunks (`Ring.balanced`; without the causal flag, the mask is exact alone), each step the
+device's two query chunks over the source's two key chunks, the blocks the mask hides (other
+documents, later tokens) skipped at run time. Contiguous chunks would leave the last device the most
+blocks and the first the fewest.
 """
 from __future__ import annotations
 
@@ -50,12 +57,15 @@ class Ring:
         size: the ring's positions (the axis size, or under hybrid context parallelism the
             number of Ulysses groups).
         inner: devices per ring position (the Ulysses group size; 1: a plain ring).
+        balanced: a call without the causal flag (a mask of packed documents) on the balanced
+            chunks i and 2c-1-i (`balance`); with the flag, the chunks are balanced anyway.
     """
 
     call: bw.Blocking
     axis: str
     size: int
     inner: int = 1
+    balanced: bool = False
 
     def position(self):
         """This device's place on the ring."""
@@ -66,9 +76,20 @@ class Ring:
         return [(a * self.inner + u, b * self.inner + u) for a, b in pairs for u in range(self.inner)]
 
     @property
+    def halves(self) -> bool:
+        """Whether each device holds two chunks, i and 2c-1-i (causal or balanced)."""
+        return self.call.causal or self.balanced
+
+    @property
     def chunk(self) -> int:
-        """Tokens per balancing chunk (causal) or per device."""
-        return self.call.length // (2 * self.size if self.call.causal else self.size)
+        """Tokens per balancing chunk (causal or balanced) or per device."""
+        return self.call.length // (2 * self.size if self.halves else self.size)
+
+    @property
+    def balances(self) -> bool:
+        """Whether the sequence cuts into 2c balancing chunks of whole attention blocks."""
+        n = self.call.length // (2 * self.size)
+        return self.call.length % (2 * self.size) == 0 and n > 0 and n % min(self.call.block_q, n) == 0
 
     @property
     def block(self) -> int:
@@ -93,7 +114,7 @@ class Ring:
         (from device i - t) the call's static band (Blocking.visible, a sliding window) hides
         from every device's queries, which are skipped with their permutes."""
         b, c, n = self.call, self.size, self.chunk
-        if not b.visible or b.causal:
+        if not b.visible or self.halves:
             return tuple(range(c))
 
         def sees(d: int, s: int) -> bool:  # a query block over chunk d sees a key block over chunk s
@@ -142,21 +163,35 @@ def _rows(x, start: int, size: int):
     return lax.slice_in_dim(x, start, start + size, axis=x.ndim - 2) if x is not None else None
 
 
+def _chunks(ring: Ring, x, holder, dim: int):
+    """The sequence positions (dim `dim` of x, whole) ring position `holder` holds: its chunk, or
+    (balanced) its chunks holder and 2c-1-holder."""
+    n = ring.chunk
+    first = lax.dynamic_slice_in_dim(x, holder * n, n, axis=dim)
+    if not ring.halves:
+        return first
+    return jnp.concatenate([first, lax.dynamic_slice_in_dim(x, (2 * ring.size - 1 - holder) * n, n, axis=dim)], dim)
+
+
 def _mask_cols(ring: Ring, mask, source):
-    """The mask's columns of the key chunk held by ring position `source` (non-causal ring);
+    """The mask's columns of the key chunks held by ring position `source` (non-causal ring);
     a mask of packed documents: each factor operand's (one with a single column as it is)."""
     if mask is None:
         return None
-    n = ring.chunk
-    cut = lambda x: lax.dynamic_slice_in_dim(x, source * n, n, axis=x.ndim - 1) if x.shape[-1] > 1 else x
+    cut = lambda x: _chunks(ring, x, source, x.ndim - 1) if x.shape[-1] > 1 else x
     return tuple(cut(x) for x in mask) if isinstance(mask, tuple) else cut(mask)
+
+
+def mask_rows(ring: Ring, x):
+    """The rows (dim -2) of a whole mask operand that this ring position's queries take (one row as it is)."""
+    return _chunks(ring, x, ring.position(), x.ndim - 2) if x.shape[-2] > 1 else x
 
 
 def executed_blocks(ring: Ring, q_rows: int, mask):
     """The block pairs this device's pieces compute over the ring's steps (int32), for a mask
     of packed documents (the blocks a piece skips at run time left out)."""
     here = ring.position()
-    piece = ring.piece(q_rows, ring.chunk, False, masked=True)
+    piece = ring.piece(q_rows, q_rows, False, masked=True)
     return sum(documents.executed_blocks(piece, _mask_cols(ring, mask, (here - t) % ring.size)) for t in ring.steps)
 
 
@@ -168,8 +203,8 @@ def _pad_rows(x, before: int, after: int):
 
 def _positions(ring: Ring, holder, n: int):
     """Global sequence positions of the n rows ring position `holder` holds: its chunk, or
-    (causal) its balanced chunks holder and 2c-1-holder."""
-    if not ring.call.causal:
+    (causal or balanced) its chunks holder and 2c-1-holder."""
+    if not ring.halves:
         return holder * n + lax.iota(jnp.int32, n)
     h, ramp = ring.chunk, lax.iota(jnp.int32, ring.chunk)
     return jnp.concatenate([holder * h + ramp, (2 * ring.size - 1 - holder) * h + ramp])

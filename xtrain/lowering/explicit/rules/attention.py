@@ -139,16 +139,17 @@ def _splits_sequence(args) -> bool:
     return CONTEXT in q.layout.dims[-2] or CONTEXT in k.layout.dims[-2]
 
 
-def _targets(q: Sharded, mask: list[Sharded]):
+def _targets(q: Sharded, mask: list[Sharded], split_rows: bool):
     """q (..., Hk, G, L, D) with its leading splits and the sequence over `context`; k, v
     (..., Hk, S, D) alike; each mask operand (a mask, or a packed-documents mask's factors) with
-    q's splits where it is not broadcast, its rows over `context`, keys whole."""
+    q's splits where it is not broadcast, keys whole, its rows over `context` (`split_rows`) or
+    whole (Ulysses' groups and balanced chunks take theirs from it: _ulysses)."""
     n = q.ndim
     lead = tuple(tuple(a for a in d if a != CONTEXT) for d in q.layout.dims[:n - 2])
     tq = Layout(lead + ((CONTEXT,), ()))
     tk = Layout(lead[:n - 3] + ((CONTEXT,), ()))
     tm = [Layout(tuple(lead[d] if m.shape[d] == q.shape[d] else () for d in range(n - 2))
-                 + ((CONTEXT,) if m.shape[n - 2] > 1 else (), ())) for m in mask]
+                 + ((CONTEXT,) if m.shape[n - 2] > 1 and split_rows else (), ())) for m in mask]
     return tq, tk, tm
 
 
@@ -183,26 +184,23 @@ def _lead_index(ctx: Context, q: Sharded, heads: us.Ulysses | None = None, lead:
 
 
 def _ulysses(ctx: Context, ring: ra.Ring, q: Sharded, mask: list[Sharded]):
-    """The head split of this call (None: a ring alone) and each mask operand's rows of the
-    Ulysses group's sequence chunk (a mask must be the same for every head)."""
-    if ring.inner == 1:
+    """The head split of this call (None: a ring alone) and each mask operand's rows that this
+    device's queries take: as the ring split them, or, taken whole, the Ulysses group's sequence
+    chunk or the balanced chunks (a mask must be the same for every head under Ulysses)."""
+    heads, where, n = None, ctx.path or "<top level>", q.ndim
+    if ring.inner > 1:
+        heads = us.Ulysses(CONTEXT, ring.inner, ring.size, heads=q.value.shape[n - 4], group=q.value.shape[n - 3])
+        heads.check(where, q.shape[n - 4] * q.shape[n - 3])
+        for m in mask:
+            if any(m.shape[d] > 1 for d in (n - 4, n - 3)):
+                raise UnsupportedError(f"attention in {where!r}: a mask (or bias) of shape {m.shape} differs per head; "
+                                       f"Ulysses splits the heads over {CONTEXT!r}. Use Plan(context='ring')")
+    elif not ring.balanced:
         return None, [m.value for m in mask]
-    where, n = ctx.path or "<top level>", q.ndim
-    heads = us.Ulysses(CONTEXT, ring.inner, ring.size, heads=q.value.shape[n - 4], group=q.value.shape[n - 3])
-    heads.check(where, q.shape[n - 4] * q.shape[n - 3])
-    rows = ring.call.length // ring.size  # the group's chunk of the sequence
-    out = []
-    for m in mask:
-        if any(m.shape[d] > 1 for d in (n - 4, n - 3)):
-            raise UnsupportedError(f"attention in {where!r}: a mask (or bias) of shape {m.shape} differs per head; "
-                                   f"Ulysses splits the heads over {CONTEXT!r}. Use Plan(context='ring')")
-        whole = C.relayout(ctx, m, Layout(m.layout.dims[:n - 2] + ((), ()))).value
-        out.append(whole if m.shape[n - 2] == 1 else
-                   lax.dynamic_slice_in_dim(whole, ring.position() * rows, rows, axis=n - 2))
-    return heads, out
+    return heads, [ra.mask_rows(ring, m.value) for m in mask]  # whole rows (_targets)
 
 
-def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int) -> None:
+def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int, ordered: bool) -> None:
     where, causal = ctx.path or "<top level>", ring.call.causal
     skipped = ring.size - len(ring.steps)
     ring_text = (f"ring attention over {CONTEXT!r}={c}" if heads is None else
@@ -212,6 +210,13 @@ def _note(ctx: Context, ring: ra.Ring, heads: us.Ulysses | None, c: int) -> None
         ctx.note(f"attention in {where!r}: Ulysses over {CONTEXT!r}={c} (all-to-all to a head split; {kv} key/value "
                  f"head{'s' if kv > 1 else ''} per device" + (", repeated" if heads.repeat > 1 else "") + ")")
         return
+    if ring.balanced:
+        ring_text += " (packed documents, ordered within each: load-balanced chunks)"
+    elif ordered and ring.size > 1:
+        b = ring.call
+        ring_text += (f" (packed documents, ordered within each; not load-balanced: sequence {b.length} does not "
+                      f"cut into {2 * ring.size} chunks of whole attention blocks ({b.block_q}); a multiple of "
+                      f"{2 * ring.size * b.block_q} is balanced)")
     ctx.note(f"attention in {where!r}: {ring_text}" + (" (causal, load-balanced chunks)" if causal else "")
              + (f" ({skipped} of {ring.size} ring steps skipped: the mask's static band hides their chunks)"
                 if skipped else ""))
@@ -252,11 +257,16 @@ def context_attention(ctx: Context, eqn, args):
         return documents_attention(ctx, eqn, b, args)
     if b is None or ctx.sizes.get(CONTEXT, 1) == 1:
         return None
+    # packed documents ordered within each document (HF: key position <= query position): triangular blocks per
+    # document, balanced like a causal ring where the chunks are whole blocks (the mask stays exact either way)
+    ordered = bool(set(b.factors) & {"le", "lt", "ge", "gt"})
     if b.causal and len(args) > (4 if b.dropout else 3):
         b = dataclasses.replace(b, causal=False)  # a mask with the causal flag (calls sharing one structure): exact alone
     c = ctx.sizes[CONTEXT]
     ulysses, rings = ctx.context.degrees(c)
     ring = ra.Ring(b, CONTEXT, rings, inner=ulysses)
+    if ordered and rings > 1 and ring.balances:
+        ring = dataclasses.replace(ring, balanced=True)
     if not _splits_sequence(args):
         _check_not_gathered(ctx, ring, args)
         return None
@@ -264,7 +274,7 @@ def context_attention(ctx: Context, eqn, args):
     args = list(C.resolve_all(ctx, args))
     key = args.pop() if b.dropout else None  # the kernel's operands: q, k, v[, mask | factors][, dropout key]
     mask = args[3:]
-    tq, tk, tm = _targets(args[0], mask)
+    tq, tk, tm = _targets(args[0], mask, ring.inner == 1 and not ring.balanced)
     q, k, v = (C.relayout(ctx, a, t) for a, t in zip(args[:3], (tq, tk, tk)))
     heads, m = _ulysses(ctx, ring, q, [C.relayout(ctx, a, t) for a, t in zip(mask, tm)])
     m = tuple(m) if b.factors else (m[0] if m else None)
@@ -275,7 +285,7 @@ def context_attention(ctx: Context, eqn, args):
     else:
         drop = None
     dim = q.ndim - 2
-    if b.causal and ring.size > 1:
+    if ring.halves and ring.size > 1:
         qv, kv, vv = (ra.balance(x, ring, dim if x is qv else dim - 1) for x in (qv, kv, vv))
         out = ra.unbalance(ra.ring_attention(ring, qv, kv, vv, m, drop), ring, dim)
     else:
@@ -284,5 +294,5 @@ def context_attention(ctx: Context, eqn, args):
         count = ra.executed_blocks(ring, qv.shape[-2], m)
         ctx.count("attention_blocks", C.Sharded(count, Layout((), tuple(dict.fromkeys(
             q.layout.split_axes() + (CONTEXT,)))), (), count.dtype))
-    _note(ctx, ring, heads, c)
+    _note(ctx, ring, heads, c, ordered)
     return wrap(eqn, [out if heads is None else heads.output(out)], [tq])
