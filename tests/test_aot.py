@@ -111,10 +111,14 @@ def compiled():
     return programs
 
 
-# Open (measured, not hidden): XLA's CSE merges two psums of equal router statistics that xtrain's
-# MoE lowering emits separately: one f32[4] all-reduce over data x expert fewer (88 B compiled vs
-# 104 B reported). The lowering should emit it once; until then this fails, and a fix flips it.
-EXPERT_CSE = pytest.mark.xfail(strict=True, reason="XLA CSEs a duplicate router-statistics all-reduce (88 vs 104 B)")
+# Open (measured, not hidden): HF Mixtral's load-balancing loss sums each layer's router
+# probabilities into a running total that starts as zeros; xtrain all-reduces each layer's sum
+# before adding it (zeros + a pending sum resolves the sum), and XLA's all-reduce reassociation
+# turns all-reduce(a) + all-reduce(b) into all-reduce(a + b): one f32[4] all-reduce over data x
+# expert fewer (88 B compiled vs 104 B reported). The lowering should keep the sum pending through
+# an add of zeros; until then this fails, and a fix flips it. (The step's own counts, once one
+# all-reduce per layer, are now one all-reduce for all layers: not the cause.)
+EXPERT_CSE = pytest.mark.xfail(strict=True, reason="XLA reassociates two router-probability all-reduces (88 vs 104 B)")
 
 
 @E2E
@@ -155,6 +159,27 @@ def test_gradient_and_weight_collectives_overlap_gemms(compiled, family, kinds):
     program = compiled[family]
     share = program.overlapped_share(kinds, ("data",))
     assert share >= 0.8, [(c.kind, c.bytes, c.gemms) for c in program.collectives]
+
+
+@E2E
+def test_expert_dispatch_sends_routed_rows_while_the_other_chunks_experts_compute(compiled):
+    """The expert family built for CUDA: each MoE layer's dispatch and combine are ragged
+    all-to-alls of the routed rows (8 tokens x top-2 per device, 32 features + the expert id),
+    where the fixed buffers of CPU move 4 peers' worth; in 2 chunks, so that per layer and
+    direction chunk 1's dispatch and chunk 0's combine run while the other chunk's expert GEMMs
+    compute (the first dispatch and the last combine have no other chunk to hide behind)."""
+    program, layers, tokens, top_k, hidden = compiled["expert"], 2, 8 * SEQ // 8, 2, 32
+    ragged = [c for c in program.collectives if c.name.startswith("ragged-all-to-all")]
+    assert len(ragged) == layers * 2 * 2 * 2  # (dispatch, combine) x 2 chunks, forward and backward
+    routed = tokens * top_k * hidden * 4  # bytes of one layer's routed rows, f32
+    dispatch = [c.bytes for c in ragged if c.payload % ((hidden + 1) * 4) == 0]  # rows with their expert id
+    assert sum(dispatch) == layers * 2 * routed * (hidden + 1) // hidden <= 1.1 * layers * 2 * routed
+    for layer in range(layers):
+        experts = f"model.layers.{layer}.mlp.experts/"
+        hidden_by_experts = [c for c in ragged if any(experts in g and "ragged_dot" in g for g in c.overlapped)]
+        assert len(hidden_by_experts) == 4, [(c.name, c.overlapped) for c in ragged]
+    notes = " ".join(program.report().notes)
+    assert "by ragged all-to-all over 'expert'" in notes and "in 2 chunks" in notes
 
 
 @E2E

@@ -43,6 +43,8 @@ class ScheduledCollective:
             synchronous collective or an empty window).
         gemms: how many GEMM kernels run between start and done.
         name: its HLO instruction name.
+        source: its op_name metadata (the jaxpr's name stack: module path, transpose(...) in the backward).
+        overlapped: the op_name metadata of each GEMM run between start and done.
     """
 
     kind: str
@@ -54,6 +56,8 @@ class ScheduledCollective:
     overlap_flops: float
     gemms: int
     name: str
+    source: str = ""
+    overlapped: tuple[str, ...] = ()
 
 
 def nbytes(shape: str) -> int:
@@ -120,29 +124,38 @@ class Schedule:
         return 0.0
 
     # -- collectives ----------------------------------------------------------------------------
-    def _kind(self, ins: hlo.Instruction) -> str | None:
+    def _op(self, ins: hlo.Instruction) -> str:
+        """The instruction's operation, "-start" left out and an async-start's wrapped one."""
         op = ins.opcode[:-len("-start")] if ins.opcode.endswith("-start") else ins.opcode
         if op == "async":  # async-start wrapping a collective's computation
             root = self.module.root(ins.attribute("calls") or "")
-            return root.opcode if root is not None and root.opcode in KINDS else None
+            op = root.opcode if root is not None else ""
+        return op
+
+    def _kind(self, ins: hlo.Instruction) -> str | None:
+        op = self._op(ins)
+        op = "all-to-all" if op == "ragged-all-to-all" else op  # counted as xtrain.lowering.accounting does
         return op if op in KINDS else None
 
     def _payload(self, ins: hlo.Instruction, kind: str, done: hlo.Instruction | None) -> int:
         if kind == "all-gather":
             return nbytes(done.shape if done is not None else ins.shape)
-        return sum(nbytes(self.module.shape_of(ins.computation, n)) for n in ins.operands)
+        sizes = [nbytes(self.module.shape_of(ins.computation, n)) for n in ins.operands]
+        if self._op(ins) == "ragged-all-to-all":  # (operand, output, offsets, sizes): the rows routed
+            return min(sizes[:2])  # as xtrain.lowering.accounting counts it
+        return sum(sizes)
 
-    def _window(self, body: list[hlo.Instruction], index: int) -> tuple[hlo.Instruction | None, float, int]:
-        """The done of the start at `index`, and the GEMM FLOPs and count scheduled in between."""
+    def _window(self, body: list[hlo.Instruction], index: int) -> tuple[hlo.Instruction | None, float, list]:
+        """The done of the start at `index`, the GEMM FLOPs and the GEMMs scheduled in between."""
         start = body[index]
-        flops, gemms = 0.0, 0
+        flops, gemms = 0.0, []
         for ins in body[index + 1:]:
             if ins.opcode.endswith("-done") and start.name in ins.operands:
                 return ins, flops, gemms
             f = self.gemm_flops(ins)
             if f:
-                flops, gemms = flops + f, gemms + 1
-        return None, 0.0, 0
+                flops, gemms = flops + f, gemms + [ins]
+        return None, 0.0, []
 
     def _trips(self, ins: hlo.Instruction) -> int:
         trips = hlo.static_trip_count(self.module, ins)
@@ -161,14 +174,14 @@ class Schedule:
             for i, ins in enumerate(body):
                 kind = self._kind(ins)
                 if kind is not None:
-                    done, flops, gemms = self._window(body, i) if ins.opcode.endswith("-start") else (None, 0.0, 0)
+                    done, flops, gemms = self._window(body, i) if ins.opcode.endswith("-start") else (None, 0.0, [])
                     payload = self._payload(ins, kind, done)
                     groups = groups_of.replica_groups(ins.args)
                     found.append(ScheduledCollective(
                         kind, axes_of(groups, self.mesh), payload * times, payload, times,
                         tuple(sorted({t for t, _ in _ARRAY.findall((done or ins).shape)} - {"u32", "s32"}
                                      or {t for t, _ in _ARRAY.findall(ins.shape)})),
-                        flops, gemms, ins.name))
+                        flops, len(gemms), ins.name, ins.op_name, tuple(g.op_name for g in gemms)))
                 if ins.opcode == "while":
                     walk(ins.attribute("body") or "", times * self._trips(ins))
                 elif ins.opcode in ("call", "conditional", "async-start"):

@@ -9,7 +9,11 @@ what a scheduler (XLA's latency-hiding scheduler on GPU and Neuron) can hide it 
 the collective is on the critical path wherever it is placed. In a loop body (the layer scan),
 a collective whose result feeds no loop carry (a layer's gradients, leaving as the scan's
 per-layer output) can finish during the next iteration (XLA's collective pipeliner): it gets
-the FLOPs of a whole iteration."""
+the FLOPs of a whole iteration.
+
+A ragged all-to-all (MoE dispatch and combine on GPU) moves as many rows as the routing sends; it is
+counted as an all-to-all of its smaller buffer (the sender's routed rows in the dispatch, the rows
+it gets back in the combine: what a device sends when the experts' load is even)."""
 from __future__ import annotations
 
 import math
@@ -23,7 +27,8 @@ from xtrain.lowering.report import Collective
 
 _KIND = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "psum_invariant": "all-reduce",
          "all_gather": "all-gather", "all_gather_invariant": "all-gather", "psum_scatter": "reduce-scatter",
-         "reduce_scatter": "reduce-scatter", "ppermute": "collective-permute", "all_to_all": "all-to-all"}
+         "reduce_scatter": "reduce-scatter", "ppermute": "collective-permute", "all_to_all": "all-to-all",
+         "ragged_all_to_all": "all-to-all"}
 
 
 def _bytes(avals) -> int:
@@ -68,6 +73,8 @@ def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collec
             groups = eqn.params.get("axis_index_groups")  # a grouped collective: its group's devices
             n = len(groups[0]) if groups else math.prod(sizes[a] for a in axes)
             payload = _bytes([v.aval for v in eqn.invars])
+            if name == "ragged_all_to_all":  # (operand, output, offsets and sizes): the rows routed
+                payload = min(_bytes([eqn.invars[0].aval]), _bytes([eqn.invars[1].aval]))
             if _KIND[name] == "all-gather":
                 payload *= n
             found.append(Collective(_KIND[name], axes, payload, _source(eqn, module_paths), n, region.overlap(i),

@@ -71,8 +71,14 @@ class Target:
 
     @classmethod
     def of(cls, mesh) -> "Target":
-        """The target of a mesh of devices present here."""
-        return cls(platform=mesh.devices.flat[0].platform, local_devices=jax.local_device_count())
+        """The target of a mesh of devices present here ("gpu" devices: "cuda")."""
+        platform = mesh.devices.flat[0].platform
+        return cls(platform="cuda" if platform == "gpu" else platform, local_devices=jax.local_device_count())
+
+    @classmethod
+    def default(cls, mesh) -> "Target":
+        """The mesh's devices, or a CPU host for an AbstractMesh."""
+        return cls.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else cls()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,11 +163,12 @@ def assemble(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = 
     Returns:
         The built step; nothing is placed or compiled yet.
     """
+    target = target or Target.default(mesh)
     plan, model, layout = _resolved(trainable, plan, mesh, options, target)
     if plan.pipeline is not None:
         layout = _placed_stages(model, mesh, layout, plan, batch)
     model = stacked.stored_model(model, layout.stacking)
-    config = _config(trainable, plan, options, layout)
+    config = _config(trainable, plan, options, layout, target)
     state = _state_shapes(model, layout, trainable.tx, plan, config.sync)
     shardings = state_mod.shardings(state, layout, mesh)
     program = lower(model, mesh, layout, shardings, config, lowering=options.lowering, pipeline=plan.pipeline)
@@ -172,8 +179,9 @@ def check(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions = Ass
           target: Target | None = None) -> None:
     """Raises what `assemble` would raise before it needs the batch: a plan, a mesh or options
     that cannot work (what a step deferred to its first call checks at compile)."""
+    target = target or Target.default(mesh)
     plan, _, layout = _resolved(trainable, plan, mesh, options, target)
-    lowering_check(mesh, layout, _config(trainable, plan, options, layout), lowering=options.lowering,
+    lowering_check(mesh, layout, _config(trainable, plan, options, layout, target), lowering=options.lowering,
                    pipeline=plan.pipeline)
 
 
@@ -192,11 +200,10 @@ def check_remat_has_blocks(model: Model, plan: Plan) -> None:
 
 
 def _resolved(trainable: Trainable, plan: Plan, mesh, options: AssemblyOptions,
-              target: Target | None) -> tuple[Plan, Model, StateLayout]:
+              target: Target) -> tuple[Plan, Model, StateLayout]:
     """Steps 1-3: the plan with its expert split, the model under the precision policy, the layout."""
     if options.lowering == "explicit":  # the other lowering refuses per-layer remat outright (lower.check)
         check_remat_has_blocks(trainable.model, plan)
-    target = target or (Target.of(mesh) if isinstance(mesh, jax.sharding.Mesh) else Target())
     sizes = dict(mesh.shape)
     _check_context(plan, sizes)
     _check_schedule(plan, target)
@@ -262,14 +269,15 @@ def _placed_stages(model: Model, mesh, layout: StateLayout, plan: Plan, batch: t
     return layout_mod.place_stages(layout, where)
 
 
-def _config(trainable: Trainable, plan: Plan, options: AssemblyOptions, layout: StateLayout) -> StepConfig:
+def _config(trainable: Trainable, plan: Plan, options: AssemblyOptions, layout: StateLayout,
+            target: Target) -> StepConfig:
     grad_tx = GradTransforms.of(options.step, trainable.lr_groups, plan.precision.loss_scale)
     return StepConfig(tx=trainable.tx, options=options.step, grad_tx=grad_tx,
                       sync=options.grad_sync or GradSync(comm_dtype=plan.precision.wire_dtype),
                       remat=plan.layer_remat(), capacity_factor=plan.capacity_factor,
                       router_bias_rate=plan.router_bias_rate, context=plan.context,
                       regather=options.regather,
-                      fallback=plan.fallback_policy(),
+                      fallback=plan.fallback_policy(), platform=target.platform,
                       offload_optimizer=layout.offload_optimizer)
 
 

@@ -35,6 +35,14 @@ def all_reduce(x, axes: Sequence[str]):
     return lax.psum(x, _name(axes))
 
 
+def all_reduce_joined(values: list, axes: Sequence[str]) -> list:
+    """Each value summed over `axes` (all of one dtype): one all-reduce of the values flattened
+    into one buffer."""
+    flat = lax.psum(jnp.concatenate([jnp.ravel(x) for x in values]), _name(axes))
+    sizes = np.cumsum([x.size for x in values])[:-1]
+    return [piece.reshape(x.shape) for x, piece in zip(values, jnp.split(flat, sizes))]
+
+
 def all_max(values: dict) -> dict:
     """Each value's elementwise max over every axis it varies on, typed invariant over them: one
     all-reduce per set of axes (the values flattened into one buffer)."""
@@ -85,6 +93,13 @@ def all_to_all(x, axes: Sequence[str], dim: int, concat_dim: int | None = None,
     `axes` exchanging among themselves only (block i to the group's i-th device)."""
     return lax.all_to_all(x, _name(axes), dim, dim if concat_dim is None else concat_dim, tiled=True,
                           axis_index_groups=None if groups is None else [list(g) for g in groups])
+
+
+def ragged_all_to_all(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis: str):
+    """Rows [input_offsets[j], + send_sizes[j]) of `x` sent to device j along `axis`, written
+    there at output_offsets[j]; `output` with the rows received from each device j (recv_sizes[j]
+    of them) written where j said (lax.ragged_all_to_all). XLA:CPU has no ragged all-to-all."""
+    return lax.ragged_all_to_all(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
 
 
 def permute(x, axis: str, pairs: Sequence[tuple[int, int]]):

@@ -39,6 +39,8 @@ class LoweringOptions:
         unroll: repeated blocks emitted one after another instead of as a layer scan.
         capacity_factor: MoE layers drop the pairs past each expert's capacity (Plan); None: drop-free.
         context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
+        platform: what the program is built for ("cpu", "cuda", "neuron"): MoE dispatch is a ragged
+            all-to-all on "cuda" (xtrain.lowering.explicit.rules.experts).
         fallback: where a split operand may reach a primitive without a rule and run replicated
             (Plan.fallback_policy(); elsewhere registry.fallback raises UnsupportedOpError).
         synced: parameters whose gradients the layer scan all-reduces inside the backward pass:
@@ -57,6 +59,7 @@ class LoweringOptions:
     unroll: bool = False
     capacity_factor: float | None = None
     context: ContextParallel = ContextParallel()
+    platform: str = "cpu"
     fallback: FallbackPolicy = FallbackPolicy()
     synced: Mapping = dataclasses.field(default_factory=dict)
     sync: Any = None
@@ -176,6 +179,10 @@ class Context:
     @property
     def context(self) -> ContextParallel:
         return self.options.context
+
+    @property
+    def platform(self) -> str:
+        return self.options.platform
 
     @property
     def fallback(self) -> FallbackPolicy:

@@ -62,6 +62,7 @@ class StepConfig:
             xtrain.lowering.router_bias); None: off.
         context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
         fallback: where an op without a partition rule may run replicated (Plan.fallback_policy()).
+        platform: what the step is built for ("cpu", "cuda", "neuron"; assembly.Target).
     """
 
     tx: optax.GradientTransformation
@@ -75,6 +76,7 @@ class StepConfig:
     router_bias_rate: float | None = None
     context: ContextParallel = ContextParallel()
     fallback: FallbackPolicy = FallbackPolicy()
+    platform: str = "cpu"
 
     def __post_init__(self):
         if self.grad_tx is None:  # a skip the options need (input checks) is never left out

@@ -79,7 +79,7 @@ class Program:
     def __init__(self, model: Model, mesh, layout: StateLayout, config: StepConfig):
         self.model, self.mesh, self.layout, self.remat = model, mesh, layout, config.remat
         self.capacity_factor, self.context = config.capacity_factor, config.context
-        self.fallback = config.fallback
+        self.fallback, self.platform = config.fallback, config.platform
         self.sync = config.sync
         self.in_layer: dict[str, tuple[str, ...]] = {}  # name -> axes: may be all-reduced inside the layer scan
         # ZeRO-2: name -> (ZeRO dim, data axes): may be reduce-scattered inside the layer scan
@@ -107,7 +107,7 @@ class Program:
                                batch_axes=self.layout.batch_axes, remat=self.remat if training else None,
                                regather=self.regather if training else None, unroll=not self.layout.scan_layers,
                                capacity_factor=self.capacity_factor, context=self.context, fallback=self.fallback,
-                               synced=synced, sync=self.sync)
+                               platform=self.platform, synced=synced, sync=self.sync)
 
     def forward(self, training: bool, global_args) -> Forward:
         """Traces the model's global jaxpr for these argument shapes (outside shard_map) and
@@ -208,10 +208,21 @@ def _invariant(ctx: Context, buffer):
 
 
 def _counts(ctx: Context) -> dict:
-    """The per-step counts the rules recorded, summed over the devices that split them."""
+    """The per-step counts the rules recorded, summed over the devices that split them: the
+    counts of one dtype pending over the same axes in one all-reduce (alone, a layer's tokens per
+    expert is the very sum HF's load-balancing loss makes, and XLA would merge the two)."""
     out: dict = {}
+    pending: dict = {}
     for (name, path), count in sorted(ctx.record.counts.items()):
-        out.setdefault(name, {})[path] = C.replicate(ctx, count).value
+        if count.layout.partial and not any(count.layout.dims):
+            pending.setdefault((count.layout.partial, count.dtype), []).append((name, path, count.value))
+        else:
+            out.setdefault(name, {})[path] = C.replicate(ctx, count).value
+    for (axes, _), items in pending.items():
+        with jax.named_scope("xtrain.counts"):  # the report's source of this all-reduce
+            totals = collectives.all_reduce_joined([v for *_, v in items], axes)
+        for (name, path, _), total in zip(items, totals):
+            out.setdefault(name, {})[path] = total
     return out
 
 

@@ -115,6 +115,7 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
     for position, residuals in fed.items():
         xs_of[position] = list(zip(residuals, xs_of[position]))
     path, collected = ctx.path, []  # collected: the body's collected outputs (Sharded) as last traced
+    pending: dict = {}  # each count's mesh axes still to sum it over (as the body left it)
     offset = len(init) + len(shared)
     narrow = [zero.narrowed(blocks.body, offset + k) for k in range(len(first))]
     _note_gather_formats(ctx, blocks, first, narrow)
@@ -145,14 +146,16 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = interpret(ctx, blocks.body, [], ins)
         collected[:] = outs[len(init):]
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
-        counts = {key: C.replicate(ctx, c).value for key, c in ctx.record.take_counts(before).items()}
-        # per-layer counts and collected values leave the scan as its outputs
-        return [o.value for o in outs], (counts, [o.value for o in collected])
+        counts = {key: _whole_dims(ctx, c) for key, c in ctx.record.take_counts(before).items()}
+        pending.update({key: c.layout.partial for key, c in counts.items()})
+        # per-layer counts (their sums over the devices left to the step's end: one all-reduce for
+        # all of them) and collected values leave the scan as its outputs
+        return [o.value for o in outs], ({key: c.value for key, c in counts.items()}, [o.value for o in collected])
 
     final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], xs_of)
     env = {}
     for k, (counts, values) in enumerate(rows):
-        _record_counts(ctx, blocks.prefix, k, counts, blocks.first)
+        _record_counts(ctx, blocks.prefix, k, counts, pending, blocks.first)
         env.update({out.per_layer[k]: dataclasses.replace(x, value=v)
                     for out, x, v in zip(blocks.collected, collected, values)})
     env.update({v: dataclasses.replace(x, value=val) for v, x, val in zip(blocks.outputs, init, final)})
@@ -262,11 +265,20 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
     return final, rows
 
 
-def _record_counts(ctx: Context, prefix: str, k: int, counts: dict, first: int = 0) -> None:
-    """Layer k's counts (recorded under block 0's module path inside the body), whole."""
+def _whole_dims(ctx: Context, x: Sharded) -> Sharded:
+    """`x` gathered on every dim, its pending sum left pending."""
+    for dim in range(x.ndim):
+        x = C.gather_dim(ctx, x, dim)
+    return x
+
+
+def _record_counts(ctx: Context, prefix: str, k: int, counts: dict, pending: dict, first: int = 0) -> None:
+    """Layer k's counts (recorded under block 0's module path inside the body), whole dims,
+    pending sums over the `pending` axes of each."""
     for (name, path), count in counts.items():
         at = layer_path(prefix, k, path, first)
-        ctx.record.count(name, at, Sharded(count, Layout.replicated(count.ndim), tuple(count.shape), count.dtype))
+        layout = Layout(((),) * count.ndim, pending[name, path])
+        ctx.record.count(name, at, Sharded(count, layout, tuple(count.shape), count.dtype))
 
 
 def layer_path(prefix: str, k: int, path: str, first: int = 0) -> str:

@@ -150,6 +150,7 @@ class PipelineStrategy:
         check(config, layout)
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.fallback, self.context, self.capacity_factor = config.fallback, config.context, config.capacity_factor
+        self.platform = config.platform
         self.program = PipelineProgram(model, mesh, layout, pipeline)
         self.runner = PerDevice(mesh, state_specs, layout.batch_spec)
         self.update = zero.Update.of_layout(layout, config.tx, config.grad_tx, config.sync)
@@ -177,7 +178,8 @@ class PipelineStrategy:
         program = self.program
         closed, cut, args = program.trace(training, shapes)
         ctx = Context.of(program.sizes, module_paths=self.model.module_paths(), batch_axes=program.batch_axes,
-                         fallback=self.fallback, context=self.context, capacity_factor=self.capacity_factor)
+                         fallback=self.fallback, context=self.context, capacity_factor=self.capacity_factor,
+                         platform=self.platform)
         return _Runner(program, closed, cut, args), Stage(ctx, cut, closed.consts, self.program.table.split_backward)
 
     def _stage_fn(self, runner: _Runner, stage: Stage, named: dict, rest: list):

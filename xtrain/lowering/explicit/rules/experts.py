@@ -1,18 +1,33 @@
 """Expert parallelism: a routed-experts call (xtrain.ir.kernels.moe) whose experts are split over the
 `expert` mesh axis. Each device sorts its own (token, expert) pairs by the device that holds
 their expert, sends them there and gets the results back with one all-to-all each way
-(dispatch, combine), in buffers of fixed capacity: every device reserves room for all of its
-pairs for every peer (drop-free: capacity = tokens x top_k), since XLA:CPU has no ragged
-all-to-all. The expert id travels as one extra column of the dispatch buffer, so a layer's
-forward is exactly two all-to-alls (and its backward two more, their transposes)."""
+(dispatch, combine). The expert id travels as one extra column of the rows, so a layer's forward
+is exactly two all-to-alls (and its backward two more, their transposes).
+
+On CPU and Neuron (XLA:CPU has no ragged all-to-all) the buffers have a fixed capacity: every
+device reserves room for all of its pairs for every peer (drop-free: capacity = tokens x top_k),
+so each all-to-all moves `expert` times the routed rows. For CUDA (a step built for GPUs, or
+compiled for one by xtrain.aot) a drop-free layer sends only its routed rows with
+`lax.ragged_all_to_all` (`_ragged_routed`): the rows sorted by destination are already contiguous
+per peer; one all-gather of the per-peer counts (peers x peers integers) gives every device where
+its rows land at each peer and what it receives; the combine sends the results back the same
+way; the transposes use the same offsets reversed (no exchange of offsets in the backward pass).
+The receive buffer keeps the drop-free worst case (all pairs of every peer), the wire only the
+rows routed. The tokens go in CHUNKS chunks, so that one chunk's dispatch and another's combine
+are in flight while the experts of a third compute (XLA's latency-hiding scheduler places them;
+the first dispatch and the last combine of a layer have no other chunk to hide behind)."""
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from xtrain.errors import PlanError
+from xtrain.ir import vma
 from xtrain.ir.kernels import moe
 from xtrain.lowering import collectives
 from xtrain.sharding.mesh import EXPERT
@@ -52,12 +67,114 @@ def _local_experts(received, up, down, spec: moe.ExpertsSpec):
     return out[jnp.argsort(order)].reshape(peers, cap, width - 1)
 
 
+CHUNKS = 2  # a GPU layer's tokens in chunks: one chunk's all-to-alls in flight while another's experts compute
+
+
+@jax.custom_vjp
+def _ragged(x, buffer, there, back):
+    """`buffer` with x's rows written where `there` (input offsets, send sizes, output offsets at
+    each peer, receive sizes) sends them; the transpose sends the cotangent back by `back`, the
+    reverse offsets, which the caller has already (JAX's own transpose would exchange offsets
+    again, with two more all-to-alls per call)."""
+    return collectives.ragged_all_to_all(x, buffer, *there, EXPERT)
+
+
+def _ragged_fwd(x, buffer, there, back):
+    return _ragged(x, buffer, there, back), (x[:, :0], back)  # x's rows, as a shape (and its mesh type)
+
+
+def _ragged_bwd(res, t):
+    rows, back = res
+    return collectives.ragged_all_to_all(t, _buffer(rows.shape[0], t), *back, EXPERT), None, None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _buffer(rows: int, like, fill=None):
+    """Zero rows (a last column of `fill`) typed as varying like `like`: a ragged all-to-all's
+    receiving buffer (else autodiff sums its zero cotangent over the mesh)."""
+    out = jnp.zeros((rows,) + like.shape[1:], like.dtype)
+    return vma.widen(out if fill is None else out.at[:, -1].set(fill), vma.of(like))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """One chunk of a layer's tokens routed by ragged all-to-all.
+
+    Attributes:
+        order: its (token, expert) pairs sorted by expert (S,).
+        payload: the sorted pairs' rows with their expert's id on its device (S, H + 1).
+        scale: the sorted pairs' gate weights (S, 1).
+        dispatch: the dispatch's (input offsets, send sizes, output offsets at each peer, receive sizes).
+        combine: the same for the combine, its reverse.
+    """
+
+    order: Any
+    payload: Any
+    scale: Any
+    dispatch: tuple
+    combine: tuple
+
+
+def _chunk(x, expert_ids, weights, per_device: int, peers: int) -> _Chunk:
+    """A chunk's pairs sorted by expert (so by destination device, each peer's rows contiguous)
+    and where they go: one all-gather of every device's rows per peer (peers x peers integers)."""
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    send = jnp.zeros((peers,), jnp.int32).at[sorted_ids // per_device].add(1)  # rows for each peer
+    sizes = collectives.all_gather(send, (EXPERT,), 0, tiled=False)  # sizes[i, j]: device i's rows for device j
+    here = lax.axis_index(EXPERT)
+    before = jnp.cumsum(sizes, axis=0) - sizes  # where device i's rows land at device j
+    starts = jnp.cumsum(sizes, axis=1) - sizes  # where device i's rows for device j start in its own buffer
+    recv = sizes[:, here]
+    payload = jnp.concatenate([x[order // k], (sorted_ids % per_device)[:, None].astype(x.dtype)], axis=1)
+    return _Chunk(order, payload, weights.reshape(-1)[order][:, None].astype(x.dtype),
+                  (starts[here], send, before[here], recv), (before[:, here], recv, starts[:, here], send))
+
+
+def _unsorted(rows, order, k: int):
+    """Sorted pairs' (S, H) rows back in token order, each token's k summed: (S / k, H)."""
+    return rows[jnp.argsort(order)].reshape(-1, k, rows.shape[1]).sum(axis=1)
+
+
+def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peers: int, chunks: int):
+    """The drop-free layer sending only routed rows (module docstring), its tokens in `chunks`:
+    chunk i's experts run after chunk i-1's (an optimization barrier: XLA would otherwise merge
+    their GEMMs or fuse their gathers into one kernel waiting on both dispatches), so chunk i's
+    dispatch and chunk i-1's combine are in flight while experts compute."""
+    n, k = expert_ids.shape
+    m, per_device = n // chunks, up.shape[0]
+    parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers)
+             for i in range(chunks)]
+    received = [_ragged(c.payload, _buffer(peers * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
+                for c in parts]  # padding rows carry the id per_device, which no local expert has
+    combine = lambda c, done: _ragged(done, _buffer(c.payload.shape[0], done), c.combine, c.dispatch)
+    done, back = [None] * chunks, [None] * chunks
+    for i, c in enumerate(parts):
+        if i:  # chunk i's experts after chunk i-1's, whose combine then starts
+            received[i], done[i - 1] = lax.optimization_barrier((received[i], done[i - 1]))
+            back[i - 1] = combine(parts[i - 1], done[i - 1])
+        rows = c.payload.shape[0]
+        done[i] = _local_experts(received[i].reshape(peers, rows, -1), up, down, spec).reshape(peers * rows, -1)
+        if i:  # chunk i-1's combine completes while chunk i's experts compute
+            back[i - 1], done[i] = lax.optimization_barrier((back[i - 1], done[i]))
+    back[-1] = combine(parts[-1], done[-1])
+    return jnp.concatenate([_unsorted(b * c.scale, c.order, k) for c, b in zip(parts, back)]).astype(x.dtype)
+
+
 def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, peers: int,
-                   per_expert: int | None = None):
+                   per_expert: int | None = None, ragged: bool = False):
     """moe.routed_experts on this device's tokens with the experts split over `expert` in
     `peers` blocks: x (N, H), expert_ids / weights (N, k), up / down (E / peers, ...) -> (N, H).
-    `per_expert`: each expert's capacity (pairs past it dropped); None: drop-free."""
+    `per_expert`: each expert's capacity (pairs past it dropped); None: drop-free. `ragged`
+    (drop-free only): send only the routed rows (lax.ragged_all_to_all; not on CPU), the tokens
+    in CHUNKS chunks where they divide."""
     n, k = expert_ids.shape
+    if ragged and per_expert is None:
+        return _ragged_routed(x, expert_ids, weights, up, down, spec, peers, CHUNKS if n % CHUNKS == 0 else 1)
     per_device = up.shape[0]
     flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,)
     order = jnp.argsort(flat, stable=True)
@@ -69,7 +186,7 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     done = _local_experts(received, up, down, spec)  # (P, C, H)
     back = collectives.all_to_all(done, (EXPERT,), 0)  # block j: my pairs, computed on device j
     out = back.at[dest, slot].get(mode="fill", fill_value=0) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return out[jnp.argsort(order)].reshape(n, k, -1).sum(axis=1).astype(x.dtype)
+    return _unsorted(out, order, k).astype(x.dtype)
 
 
 def paired_gate_up(whole, dim: int, index, parts: int):

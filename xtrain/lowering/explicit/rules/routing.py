@@ -141,12 +141,21 @@ def routed_experts(ctx: Context, eqn, args):
         peers = ctx.sizes[experts.EXPERT]
         experts.check(up.shape[0], ids.shape[1], peers, ctx.path)
         cap = experts.capacity(x.value.shape[0], ids.shape[1])
+        ragged = ctx.platform == "cuda" and per_expert is None
         cap, how = (cap, "this device's tokens x top_k: drop-free") if per_expert is None else (
             per_expert * up.shape[0] // peers, f"{per_expert} per expert")
-        ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
-                 f"{experts.EXPERT!r} with a capacity of {cap} rows per peer ({how}), {cap * peers} x "
-                 f"{x.shape[1]} features each way per device")
-        out = experts.routed_experts(*values, spec=spec, peers=peers, per_expert=per_expert)
+        if ragged:
+            chunks = experts.CHUNKS if x.value.shape[0] % experts.CHUNKS == 0 else 1
+            ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by ragged all-to-all "
+                     f"over {experts.EXPERT!r}: each device sends its {cap} routed rows x {x.shape[1]} features "
+                     f"(+1 for the expert id) each way, received into a buffer of {cap * peers} rows; in {chunks} "
+                     f"chunk{'s' if chunks > 1 else ''}" + (", one chunk's all-to-alls in flight while another's "
+                                                            "experts compute" if chunks > 1 else ""))
+        else:
+            ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
+                     f"{experts.EXPERT!r} with a capacity of {cap} rows per peer ({how}), {cap * peers} x "
+                     f"{x.shape[1]} features each way per device")
+        out = experts.routed_experts(*values, spec=spec, peers=peers, per_expert=per_expert, ragged=ragged)
         return wrap(eqn, [out], [Layout(tokens.dims, ffn)])
     return wrap(eqn, [moe.routed_experts(*values, spec=spec, capacity=per_expert)], [Layout(tokens.dims, ffn)])
 
