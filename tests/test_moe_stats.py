@@ -201,7 +201,9 @@ def test_plan_search_lists_expert_parallel_candidates_for_moe_models_only():
 def test_plan_search_costs_expert_parallel_inside_pipeline_stages_as_compiled():
     """Qwen3-MoE: the default candidates on 8 devices include expert parallel inside 2 pipeline
     stages; the search's cost of dp2xpp2xep2 1F1B m2 (lowered for an abstract mesh) has the
-    compiled step's FLOPs and collectives, its all-to-alls over `expert` with their bytes."""
+    compiled step's FLOPs and collectives, its all-to-alls over `expert` with their bytes. On the
+    p4d's GPUs the same candidate is built for CUDA: its ragged all-to-alls move the routed rows,
+    half of what the fixed buffers for 2 peers move."""
     model, make_opt, loss_fn, batches, _ = case("qwen3_moe")
     profile = hardware.profile("p4d.24xlarge")
     names = {c.name for c in search.candidates(8, profile, pipe_degrees=(1, 2), expert_degrees=[1, 2])}
@@ -212,23 +214,29 @@ def test_plan_search_costs_expert_parallel_inside_pipeline_stages_as_compiled():
                           plan=candidate.plan())
     batch = host_batch(batches[0])
     t = step.trainable
-    row = search.evaluate(t.model, t.tx, t.structure, candidate, batch, profile, layers=2, experts=sorted(t.experts))
+    evaluate = lambda on: search.evaluate(t.model, t.tx, t.structure, candidate, batch, on, layers=2,
+                                          experts=sorted(t.experts))
+    row = evaluate(hardware.emulated(8))  # built for CPU, as the step compiled here
     compiled = search.compiled_step_cost(step, *batch)
     assert row.usable and row.cost.flops.matmul == compiled.flops.matmul, row
     key = lambda c: (c.kind, c.axes, c.payload_bytes)
     assert sorted(map(key, row.cost.collectives)) == sorted(map(key, compiled.collectives))
     moved = [c for c in row.cost.collectives if c.kind == "all-to-all"]
     assert moved and all(c.axes == ("expert",) and c.payload_bytes > 0 for c in moved)
-    assert "dp2xpp2xep2 1f1b m2" in str(search.SearchResult("p4d", profile, [row], row))
+    on_gpus = evaluate(profile)
+    assert "dp2xpp2xep2 1f1b m2" in str(search.SearchResult("p4d", profile, [on_gpus], on_gpus))
+    ragged = [c for c in on_gpus.cost.collectives if c.kind == "all-to-all"]
+    assert 2 * sum(c.payload_bytes for c in ragged) == sum(c.payload_bytes for c in moved)
 
 
 @pytest.mark.e2e
 def test_plan_search_costs_the_capacity():
     """search(capacity_factor=1.0) (xtrain plan --capacity-factor, or the script's plan's): the
     expert-parallel candidate's all-to-alls are costed at the capacity, as the compiled step moves
-    them, fewer bytes than drop-free; its code carries the factor."""
+    them, fewer bytes than drop-free (in fixed buffers: a CPU host's, as compiled here; on GPUs a
+    drop-free layer sends only its routed rows); its code carries the factor."""
     model, make_opt, loss_fn, batches, _ = case("moe")
-    profile, batch = hardware.profile("p4d.24xlarge"), host_batch(batches[0])
+    profile, batch = hardware.emulated(8), host_batch(batches[0])
     capped = search.Candidate(data=4, expert=2, capacity_factor=1.0)
     m = copy.deepcopy(model)
     step = xtrain.compile(m, xtrain.Mesh(**capped.mesh), optimizer=make_opt(m.parameters()), loss_fn=loss_fn,

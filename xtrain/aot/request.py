@@ -23,7 +23,7 @@ from xtrain.aot.targets import GpuTarget
 from xtrain.errors import OptionsError, TargetCompileError
 from xtrain.frontend import tensors
 from xtrain.ir.model import Trainable
-from xtrain.lowering import assembly
+from xtrain.lowering import accumulation, assembly
 from xtrain.lowering.assembly import BuiltStep
 from xtrain.lowering.gradient_sync import GradSync
 from xtrain.runtime import backends
@@ -111,6 +111,8 @@ def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTar
     built = assembly.assemble(trainable, plan, abstract, options.assembly(), batch=shapes,
                               target=assembly.Target(platform="cuda", local_devices=target.gpus_per_node))
     placed = _placed_batch(built, shapes)
+    data_size = int(np.prod([sizes[a] for a in built.layout.batch_axes]))
+    accumulation.check_divisible(placed, options.step.accumulate, data_size)  # as a step's call checks it
     lrs = assembly.lrs_shape(trainable)
     lrs = jax.ShapeDtypeStruct(lrs.shape, lrs.dtype, sharding=NamedSharding(abstract, PartitionSpec()))
     args = (built.placed_state, placed, lrs)

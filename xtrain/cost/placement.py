@@ -20,6 +20,12 @@ from neuron_support import conformance, topology
 from xtrain.cost.hardware import HardwareProfile
 
 
+def platform_of(profile: HardwareProfile) -> str:
+    """The platform a step for `profile`'s devices is built for: "cuda", "neuron" or "cpu"."""
+    kind = topology.INSTANCES.get(profile.name.split("[")[0])
+    return kind.backend.value if kind else "cpu"
+
+
 def neuron_target(profile: HardwareProfile) -> conformance.Target | None:
     """The Neuron conformance target of a Trainium profile (None for GPUs and CPUs)."""
     kind = topology.INSTANCES.get(profile.name.split("[")[0])

@@ -98,7 +98,7 @@ def trainable_of(model: Model, tx: optax.GradientTransformation, experts: Iterab
 
 def abstract_step(trainable: Trainable, sizes: Mapping[str, int], plan: Plan, batch: tuple, *,
                   options: AssemblyOptions = AssemblyOptions(scan_layers=True),
-                  platform: str | None = None) -> AbstractStep:
+                  platform: str | None = None, built_for: str | None = None) -> AbstractStep:
     """Traces the explicit lowering's training step for a mesh of axis `sizes` on shapes: the
     step `xtrain.compile` builds (xtrain.lowering.assembly), nothing allocated.
 
@@ -110,11 +110,14 @@ def abstract_step(trainable: Trainable, sizes: Mapping[str, int], plan: Plan, ba
         options: the compile options that shape the step (the step's own: CompileOptions.assembly()).
         platform: also lower the step for this platform ("neuron", "cuda"; lowering.platforms)
             and keep its HLO text (`hlo`), e.g. for the Neuron conformance checker.
+        built_for: the platform the step is built for (assembly.Target: a CUDA step dispatches
+            MoE rows by ragged all-to-all); default `platform`, else "cpu".
     """
     sizes = dict(sizes)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     built = assembly.assemble(trainable, plan, mesh, options, batch=batch,
-                              target=assembly.Target(platform=platform or "cpu", local_devices=math.prod(sizes.values())))
+                              target=assembly.Target(platform=built_for or platform or "cpu",
+                                                     local_devices=math.prod(sizes.values())))
     traced = built.program.train.trace(built.placed_state, assembly.shaped(batch), assembly.lrs_shape(trainable))
     hlo = None
     if platform is not None:

@@ -221,7 +221,8 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         plan = dataclasses.replace(plan, fallback="replicate")  # costed and marked, not refused
         traced = program_mod.abstract_step(program_mod.trainable_of(model, tx, experts), candidate.mesh, plan, batch,
                                            options=AssemblyOptions(scan_layers=True, regather=regather),
-                                           platform="neuron" if target else None)
+                                           platform="neuron" if target else None,
+                                           built_for=placement.platform_of(profile))
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
     idle = traced.bubble if candidate.pipe > 1 else None
