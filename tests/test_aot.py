@@ -28,7 +28,7 @@ from models import GPT, SequenceParallelGPT, token_batches
 from test_moe import lm_batches, lm_loss, mixtral
 from xtrain import aot, plans
 from xtrain.aot import schedule, toolchain
-from xtrain.errors import MeshError, TargetCompileError, UnsupportedError
+from xtrain.errors import InputError, MeshError, TargetCompileError, UnsupportedError
 from xtrain.lowering import accounting
 
 E2E = pytest.mark.e2e  # compiles steps (in a child); the two unit tests below compile nothing
@@ -242,6 +242,10 @@ def test_targets_without_gpus_and_meshes_that_do_not_fit_are_named_errors():
                     batch=batch)
     with pytest.raises(MeshError, match="needs 4 devices but 16"):
         aot.prepare(model, xtrain.Mesh(data=4), target=A100, optimizer=adamw(model.parameters()), batch=batch)
+    with pytest.raises(InputError, match="global batch 16 does not split into accumulate=2 micro-batches on each of "
+                                         "16 data-parallel devices"):
+        aot.prepare(model, xtrain.Mesh(data=-1), target=A100, optimizer=adamw(model.parameters()), batch=batch,
+                    accumulate=2)
 
 
 @pytest.mark.unit
