@@ -213,7 +213,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
     reason = _refusal(candidate, batch[0].shape[0], layers)
     if reason:
         return Row(candidate=candidate, reason=reason)
-    target = placement.neuron_target(profile)
+    target, built_for = placement.neuron_target(profile), placement.platform_of(profile)
     try:
         profile.check_precision(candidate.precision)
         plan = candidate.plan(tensor_plan(model, batch) if structure is not None else None,
@@ -221,8 +221,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         plan = dataclasses.replace(plan, fallback="replicate")  # costed and marked, not refused
         traced = program_mod.abstract_step(program_mod.trainable_of(model, tx, experts), candidate.mesh, plan, batch,
                                            options=AssemblyOptions(scan_layers=True, regather=regather),
-                                           platform="neuron" if target else None,
-                                           built_for=placement.platform_of(profile))
+                                           platform="neuron" if target else None, built_for=built_for)
     except ValueError as err:
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
     idle = traced.bubble if candidate.pipe > 1 else None

@@ -146,11 +146,8 @@ def emit_repeated_blocks(ctx: Context, blocks: RepeatedBlocks, read) -> dict:
         outs = interpret(ctx, blocks.body, [], ins)
         collected[:] = outs[len(init):]
         outs = [C.relayout(ctx, o, layout) for o, layout in zip(outs, carry_layouts)]
-        counts = {key: _whole_dims(ctx, c) for key, c in ctx.record.take_counts(before).items()}
-        pending.update({key: c.layout.partial for key, c in counts.items()})
-        # per-layer counts (their sums over the devices left to the step's end: one all-reduce for
-        # all of them) and collected values leave the scan as its outputs
-        return [o.value for o in outs], ({key: c.value for key, c in counts.items()}, [o.value for o in collected])
+        counts = _layer_counts(ctx, before, pending)
+        return [o.value for o in outs], (counts, [o.value for o in collected])  # per-layer outputs of the scan
 
     final, rows = _run_layers(ctx, blocks, body, [x.value for x in init], xs_of)
     env = {}
@@ -265,11 +262,17 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
     return final, rows
 
 
-def _whole_dims(ctx: Context, x: Sharded) -> Sharded:
-    """`x` gathered on every dim, its pending sum left pending."""
-    for dim in range(x.ndim):
-        x = C.gather_dim(ctx, x, dim)
-    return x
+def _layer_counts(ctx: Context, before: set, pending: dict) -> dict:
+    """The counts a layer recorded (those not in `before`), gathered on every dim; their sums
+    over the devices are left to the step's end (one all-reduce for all: forward._counts), the
+    axes of each put in `pending`."""
+    out = {}
+    for key, x in ctx.record.take_counts(before).items():
+        for dim in range(x.ndim):
+            x = C.gather_dim(ctx, x, dim)
+        pending[key] = x.layout.partial
+        out[key] = x.value
+    return out
 
 
 def _record_counts(ctx: Context, prefix: str, k: int, counts: dict, pending: dict, first: int = 0) -> None:
