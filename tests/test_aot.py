@@ -111,18 +111,8 @@ def compiled():
     return programs
 
 
-# Open (measured, not hidden): HF Mixtral's load-balancing loss sums each layer's router
-# probabilities into a running total that starts as zeros; xtrain all-reduces each layer's sum
-# before adding it (zeros + a pending sum resolves the sum), and XLA's all-reduce reassociation
-# turns all-reduce(a) + all-reduce(b) into all-reduce(a + b): one f32[4] all-reduce over data x
-# expert fewer (88 B compiled vs 104 B reported). The lowering should keep the sum pending through
-# an add of zeros; until then this fails, and a fix flips it. (The step's own counts, once one
-# all-reduce per layer, are now one all-reduce for all layers: not the cause.)
-EXPERT_CSE = pytest.mark.xfail(strict=True, reason="XLA reassociates two router-probability all-reduces (88 vs 104 B)")
-
-
 @E2E
-@pytest.mark.parametrize("family", [pytest.param(f, marks=EXPERT_CSE) if f == "expert" else f for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_collectives_are_the_reports(compiled, family):
     program = compiled[family]
     assert aot.disagreements(program) == [], family

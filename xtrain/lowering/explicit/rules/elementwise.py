@@ -2,6 +2,7 @@
 sums kept where the op is linear in them."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -80,10 +81,44 @@ def _bias(args) -> bool:
         a.ndim < len(full) or any(s == 1 < f for s, f in zip(a.shape, full)) for a in args if not a.layout.partial)
 
 
+def _known_zeros(x) -> bool:
+    """Whether traced `x` is zeros the program built from a constant (jnp.zeros: a broadcast of
+    a literal 0), read from JAX's tracing state (DynamicJaxprTracer.parent, get_const); False
+    where that is not available."""
+    for _ in range(4):
+        if not isinstance(x, jax.core.Tracer):
+            return np.size(x) > 0 and not np.any(x)
+        eqn = getattr(x, "parent", None)
+        if eqn is None:
+            value = getattr(x, "get_const", lambda: None)()
+            return value is not None and np.size(value) > 0 and not np.any(value)
+        if eqn.primitive not in (lax.broadcast_in_dim_p, lax.convert_element_type_p, lax.reshape_p):
+            return False
+        x = eqn.in_tracers[0]
+    return False
+
+
+def _plus_zeros(eqn, args) -> Sharded | None:
+    """A pending sum plus zeros (a running total that starts as torch.zeros, as HF's MoE
+    load-balancing loss keeps one per layer): the sum itself, still pending. Resolving it first
+    would all-reduce each addend of the total, which XLA reassociates into one all-reduce."""
+    if str(eqn.primitive) not in SUMS or len(args) != 2:
+        return None
+    out = out_avals(eqn)[0]
+    for a, b in (args, args[::-1]):
+        if a.layout.partial and not b.layout.partial and a.shape == tuple(out.shape) and a.dtype == out.dtype \
+                and _known_zeros(b.value):
+            return a
+    return None
+
+
 def elementwise(ctx: Context, eqn, args):
     """Same-shape ops (scalars broadcast): align layouts; keep partial sums where linear (unless
     already summed for another reader)."""
     args = [C.resolved_before(ctx, a) for a in args]
+    kept = _plus_zeros(eqn, args)
+    if kept is not None:
+        return [kept]
     keep = _partial_after(str(eqn.primitive), args)
     out_shape = tuple(out_avals(eqn)[0].shape)
     if keep is None or set(keep) & {a for d in _target_dims(args, out_shape) for a in d}:
