@@ -6,8 +6,8 @@ collectives than reported).
     python benchmarks/aot_families.py          # writes benchmarks/results/aot_families.md
 
 The suite (tests/test_aot.py) compiles DDP, ZeRO-3, Megatron TP+SP, 1F1B, expert parallel, int8
-gradient sync (8 x H100) and HSDP (2 x 8 A100); this adds ZeRO-1/2, GPipe, interleaved 1F1B,
-context parallel, optimizer offload and DDP on 2 x 8 A100, with the suite's tiny models (one child
+gradient sync, ring context parallel (8 x H100) and HSDP (2 x 8 A100); this adds ZeRO-1/2, GPipe,
+interleaved 1F1B, optimizer offload and DDP on 2 x 8 A100, with the suite's tiny models (one child
 process compiles them all).
 """
 from __future__ import annotations
@@ -19,20 +19,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the suite's small models
 
-import torch  # noqa: E402
 
 import xtrain  # noqa: E402
 from test_aot import A100, D, FAMILIES, H100, LAYER_BUCKETS, SEQ, _gpt, adamw  # noqa: E402
-from test_long_sequence import batches as long_batches, llama, lm_loss as ids_loss  # noqa: E402
 from xtrain import aot  # noqa: E402
 
 PIPE = xtrain.Mesh(pipe=2, data=4)
-
-
-def _context():
-    torch.manual_seed(0)
-    return llama(layers=1, positions=32), long_batches(32, n=1, batch=4)[0], xtrain.Mesh(data=2, context=4), xtrain.Plan(), \
-        dict(loss_fn=ids_loss)
 
 
 MORE = {
@@ -41,7 +33,6 @@ MORE = {
     "gpipe": (H100, _gpt(PIPE, xtrain.Plan().with_pipeline(stages=2, microbatches=2), layers=2)),
     "interleaved": (H100, _gpt(PIPE, xtrain.Plan().with_pipeline(stages=2, microbatches=2, schedule="interleaved",
                                                                  virtual_stages=2), layers=4)),
-    "context": (H100, _context),
     "offload_optimizer": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(zero=1, offload="optimizer"))),
     "a100_ddp": (A100, _gpt(xtrain.Mesh(data=-1), xtrain.Plan(), batch=16, grad_sync=LAYER_BUCKETS)),
 }

@@ -1,8 +1,8 @@
 """Ahead-of-time compiles for GPU clusters that are not here (xtrain.aot): DDP, ZeRO-3, Megatron
-TP+SP, a 1F1B pipeline, expert parallel and int8 gradient sync compiled by XLA's GPU compiler for
-8 x H100 (p5.48xlarge:1), HSDP for 2 x 8 A100 (p4d.24xlarge:2), all in one child process (one
-start-up), on this CPU-only machine. Every other family (ZeRO-1/2, GPipe, interleaved, context
-parallel, offload, ...) is compiled by benchmarks/aot_families.py (suite time).
+TP+SP, a 1F1B pipeline, expert parallel, ring context parallel and int8 gradient sync compiled by
+XLA's GPU compiler for 8 x H100 (p5.48xlarge:1), HSDP for 2 x 8 A100 (p4d.24xlarge:2), all in one
+child process (one start-up), on this CPU-only machine. Every other family (ZeRO-1/2, GPipe,
+interleaved, offload, ...) is compiled by benchmarks/aot_families.py (suite time).
 
 - per (collective kind, mesh axes) the compiled program moves the bytes per step the report
   lists (within 1%), in no more collectives (XLA combines, never adds), nothing the report does
@@ -25,6 +25,7 @@ import torch
 
 import xtrain
 from models import GPT, SequenceParallelGPT, token_batches
+from test_long_sequence import batches as long_batches, llama, lm_loss as ids_loss
 from test_moe import lm_batches, lm_loss, mixtral
 from xtrain import aot, plans
 from xtrain.aot import schedule, toolchain
@@ -68,6 +69,12 @@ def _hybrid(mesh, batch):
     return case
 
 
+def _context():
+    torch.manual_seed(0)  # HF Llama, a ring over context=4: its backward passes k and v round again
+    return llama(layers=1, positions=32), long_batches(32, n=1, batch=4)[0], xtrain.Mesh(data=2, context=4), \
+        xtrain.Plan(), dict(loss_fn=ids_loss)
+
+
 def _expert():
     torch.manual_seed(0)
     return mixtral(), lm_batches(n=1, batch=8, seq=SEQ)[0], xtrain.Mesh(data=2, expert=4), xtrain.Plan(), \
@@ -87,6 +94,7 @@ FAMILIES = {
     "1f1b": (H100, _gpt(xtrain.Mesh(pipe=2, data=4), xtrain.Plan().with_pipeline(stages=2, microbatches=2,
                                                                                  schedule="1f1b"), layers=2)),
     "expert": (H100, _expert),
+    "context": (H100, _context),
     "int8": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(), grad_sync=xtrain.GradSync(comm_dtype="int8"))),
     "a100_hsdp": (A100, _hybrid(xtrain.Mesh(replicate=2, data=8), batch=16)),
 }

@@ -5,7 +5,8 @@ chunks travel around the ring (one collective permute per step) while each devic
 its queries' attention over every chunk with an online softmax across steps (the per-chunk
 output and log-sum-exp, merged). The derivative rule rings again: key/value chunks travel with
 their dK/dV accumulators, which arrive back home after the last step; only the output and the
-log-sum-exp are kept from the forward pass. The per-chunk work is the blockwise kernel
+log-sum-exp are kept from the forward pass (an optimization barrier keeps XLA from reusing the
+forward's passes instead, which would hold every chunk until the backward pass). The per-chunk work is the blockwise kernel
 (xtrain.ir.kernels.blockwise), its own forward and backward.
 
 Skipped steps: without balancing, a ring step whose key/value chunk the call's static band (a sliding
@@ -310,6 +311,9 @@ def _ring_fwd(ring: Ring, q, k, v, mask, drop=None):
 
 def _ring_bwd(ring: Ring, res, d_out):
     q, k, v, mask, drop, out, lse = res
+    # k and v ring again from the cotangent's arrival: without the barrier XLA's CSE takes the
+    # forward's passes for these and keeps every chunk alive from the forward to the backward
+    k, v, d_out = lax.optimization_barrier((k, v, d_out))
     here = ring.position()
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
