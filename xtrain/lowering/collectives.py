@@ -35,12 +35,17 @@ def all_reduce(x, axes: Sequence[str]):
     return lax.psum(x, _name(axes))
 
 
-def all_reduce_joined(values: list, axes: Sequence[str]) -> list:
-    """Each value summed over `axes` (all of one dtype): one all-reduce of the values flattened
-    into one buffer."""
-    flat = lax.psum(jnp.concatenate([jnp.ravel(x) for x in values]), _name(axes))
+def _joined(reduce, values: list, axes: Sequence[str]) -> list:
+    """`reduce` (lax.psum, lax.pmax) of each value over `axes` (all of one dtype) as one
+    collective of the values flattened into one buffer."""
+    flat = reduce(jnp.concatenate([jnp.ravel(x) for x in values]), _name(axes))
     sizes = np.cumsum([x.size for x in values])[:-1]
     return [piece.reshape(x.shape) for x, piece in zip(values, jnp.split(flat, sizes))]
+
+
+def all_reduce_joined(values: list, axes: Sequence[str]) -> list:
+    """Each value summed over `axes` (all of one dtype): one all-reduce of them all."""
+    return _joined(lax.psum, values, axes)
 
 
 def all_max(values: dict) -> dict:
@@ -54,9 +59,7 @@ def all_max(values: dict) -> dict:
         if not axes:
             out.update((n, values[n]) for n in names)
             continue
-        flat = lax.pmax(jnp.concatenate([jnp.ravel(values[n]) for n in names]), _name(axes))
-        sizes = np.cumsum([values[n].size for n in names])[:-1]
-        out.update((n, piece.reshape(values[n].shape)) for n, piece in zip(names, jnp.split(flat, sizes)))
+        out.update(zip(names, _joined(lax.pmax, [values[n] for n in names], axes)))
     return out
 
 

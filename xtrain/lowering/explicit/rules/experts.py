@@ -70,6 +70,11 @@ def _local_experts(received, up, down, spec: moe.ExpertsSpec):
 CHUNKS = 2  # a GPU layer's tokens in chunks: one chunk's all-to-alls in flight while another's experts compute
 
 
+def chunks(tokens: int) -> int:
+    """The chunks a ragged layer of this device's `tokens` runs in: CHUNKS where they divide, else 1."""
+    return CHUNKS if tokens % CHUNKS == 0 else 1
+
+
 @jax.custom_vjp
 def _ragged(x, buffer, there, back):
     """`buffer` with x's rows written where `there` (input offsets, send sizes, output offsets at
@@ -140,19 +145,19 @@ def _unsorted(rows, order, k: int):
     return rows[jnp.argsort(order)].reshape(-1, k, rows.shape[1]).sum(axis=1)
 
 
-def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peers: int, chunks: int):
-    """The drop-free layer sending only routed rows (module docstring), its tokens in `chunks`:
+def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peers: int, count: int):
+    """The drop-free layer sending only routed rows (module docstring), its tokens in `count` chunks:
     chunk i's experts run after chunk i-1's (an optimization barrier: XLA would otherwise merge
     their GEMMs or fuse their gathers into one kernel waiting on both dispatches), so chunk i's
     dispatch and chunk i-1's combine are in flight while experts compute."""
     n, k = expert_ids.shape
-    m, per_device = n // chunks, up.shape[0]
+    m, per_device = n // count, up.shape[0]
     parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers)
-             for i in range(chunks)]
+             for i in range(count)]
     received = [_ragged(c.payload, _buffer(peers * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
                 for c in parts]  # padding rows carry the id per_device, which no local expert has
     combine = lambda c, done: _ragged(done, _buffer(c.payload.shape[0], done), c.combine, c.dispatch)
-    done, back = [None] * chunks, [None] * chunks
+    done, back = [None] * count, [None] * count
     for i, c in enumerate(parts):
         if i:  # chunk i's experts after chunk i-1's, whose combine then starts
             received[i], done[i - 1] = lax.optimization_barrier((received[i], done[i - 1]))
@@ -174,7 +179,7 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     in CHUNKS chunks where they divide."""
     n, k = expert_ids.shape
     if ragged and per_expert is None:
-        return _ragged_routed(x, expert_ids, weights, up, down, spec, peers, CHUNKS if n % CHUNKS == 0 else 1)
+        return _ragged_routed(x, expert_ids, weights, up, down, spec, peers, chunks(n))
     per_device = up.shape[0]
     flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,)
     order = jnp.argsort(flat, stable=True)

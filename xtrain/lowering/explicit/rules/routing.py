@@ -145,7 +145,7 @@ def routed_experts(ctx: Context, eqn, args):
         cap, how = (cap, "this device's tokens x top_k: drop-free") if per_expert is None else (
             per_expert * up.shape[0] // peers, f"{per_expert} per expert")
         if ragged:
-            chunks = experts.CHUNKS if x.value.shape[0] % experts.CHUNKS == 0 else 1
+            chunks = experts.chunks(x.value.shape[0])
             ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by ragged all-to-all "
                      f"over {experts.EXPERT!r}: each device sends its {cap} routed rows x {x.shape[1]} features "
                      f"(+1 for the expert id) each way, received into a buffer of {cap * peers} rows; in {chunks} "
