@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax._src import config as jax_config  # traceback_in_locations_limit has no public context manager
 
 from xtrain import data
 from xtrain.aot.targets import GpuTarget
@@ -144,7 +145,10 @@ def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptio
         return jax.tree.leaves(train(*jax.tree.unflatten(tree, xs)))
 
     shardings = tuple(x.sharding for x in leaves)
-    with warnings.catch_warnings():  # shape-only inputs: donation is decided by the child's compile
+    # source locations out of the program (op names stay): the executable then depends on the step, not
+    # on the file and line it was prepared from (two compiles of one step are byte-identical)
+    with warnings.catch_warnings(), jax_config.traceback_in_locations_limit(0):
+        # shape-only inputs: donation is decided by the child's compile
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         # the parent and the child run one jaxlib: its custom calls without a stability guarantee are safe
         # to pass (MoE dispatch's ragged all-to-all; cuDNN's attention traced on a GPU host)
