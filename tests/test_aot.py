@@ -144,15 +144,9 @@ def test_the_check_fails_for_another_plans_report(compiled):
     assert any("B per step compiled vs" in p for p in int8), int8
 
 
-# Open (measured): ZeRO-3's backward re-gathers are scheduled with no GEMM in their window (33% of
-# the all-gather bytes overlap on 4 layers; the forward's overlap): the scheduler flags or the
-# re-gather's placement need work (xtrain.runtime.backends.cuda_xla_flags).
-ZERO3_REGATHER = pytest.mark.xfail(strict=True, reason="ZeRO-3 backward re-gathers not overlapped (33% of bytes)")
-
-
 @E2E
 @pytest.mark.parametrize("family, kinds", [("ddp", ("all-reduce",)),
-                                           pytest.param("zero3", ("all-gather",), marks=ZERO3_REGATHER)])
+                                           ("zero3", ("all-gather",))])
 def test_gradient_and_weight_collectives_overlap_gemms(compiled, family, kinds):
     program = compiled[family]
     share = program.overlapped_share(kinds, ("data",))

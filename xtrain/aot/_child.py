@@ -13,7 +13,7 @@ first on PATH). Each job is a dict:
     axes, shape   the mesh's axis names and sizes
     topology      XLA's 'SLICES x HOSTS x GPUS' string
     config        the GpuTargetConfigProto text of one GPU
-    compiler_options  XLA options of this compile (over XLA_FLAGS): the combine thresholds
+    compiler_options  XLA options of this compile (over XLA_FLAGS): xtrain.lowering.gpu_options
 
 and its result a dict: memory (XLA's memory analysis), text (the scheduled HLO), executable
 (jax.experimental.serialize_executable bytes), seconds, or error (the exception's text).

@@ -26,8 +26,6 @@ from xtrain.frontend import tensors
 from xtrain.ir.model import Trainable
 from xtrain.lowering import accumulation, assembly
 from xtrain.lowering.assembly import BuiltStep
-from xtrain.lowering.gradient_sync import GradSync
-from xtrain.runtime import backends
 from xtrain.sharding.mesh import Mesh
 from xtrain.sharding.plan import PendingPlan, Plan
 from xtrain.step import CompileOptions
@@ -121,15 +119,6 @@ def prepare(trainable: Trainable, mesh: Mesh, plan, batch: tuple, target: GpuTar
     return Prepared(target, built, trainable, placed, jaxpr, _job(built, args, target, options, on_device), options)
 
 
-def combine_bytes(options: CompileOptions) -> int:
-    """XLA's combine threshold for this step's all-reduces, all-gathers and reduce-scatters: one
-    gradient bucket (GradSync.bucket_bytes, 25 MiB by default), so that XLA merges collectives up
-    to the bucket xtrain planned and no further (a whole small model's would become one, with no
-    compute left to hide it behind)."""
-    bucket = (options.grad_sync or GradSync()).bucket_bytes
-    return backends.GPU_COMBINE_THRESHOLD_BYTES if bucket is None else bucket
-
-
 # the custom calls of cuDNN's fused attention (jax._src.cudnn), outside jax.export's stable list
 CUDNN_TARGETS = tuple(f"__cudnn$fmha{bias}Softmax{dropout}{grad}" for bias in ("", "ScaleBias")
                       for dropout in ("", "Dropout") for grad in ("", "Backward"))
@@ -164,6 +153,5 @@ def _job(built: BuiltStep, args: tuple, target: GpuTarget, options: CompileOptio
             "specs": [(s.spec, s.memory_kind) for s in shardings],
             "axes": tuple(built.mesh.axis_names), "shape": tuple(built.mesh.axis_sizes),
             "topology": target.topology, "config": target.config,
-            "compiler_options": {f"xla_gpu_{kind}_combine_threshold_bytes": combine_bytes(options)
-                                 for kind in ("all_reduce", "all_gather", "reduce_scatter")}}
+            "compiler_options": built.program.compiler_options}
 

@@ -6,7 +6,7 @@ import jax
 
 from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir.model import Model
-from xtrain.lowering import gradient_sync, offload, train_step
+from xtrain.lowering import gpu_options, gradient_sync, offload, train_step
 from xtrain.lowering.explicit.forward import ExplicitStrategy
 from xtrain.lowering.pipeline.program import check_mesh
 from xtrain.lowering.pipeline import strategy as pipeline_strategy
@@ -32,7 +32,9 @@ def lower(model: Model, mesh, layout: StateLayout, shardings: TrainState, config
         strategy = ExplicitStrategy(model, mesh, layout, specs, config)
     else:
         strategy = XlaStrategy(model, mesh, layout, config)
-    return train_step.build(strategy, shardings, mesh, config, model)
+    options = gpu_options.compiler_options(config.sync, layout, regather=config.regather) \
+        if config.platform == "cuda" else None
+    return train_step.build(strategy, shardings, mesh, config, model, options)
 
 
 def check(mesh, layout: StateLayout, config: StepConfig, *, lowering: str = "explicit",

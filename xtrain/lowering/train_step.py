@@ -178,6 +178,7 @@ class StepProgram:
     strategy: Strategy
     inputs: input_checks.Found = dataclasses.field(default_factory=input_checks.Found)
     traced: Traced = dataclasses.field(default_factory=Traced, repr=False)
+    compiler_options: Mapping[str, Any] | None = None  # XLA's, per compile (CUDA: xtrain.lowering.gpu_options)
 
     @property
     def findings(self) -> Findings:
@@ -283,10 +284,16 @@ def _evaluator(strategy: Strategy) -> Callable:
     return eval_step
 
 
-def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig, model) -> StepProgram:
-    """The jit-compiled step of `strategy` for `model`, its state laid out by `shardings` (donated)."""
+def build(strategy: Strategy, shardings: TrainState, mesh, config: StepConfig, model,
+          compiler_options: Mapping[str, Any] | None = None) -> StepProgram:
+    """The jit-compiled step of `strategy` for `model`, its state laid out by `shardings` (donated).
+    `compiler_options`: XLA's for this step (over the process's XLA flags), compiled with on GPUs
+    present; else kept for a compile elsewhere (xtrain.aot passes them to its child, whose jit
+    holds this one: JAX takes them on the outermost jit only)."""
     gradient_sync.check_axes(config.sync, dict(mesh.shape))
     replicated, found, traced = NamedSharding(mesh, PartitionSpec()), input_checks.Found(), Traced()
+    here = isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "gpu"
     train = jax.jit(_trainer(strategy, config, model, found, traced), out_shardings=(shardings, replicated),
-                    donate_argnums=0)
-    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy, found, traced)
+                    donate_argnums=0, compiler_options=compiler_options if here else None)
+    return StepProgram(train, jax.jit(_evaluator(strategy), out_shardings=replicated), strategy, found, traced,
+                       compiler_options)

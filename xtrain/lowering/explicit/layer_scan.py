@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 from xtrain.ir import walk
 from xtrain.lowering import gradient_sync
 from xtrain.lowering import remat as remat_policy
+from xtrain.lowering import regather as regather_mod
 from xtrain.lowering import zero, zero3_int8
 from xtrain.lowering.collectives import vma
 from xtrain.lowering import sharded as C
@@ -57,7 +58,7 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
         return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(vma, init))]), xs, **kwargs)
 
 
-def _remat(body, remat, regather: zero.RegatherPolicy | None):
+def _remat(body, remat, regather: zero.RegatherPolicy | None, sizes):
     """One layer's body with activation checkpointing (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
     values the interpreter tagged in the kept modules; offloaded, these go to host memory
@@ -67,7 +68,7 @@ def _remat(body, remat, regather: zero.RegatherPolicy | None):
     outlive it (remat's policies never keep them either)."""
     if remat is not None:
         return jax.checkpoint(body, policy=remat_policy.policy(remat))
-    return jax.checkpoint(body, policy=regather) if regather is not None else body
+    return regather_mod.regathered(body, regather, tuple(sizes)) if regather is not None else body
 
 
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
@@ -245,21 +246,23 @@ def _scattered(ctx: Context, scattered: dict, blocks_of: dict, params: list[Shar
 
 def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, positions: list) -> tuple[list, list]:
     """(final carry, per layer (counts, collected values)) of `body` run over the layers: one
-    call per layer unrolled, else one lax.scan whose stacked outputs are cut into layers."""
-    final, rows = init, []
+    call per layer unrolled, else one lax.scan whose stacked outputs are cut into layers.
+    ZeRO-3's re-gather carries a token beside the carry (xtrain.lowering.regather)."""
+    tokened = ctx.regather is not None and ctx.remat is None
+    final, rows = init + [regather_mod.token(tuple(ctx.sizes))] if tokened else init, []
     if ctx.unroll:
         for k in range(blocks.length):
-            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
+            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather, ctx.sizes)
             final, row = layer(final, [values[k] for values in positions])
             rows.append(row)
-        return final, rows
+        return final[:len(init)], rows
     numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
-    final, (counts, stacked) = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
+    final, (counts, stacked) = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather, ctx.sizes), final,
                                                       [values[0] for values in positions] + numbers,
                                                       length=blocks.length)
     for k in range(blocks.length):
         rows.append(({key: c[k] for key, c in counts.items()}, [s[k] for s in stacked]))
-    return final, rows
+    return final[:len(init)], rows
 
 
 def _layer_counts(ctx: Context, before: set, pending: dict) -> dict:
