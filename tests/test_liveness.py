@@ -86,4 +86,4 @@ def test_graph_memory_is_within_15_percent_of_the_compiled_memory():
         graph = search.step_cost(abstract_step(trainable_of(t.model, t.tx), c.mesh, plan, (x, x)), c.mesh,
                                  x.size).memory.total
         ratios[c.name] = graph / compiled
-    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), str(ratios)

@@ -29,10 +29,10 @@ def _body(carry, xs):
 def _loss(ahead: bool):
     mesh = Mesh(np.array(jax.devices()[:N]), ("data",))
     policy = zero.RegatherPolicy(("data",))
-    layer = regather.regathered(_body, policy, ("data",)) if ahead else jax.checkpoint(_body, policy=policy)
+    layer = regather.regathered(_body, policy) if ahead else jax.checkpoint(_body, policy=policy)
 
     def local(ws, x):
-        carry = [x] + ([regather.token(("data",))] if ahead else [])
+        carry = [x] + ([regather.token()] if ahead else [])
         rows = []
         for w in ws:
             carry, row = layer(carry, [w])

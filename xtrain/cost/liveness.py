@@ -29,10 +29,13 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-# Primitives whose result is their operand's buffer (a change of type or shape only): no new
-# bytes, and the operand lives as long as the result. Counted as copies, pvary alone added a whole
-# replica of the parameters to a DDP step's peak.
-ALIASES = frozenset({"pvary", "pcast", "psum_invariant_to_varying", "reshape", "squeeze", "expand_dims"})
+# Primitives whose result is their operand's buffer (a change of type or shape only, or an
+# optimization barrier, which XLA passes its operands through): no new bytes, and the operand lives
+# as long as the result. Counted as copies, pvary alone added a whole replica of the parameters to a
+# DDP step's peak, and ZeRO-3's barrier before a re-gather (xtrain.lowering.regather) a copy of
+# every value a layer saves.
+ALIASES = frozenset({"pvary", "pcast", "psum_invariant_to_varying", "reshape", "squeeze", "expand_dims",
+                     "optimization_barrier", "xtrain_remat_barrier"})
 
 # One output element from the same element of each operand: what XLA's loop fusion computes in
 # registers.

@@ -156,11 +156,17 @@ def _sequenced_bodies(params: dict) -> dict:
 
 # remat's lowering puts a differentiated checkpoint's inputs through an optimization barrier so
 # that XLA cannot merge the recomputation with the forward pass; inlined, it keeps it. (Own
-# primitive: lax.optimization_barrier types every output as varying over all inputs' axes.)
+# primitive: lax.optimization_barrier types every output as varying over all inputs' axes; also
+# ZeRO-3's re-gather, xtrain.lowering.regather.)
 _barrier_p = core.Primitive("xtrain_remat_barrier")
 _barrier_p.multiple_results = True
 _barrier_p.def_abstract_eval(lambda *xs: xs)
 mlir.register_lowering(_barrier_p, lambda ctx, *xs: list(hlo.OptimizationBarrierOp(xs).results))
+
+
+def barrier(values: list) -> list:
+    """`values` through one optimization barrier, each keeping its own type (vma included)."""
+    return list(_barrier_p.bind(*values)) if values else []
 
 
 def _barrier(invals: list, prevent_cse) -> list:

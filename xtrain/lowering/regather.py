@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from xtrain.lowering.collectives import vma
-
-
-def token(axes: tuple[str, ...]):
-    """The first layer's token: a scalar typed varying over every mesh axis (so the token that
-    comes back through any layer's barrier has one type)."""
-    zero = jnp.zeros((), jnp.float32)
-    return lax.pcast(zero, axes, to="varying") if axes else zero
+from xtrain.lowering import ordering
 
 
-def regathered(body, policy, axes: tuple[str, ...]):
+def token():
+    """The first layer's token (a float scalar; its cotangent is dropped)."""
+    return jnp.zeros((), jnp.float32)
+
+
+def regathered(body, policy):
     """`body` (carry: list, xs) -> (carry: list, row) under jax.checkpoint(policy), taking and
     returning the token as its carry's last element (see the module docstring)."""
     checkpointed = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -51,13 +48,13 @@ def regathered(body, policy, axes: tuple[str, ...]):
         flat, tree = jax.tree.flatten((carry, xs))
         closed, shape = jax.make_jaxpr(lambda *v: checkpointed(*jax.tree.unflatten(tree, v)),
                                        return_shape=True)(*flat)
-        out, tok = _apply(closed, axes, flat, tok)
+        out, tok = _apply(closed, flat, tok)
         new_carry, row = jax.tree.unflatten(jax.tree.structure(shape), out)
         return [*new_carry, tok], row
     return layer
 
 
-def _apply(closed, axes, flat, tok):
+def _apply(closed, flat, tok):
     def run(consts, values):
         return jax.core.eval_jaxpr(closed.jaxpr, consts, *values)
 
@@ -72,12 +69,11 @@ def _apply(closed, axes, flat, tok):
     def backward(pullback, cts):
         ct_out, ct_tok = cts
         # the token for the layer before: ready as this layer's backward begins (its cotangent arrives)
-        mine = lax.optimization_barrier((ct_out, jnp.zeros_like(ct_tok)))[1]
-        missing = tuple(a for a in axes if a not in vma(mine))
-        mine = lax.pcast(mine, missing, to="varying") if missing else mine
+        arrived = [c for c in jax.tree.leaves(ct_out) if c.dtype != jax.dtypes.float0]  # integer outputs' are float0
+        mine = ordering.barrier(arrived + [jnp.zeros_like(ct_tok)])[-1]
         # this layer's recomputation (the re-gather): after its saved values and the next layer's token
         saved, structure = jax.tree.flatten(pullback)
-        saved = lax.optimization_barrier((saved, ct_tok))[0]
+        saved = ordering.barrier(saved + [ct_tok])[:-1]
         ct_consts, ct_values = jax.tree.unflatten(structure, saved)(ct_out)
         return ct_consts, ct_values, mine
 

@@ -58,7 +58,7 @@ def scan_with_stable_carry(body, init: list, xs, **kwargs):
         return lax.scan(body, _vary(init, [a | b for a, b in zip(seen, map(vma, init))]), xs, **kwargs)
 
 
-def _remat(body, remat, regather: zero.RegatherPolicy | None, sizes):
+def _remat(body, remat, regather: zero.RegatherPolicy | None):
     """One layer's body with activation checkpointing (`remat`: a LayerRemat): `full`
     saves only the layer's input (the carry), `dots` also its matmul outputs, `selective` the
     values the interpreter tagged in the kept modules; offloaded, these go to host memory
@@ -68,7 +68,7 @@ def _remat(body, remat, regather: zero.RegatherPolicy | None, sizes):
     outlive it (remat's policies never keep them either)."""
     if remat is not None:
         return jax.checkpoint(body, policy=remat_policy.policy(remat))
-    return regather_mod.regathered(body, regather, tuple(sizes)) if regather is not None else body
+    return regather_mod.regathered(body, regather) if regather is not None else body
 
 
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
@@ -249,15 +249,15 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
     call per layer unrolled, else one lax.scan whose stacked outputs are cut into layers.
     ZeRO-3's re-gather carries a token beside the carry (xtrain.lowering.regather)."""
     tokened = ctx.regather is not None and ctx.remat is None
-    final, rows = init + [regather_mod.token(tuple(ctx.sizes))] if tokened else init, []
+    final, rows = init + [regather_mod.token()] if tokened else init, []
     if ctx.unroll:
         for k in range(blocks.length):
-            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather, ctx.sizes)
+            layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
             final, row = layer(final, [values[k] for values in positions])
             rows.append(row)
         return final[:len(init)], rows
     numbers = [jnp.arange(blocks.length, dtype=jnp.int32)] if blocks.variants else []
-    final, (counts, stacked) = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather, ctx.sizes), final,
+    final, (counts, stacked) = scan_with_stable_carry(_remat(body, ctx.remat, ctx.regather), final,
                                                       [values[0] for values in positions] + numbers,
                                                       length=blocks.length)
     for k in range(blocks.length):
