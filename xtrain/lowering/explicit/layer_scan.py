@@ -64,8 +64,9 @@ def _remat(body, remat, regather: zero.RegatherPolicy | None):
     values the interpreter tagged in the kept modules; offloaded, these go to host memory
     (xtrain.lowering.remat). Without it, ZeRO-3's re-gather
     (`regather`; None = off) saves all but the gathered weights: the backward pass gathers
-    each layer's weights again where it reaches that layer, so no layer's gathered weights
-    outlive it (remat's policies never keep them either)."""
+    each layer's weights again, one layer ahead (xtrain.lowering.regather: the body then carries
+    a token after its carry), so no layer's gathered weights outlive the next layer's backward
+    (remat's policies never keep them either)."""
     if remat is not None:
         return jax.checkpoint(body, policy=remat_policy.policy(remat))
     return regather_mod.regathered(body, regather) if regather is not None else body
