@@ -151,6 +151,11 @@ def test_gradient_and_weight_collectives_overlap_gemms(compiled, family, kinds):
     program = compiled[family]
     share = program.overlapped_share(kinds, ("data",))
     assert share >= 0.8, [(c.kind, c.bytes, c.gemms) for c in program.collectives]
+    # the step's own XLA options (xtrain.lowering.gpu_options), in the manifest: a reduce-scatter's
+    # threshold is the 6 KB bucket over its 8 devices; ZeRO-3's re-gathers may run beside them
+    options = program.manifest["compiler_options"]
+    assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == (768 if family == "zero3" else 6144)
+    assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == (2 if family == "zero3" else 1)
 
 
 @E2E
