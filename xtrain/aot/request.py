@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from jax._src import config as jax_config  # traceback_in_locations_limit has no public context manager
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from xtrain import data
 from xtrain.aot.targets import GpuTarget

@@ -250,7 +250,8 @@ def _run_layers(ctx: Context, blocks: RepeatedBlocks, body, init: list, position
     call per layer unrolled, else one lax.scan whose stacked outputs are cut into layers.
     ZeRO-3's re-gather carries a token beside the carry (xtrain.lowering.regather)."""
     tokened = ctx.regather is not None and ctx.remat is None
-    final, rows = init + [regather_mod.token()] if tokened else init, []
+    final = init + [regather_mod.token()] if tokened else init
+    rows = []
     if ctx.unroll:
         for k in range(blocks.length):
             layer = _remat(functools.partial(body, index=k), ctx.remat, ctx.regather)
