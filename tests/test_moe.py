@@ -187,13 +187,16 @@ def assert_moe_local(step):
 
 MESHES = {"data8": dict(data=8), "fsdp": dict(data=8), "expert": dict(data=2, expert=4),
           "fsdp_expert": dict(data=2, expert=4), "megatron": dict(data=4, tensor=2),
-          "expert_tensor": dict(data=2, expert=2, tensor=2)}
+          "expert_tensor": dict(data=2, expert=2, tensor=2), "zero1_expert": dict(data=2, expert=4),
+          "zero2_expert": dict(data=2, expert=4), "zero3_expert": dict(data=2, expert=4)}
 
 
 def layout_plan(layout, model, mesh, batch, loss_fn):
     """The plan of a layout of the parity matrix; Megatron's splits each expert's FFN over `tensor`."""
     if "fsdp" in layout:
         return xtrain.plans.fsdp(model, mesh)
+    if layout.startswith("zero"):
+        return xtrain.Plan(zero=int(layout[4]))
     if layout not in ("megatron", "expert_tensor"):
         return None
     plan = xtrain.plans.megatron(model, mesh, example=batch, loss_fn=loss_fn)
@@ -206,7 +209,8 @@ def layout_plan(layout, model, mesh, batch, loss_fn):
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,layout", [("mixtral", "data8"), ("qwen3_moe", "data8"), ("moe", "data8"),
                                          ("moe", "fsdp"), ("moe", "expert"), ("mixtral", "expert"),
-                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert"), ("moe", "megatron"),
+                                         ("qwen3_moe", "expert"), ("moe", "fsdp_expert"), ("moe", "zero1_expert"),
+                                         ("moe", "zero2_expert"), ("mixtral", "zero3_expert"), ("moe", "megatron"),
                                          ("moe", "expert_tensor")])
 def test_moe_parity(name, layout):
     model, make_opt, loss_fn, batches, reference = case(name)
@@ -366,6 +370,29 @@ def test_fsdp_with_expert_axis_splits_experts_over_both():
     stored = [n for n in step.layout.param_specs if ".experts." in n]
     assert stored and all(set(step.layout.split_axes(n)) == {"expert", "data"} for n in stored)
     assert [c.kind for c in step.report().collectives].count("all-to-all") == 8
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_with_expert_axis_splits_expert_state_over_data(stage):
+    """Plan(zero=stage) on Mesh(data=2, expert=4): the expert weights, split over `expert` by
+    expert parallelism, have their ZeRO split over `data` (the batch axis they leave free):
+    optimizer state (and, stage 3, the weights) held by 1/8 of the devices each, not 1/4; ZeRO-1
+    and 2 move the expert weights' shards over `data` alone."""
+    model, make_opt, loss_fn, batches, _ = case("moe")
+    m = copy.deepcopy(model)
+    step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()),
+                          plan=xtrain.Plan(zero=stage), loss_fn=loss_fn)
+    step(*batches[0])
+    axes = lambda specs, n: {a for e in specs[n] for a in (e if isinstance(e, tuple) else (e,)) if a}
+    stored = [n for n in step.layout.param_specs if ".experts." in n]
+    assert stored
+    for n in stored:
+        assert axes(step.layout.optimizer_specs, n) == {"expert", "data"}, (n, step.layout.optimizer_specs[n])
+        assert axes(step.layout.param_specs, n) == ({"expert", "data"} if stage == 3 else {"expert"})
+    if stage in (1, 2):
+        zero = [c for c in step.report().collectives if "xtrain.zero" in c.source or "in_backward" in c.source]
+        assert zero and {c.axes for c in zero} == {("data", "expert"), ("data",)}, zero
 
 
 def _loss_reduction(c) -> bool:

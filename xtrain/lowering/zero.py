@@ -64,13 +64,15 @@ def _split_columns(flat, sizes: list[int]) -> list:
     return out
 
 
-def _split_dim(param_spec: Spec, opt_spec: Spec, data_axes) -> int | None:
-    """The dimension the optimizer state is split on beyond the parameter's own split."""
+def _split_dim(param_spec: Spec, opt_spec: Spec, data_axes) -> tuple[int | None, tuple[str, ...]]:
+    """(the dimension the optimizer state is split on beyond the parameter's own split, the data
+    axes of that split): all of them, or those the parameter leaves free (an expert weight split
+    over `expert` has its ZeRO split over `data` alone); (None, ()) when it is not split."""
     for dim, entry in enumerate(opt_spec):
         extra = set(axes_of(entry)) - set(axes_of(param_spec[dim] if dim < len(param_spec) else None))
         if extra & set(data_axes):
-            return dim
-    return None
+            return dim, tuple(a for a in data_axes if a in extra)
+    return None, ()
 
 
 # -- ZeRO-1/2: the sharded update -----------------------------------------------------------------
@@ -83,12 +85,17 @@ class Update:
                  grad_tx: GradTransforms = GradTransforms(), sync: GradSync = GradSync()):
         self.sizes, self.data_axes, self.stage, self.tx, self.grad_tx = sizes, data_axes, stage, tx, grad_tx
         self.sync, self.bucket_bytes = sync, sync.bucket_bytes
-        self.n = math.prod(sizes[a] for a in data_axes)
         self.param_axes = {n: tuple(a for e in s for a in axes_of(e)) for n, s in param_specs.items()}
         # a stacked array's rows are layers (split over the pipeline axis, if at all), not parts of one tensor
         self.row_axes = {n: tuple(axes_of(s[0])) if is_stacked(n) and s else () for n, s in param_specs.items()}
-        self.dims = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else None
-                     for n in param_specs}
+        splits = {n: _split_dim(param_specs[n], optimizer_specs[n], data_axes) if stage in (1, 2) else (None, ())
+                  for n in param_specs}
+        self.dims = {n: d for n, (d, _) in splits.items()}
+        self.axes = {n: a for n, (_, a) in splits.items()}  # each tensor's ZeRO axes
+
+    def parts(self, name: str) -> int:
+        """How many blocks tensor `name` is cut into (the size of its ZeRO axes)."""
+        return math.prod(self.sizes[a] for a in self.axes[name])
 
     @classmethod
     def of_layout(cls, layout: StateLayout, tx: optax.GradientTransformation, grad_tx: GradTransforms,
@@ -110,19 +117,20 @@ class Update:
     def shard(self, name: str, x):
         """This device's block of `x` (parameter `name`, local) on its ZeRO dimension: the
         block its ZeRO-2 gradient and optimizer state hold. No communication."""
-        return self._slice(x, self.dims[name])
+        return self._slice(x, name)
 
-    def _slice(self, x, dim):
-        local = x.shape[dim] // self.n
-        return lax.dynamic_slice_in_dim(x, collectives.axis_offset(self.sizes, self.data_axes) * local, local, axis=dim)
+    def _slice(self, x, name: str):
+        dim, axes = self.dims[name], self.axes[name]
+        local = x.shape[dim] // self.parts(name)
+        return lax.dynamic_slice_in_dim(x, collectives.axis_offset(self.sizes, axes) * local, local, axis=dim)
 
     def _buckets(self, values: Mapping[str, jax.Array], whole_bytes) -> list[list[str]]:
         """Names in buckets of about `bucket_bytes` (whole-tensor bytes); one bucket holds
-        tensors of one dtype that vary over the same mesh axes."""
+        tensors of one dtype that vary over the same mesh axes and are split over the same ZeRO axes."""
         groups: dict[tuple, dict[str, int]] = {}
         for name, v in values.items():
-            key = (v.dtype, tuple(sorted(vma(v))))
-            groups.setdefault(key, {})[name] = whole_bytes(v)
+            key = (v.dtype, tuple(sorted(vma(v))), self.axes.get(name, ()))
+            groups.setdefault(key, {})[name] = whole_bytes(name, v)
         return [b for sizes in groups.values() for b in buckets(sizes, self.bucket_bytes)]
 
     def _reduce_scatter(self, grads: Mapping[str, jax.Array], split: Mapping[str, int]) -> tuple[dict, dict]:
@@ -130,22 +138,22 @@ class Update:
         wire in the gradient sync's dtype (bfloat16 under a bf16 precision policy); the int8
         residual of each gradient, empty unless GradSync(comm_dtype="int8"))."""
         out, dropped = {}, {}
-        for index, bucket in enumerate(self._buckets(grads, lambda g: g.size * g.dtype.itemsize)):
+        for index, bucket in enumerate(self._buckets(grads, lambda _, g: g.size * g.dtype.itemsize)):
             with jax.named_scope(f"xtrain.zero.reduce_scatter.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 dtype = grads[bucket[0]].dtype
                 wire = dtype if self.sync.int8 else (self.sync.comm_dtype or dtype)  # int8 quantizes per chunk
-                rows = [_rows(grads[n].astype(wire), split[n], self.n) for n in bucket]
+                axes, parts = self.axes[bucket[0]], self.parts(bucket[0])
+                rows = [_rows(grads[n].astype(wire), split[n], parts) for n in bucket]
                 widths, blocks = [r.shape[1] for r in rows], {}
                 for n in bucket:
                     blocks[n] = list(grads[n].shape)
-                    blocks[n][split[n]] //= self.n
+                    blocks[n][split[n]] //= parts
                 if self.sync.int8:  # all-to-all of int8 rows, summed in fp32 (xtrain.lowering.int8_sync)
-                    mine, left = int8_sync.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes,
-                                                          self.sync.int8_chunk)
+                    mine, left = int8_sync.reduce_scatter(jnp.concatenate(rows, axis=1), axes, self.sync.int8_chunk)
                     dropped.update({n: _unrows(r, split[n], tuple(blocks[n]))
                                     for n, r in zip(bucket, _split_columns(left, widths))})
                 else:
-                    mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), self.data_axes, 0, tiled=False)
+                    mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), axes, 0, tiled=False)
                 out.update({n: b.astype(dtype).reshape(blocks[n])
                             for n, b in zip(bucket, _split_columns(mine, widths))})
         return out, dropped
@@ -153,10 +161,10 @@ class Update:
     def _all_gather(self, shards: Mapping[str, jax.Array], split: Mapping[str, int]) -> dict:
         """Every device's block of each updated parameter, joined: the whole parameter."""
         out = {}
-        for index, bucket in enumerate(self._buckets(shards, lambda v: v.size * v.dtype.itemsize * self.n)):
+        for index, bucket in enumerate(self._buckets(shards, lambda n, v: v.size * v.dtype.itemsize * self.parts(n))):
             with jax.named_scope(f"xtrain.zero.all_gather.bucket{index}[{bucket[0]}..{bucket[-1]}]"):
                 flat = jnp.concatenate([shards[n].ravel() for n in bucket])
-                rows = collectives.all_gather(flat, self.data_axes, 0, tiled=False, invariant=True)  # (n, bucket)
+                rows = collectives.all_gather(flat, self.axes[bucket[0]], 0, tiled=False, invariant=True)  # (n, bucket)
                 for n, block in zip(bucket, _split_columns(rows, [shards[n].size for n in bucket])):
                     out[n] = _unrows(block, split[n], shards[n].shape)
         return out
@@ -164,7 +172,7 @@ class Update:
     def _split_axes(self, split: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
         """Mesh axes each (local) gradient is split over: its parameter's own, plus the data
         axes where the optimizer works on a slice (ZeRO-1/2)."""
-        return {n: axes + (self.data_axes if n in split else ()) for n, axes in self.param_axes.items()}
+        return {n: axes + (self.axes[n] if n in split else ()) for n, axes in self.param_axes.items()}
 
     def _sum_squares(self, split: Mapping[str, int]):
         """Per-tensor (per-layer) sums over the shards, for transformations that need whole
@@ -178,14 +186,14 @@ class Update:
         group, `scale` fp16's. `shards`: ZeRO-2 gradients already reduce-scattered to this
         device's block (by the layer scan's backward pass: `scatter_in_layer`)."""
         split = {n: d for n, d in self.dims.items() if d is not None and n in params}
-        shard_p = {n: self._slice(p, split[n]) if n in split else p for n, p in params.items()}
+        shard_p = {n: self._slice(p, n) if n in split else p for n, p in params.items()}
         dropped = {}
         if self.stage == 2:  # last layers' gradients first, as the backward pass makes them
             order = [n for n in reversed(list(grads)) if n in split and n not in shards]
             scattered, dropped = self._reduce_scatter({n: grads[n] for n in order}, split)
             scattered.update({n: grads[n] for n in shards})
         else:
-            scattered = {n: self._slice(g, split[n]) for n, g in grads.items() if n in split}
+            scattered = {n: self._slice(g, n) for n, g in grads.items() if n in split}
         shard_g = {n: scattered.get(n, g) for n, g in grads.items()}
         shard_g, norm = self.grad_tx.before_update(shard_g, self._split_axes(split), scale)
         updates, opt_state = optax.with_extra_args_support(self.tx).update(

@@ -1,8 +1,10 @@
 """ZeRO: where each tensor is split over the data-parallel axes.
 
-One rule for every stage: a tensor is split over the data axes on its largest dimension that
-is not already split and that the data size divides; a tensor with no such dimension stays
-whole. Stage 3 applies it to parameters; stages 1 and 2 to optimizer state only.
+One rule for every stage: a tensor is split over the data axes it is not already split over
+(all of them; an expert weight split over `expert`, which is a data axis for every other
+tensor, over the rest) on its largest dimension that is not already split and that their size
+divides; a tensor with no such dimension stays whole. Stage 3 applies it to parameters; stages
+1 and 2 to optimizer state only.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from xtrain.sharding.segments import Segments
 
 
 def shard_dim(shape: tuple[int, ...], spec: Spec, mesh_axes: Mapping[str, int], data_axes: tuple[str, ...]) -> int | None:
-    """The dimension ZeRO splits over `data_axes`, or None when none fits."""
+    """The dimension ZeRO splits over the `data_axes` that `spec` leaves free, or None when none fits."""
     used = {a for e in spec for a in axes_of(e)}
-    if not data_axes or used & set(data_axes):
+    free = tuple(a for a in data_axes if a not in used)
+    if not free:
         return None
-    n = math.prod(mesh_axes[a] for a in data_axes)
+    n = math.prod(mesh_axes[a] for a in free)
     padded = tuple(spec) + (None,) * (len(shape) - len(spec))
     local = [shape[d] // math.prod(mesh_axes[a] for a in axes_of(padded[d])) for d in range(len(shape))]
     # never a per-segment dim: its shards are interleaved slices of the segments, not one block
@@ -33,7 +36,8 @@ def with_data_split(shape, spec: Spec, mesh_axes, data_axes) -> Spec:
     if dim is None:
         return tuple(spec)
     padded = list(spec) + [None] * (len(shape) - len(spec))
-    padded[dim] = tuple(axes_of(padded[dim])) + tuple(data_axes)
+    used = {a for e in spec for a in axes_of(e)}
+    padded[dim] = tuple(axes_of(padded[dim])) + tuple(a for a in data_axes if a not in used)
     padded[dim] = padded[dim][0] if len(padded[dim]) == 1 else padded[dim]
     return tuple(padded)
 

@@ -242,7 +242,7 @@ class ExplicitStrategy:
             self.program.in_layer = {n: a for n, a in self.grad_axes.items()
                                      if a and not layout.zero_axes(n) and not self.update.scatters(n)}
             # ZeRO-2: reduce-scattered per layer instead (a split of the layer dim cannot be)
-            self.program.scatter_in_layer = {n: (self.update.dims[n], self.update.data_axes)
+            self.program.scatter_in_layer = {n: (self.update.dims[n], self.update.axes[n])
                                              for n in self.grad_axes if self.update.scatters(n) and self.update.dims[n]}
 
     def gradients(self, state: TrainState, batch: tuple) -> Callable[..., Gradients]:
