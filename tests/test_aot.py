@@ -13,6 +13,7 @@ interleaved, offload, ...) is compiled by benchmarks/aot_families.py (suite time
   program and the fake was never run (the pinned wheel's ptxas was used); its executable is not yet
   byte-identical across processes (an open, strict xfail below).
 """
+import math
 import os
 import re
 import stat
@@ -75,6 +76,12 @@ def _context():
         xtrain.Plan(), dict(loss_fn=ids_loss)
 
 
+def _llama_remat():
+    torch.manual_seed(0)  # HF Llama, 4 layers in a scan, each checkpointed: the saved inputs are one stack
+    return llama(layers=4, positions=64), long_batches(64, n=1, batch=8)[0], xtrain.Mesh(data=8), \
+        xtrain.Plan(zero=3, remat="full", precision="bf16"), dict(loss_fn=ids_loss)
+
+
 def _expert():
     torch.manual_seed(0)
     return mixtral(), lm_batches(n=1, batch=8, seq=SEQ)[0], xtrain.Mesh(data=2, expert=4), xtrain.Plan(), \
@@ -90,6 +97,7 @@ FAMILIES = {
                          grad_sync=LAYER_BUCKETS)),
     # ZeRO-3 under fp8 in a layer scan: e4m3 weight gathers with their scales' amax, bf16 gradients
     "zero3_fp8": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(zero=3, precision="fp8"), layers=2)),
+    "zero3_remat": (H100, _llama_remat),
     "megatron_sp": (H100, _megatron_sp),
     "1f1b": (H100, _gpt(xtrain.Mesh(pipe=2, data=4), xtrain.Plan().with_pipeline(stages=2, microbatches=2,
                                                                                  schedule="1f1b"), layers=2)),
@@ -156,6 +164,23 @@ def test_gradient_and_weight_collectives_overlap_gemms(compiled, family, kinds):
     options = program.manifest["compiler_options"]
     assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == (768 if family == "zero3" else 6144)
     assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == (2 if family == "zero3" else 1)
+
+
+@E2E
+def test_saved_layer_inputs_are_never_transposed_as_one_stack(compiled):
+    """ZeRO-3 with full remat in a layer scan (HF Llama, 4 layers): the forward pass saves each
+    layer's input in one stack (layers x tokens x hidden). XLA's GPU layout assignment gave that
+    stack the hidden-major layout the backward pass prefers and transposed all of it at once after
+    the forward pass, a second copy of every saved input (20 GiB per H100 on Llama-3-70B). xtrain
+    saves them flat (xtrain.lowering.explicit.layer_scan): each value of the stack's size that
+    the step's top level makes has the layers as its major dimension."""
+    text = compiled["zero3_remat"].text
+    entry = text[text.index("\nENTRY"):]
+    elements = 4 * 1 * 64 * 32  # layers x (local batch 1 x 64 tokens) x hidden
+    made = [dims for dims, op in re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]+\} ([\w-]+)\(", entry)
+            if op not in ("get-tuple-element", "bitcast", "parameter")
+            and math.prod(int(d) for d in dims.split(",")) == elements]
+    assert made and all(dims.split(",")[0] == "4" for dims in made), made
 
 
 @E2E

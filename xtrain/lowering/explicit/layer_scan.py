@@ -68,8 +68,25 @@ def _remat(body, remat, regather: zero.RegatherPolicy | None):
     a token after its carry), so no layer's gathered weights outlive the next layer's backward
     (remat's policies never keep them either)."""
     if remat is not None:
-        return jax.checkpoint(body, policy=remat_policy.policy(remat))
+        return _flat_carry(body, remat_policy.policy(remat))
     return regather_mod.regathered(body, regather) if regather is not None else body
+
+
+def _flat_carry(body, policy):
+    """jax.checkpoint(body, policy) whose saved carry is flat: each carry enters the checkpoint
+    as a vector and takes its shape inside. XLA's GPU layout assignment otherwise gives the stack
+    of saved layer inputs the layout the backward pass prefers for them (hidden-major under
+    ZeRO-3) and transposes the whole stack at once, after the forward pass: a second copy of
+    every layer's input alive beside the first (Llama-3-70B, 80 layers x 8192 tokens, fp32: 20
+    GiB per device in the deviceless H100 compile, 60.7 -> 46.5 GiB in all). A vector has one
+    layout, so each layer's backward step copies its own input instead."""
+    def layer(carry, xs):
+        shapes = [c.shape for c in carry]
+
+        def shaped(flat, xs):
+            return body([f.reshape(s) for f, s in zip(flat, shapes)], xs)
+        return jax.checkpoint(shaped, policy=policy)([c.reshape(-1) for c in carry], xs)
+    return layer
 
 
 def _layer_position(ctx: Context, blocks: RepeatedBlocks, position: int, read, unrolled: bool) -> tuple[Sharded, list]:
