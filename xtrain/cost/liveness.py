@@ -23,6 +23,7 @@ compiled program needs 10.3 GiB).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -74,19 +75,19 @@ def nbytes(aval) -> int:
     return math.prod(shape) * itemsize
 
 
-def _fused(jaxpr, root: dict) -> dict:
+def _fused(eqns: list, outvars: list, root: dict) -> dict:
     """The values XLA computes inside their consumers, each mapped to the operands it reads
     (a value's consumers are those of its aliases too: `root`)."""
     consumers: dict = {}
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         if all(o in root for o in eqn.outvars) and eqn.outvars:  # an alias: its consumers count
             continue
         for v in eqn.invars:
-            if isinstance(v, jcore.Var):
+            if _var(v):
                 consumers.setdefault(root.get(v, v), []).append(str(eqn.primitive))
-    outputs = {root.get(v, v) for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    outputs = {root.get(v, v) for v in outvars if _var(v)}
     fused = {}
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         name = str(eqn.primitive)
         if len(eqn.outvars) != 1 or name not in ELEMENTWISE | EXPANDING:
             continue
@@ -94,21 +95,78 @@ def _fused(jaxpr, root: dict) -> dict:
         uses = consumers.get(out, [])
         if out in outputs or not uses or not all(u in ABSORBERS for u in uses):
             continue
-        fused[out] = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+        fused[out] = [v for v in eqn.invars if _var(v)]
     return fused
 
 
-def peak_live_bytes(jaxpr) -> int:
+# Calls XLA inlines into their caller: their equations are the caller's (a final select of the new
+# state against the old, in its own jit, is then an in-place elementwise op like any other)
+INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+class _Fresh:
+    """A variable of one inlined call (hashed by identity, as jax's are)."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval):
+        self.aval = aval
+
+
+def _var(v) -> bool:
+    return not isinstance(v, jcore.Literal)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eqn:
+    primitive: str
+    invars: list
+    outvars: list
+    params: dict
+
+
+def _flat(jaxpr) -> tuple[list[_Eqn], list, set]:
+    """(equations with INLINED calls replaced by theirs, the outputs, the inputs: the jaxpr's and
+    the constants of inlined calls)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    eqns: list[_Eqn] = []
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    rename: dict = {}
+
+    def named(v):
+        return rename.get(v, v) if _var(v) else v
+
+    def walk(body, inlined: bool):
+        for eqn in body.eqns:
+            called = (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")) if str(eqn.primitive) in INLINED else None
+            if called is None:
+                if inlined:  # a jaxpr called twice has the same variables twice: fresh ones per call
+                    rename.update({v: _Fresh(v.aval) for v in eqn.outvars})
+                eqns.append(_Eqn(str(eqn.primitive), [named(v) for v in eqn.invars],
+                                 [named(v) for v in eqn.outvars], eqn.params))
+                continue
+            inner = getattr(called, "jaxpr", called)
+            inputs.update(inner.constvars)
+            rename.update({i: named(o) for i, o in zip(inner.invars, eqn.invars)})
+            walk(inner, True)
+            rename.update({o: named(i) for o, i in zip(eqn.outvars, inner.outvars)})
+    walk(jaxpr, False)
+    return eqns, [named(v) for v in jaxpr.outvars], inputs
+
+
+def peak_live_bytes(jaxpr, donated: bool = False) -> int:
     """Largest sum of live intermediate values over a jaxpr's equations in program order
     (inputs excluded, outputs counted from where they are made; a call or loop adds its body's
     peak beyond the body's results while it runs; fused values and aliases as the module
-    docstring says)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    docstring says). `donated`: the caller donates the inputs that the outputs replace (a
+    training step's state), so an output made in place may take a dying input's buffer (the
+    optimizer's new moments and parameters, written over the old ones: no new bytes)."""
+    eqns, outvars, inputs = _flat(jaxpr)
     root: dict = {}
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         if str(eqn.primitive) in ALIASES and len(eqn.invars) == len(eqn.outvars):
-            root.update({o: root.get(v, v) for o, v in zip(eqn.outvars, eqn.invars) if isinstance(v, jcore.Var)})
-    fused = _fused(jaxpr, root)
+            root.update({o: root.get(v, v) for o, v in zip(eqn.outvars, eqn.invars) if _var(v)})
+    fused = _fused(eqns, outvars, root)
     memo: dict = {}
 
     def sources(v) -> frozenset:
@@ -121,26 +179,28 @@ def peak_live_bytes(jaxpr) -> int:
         return memo[v]
 
     last_use: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if isinstance(v, jcore.Var):
+            if _var(v):
                 last_use.update(dict.fromkeys(sources(v), i))
-    outputs = {root.get(v, v) for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    outputs = {root.get(v, v) for v in outvars if _var(v)}
     live = peak = 0
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, eqn in enumerate(eqns):
         inner = max((_above_outputs(s) for s in jcore.jaxprs_in_params(eqn.params)), default=0)
         made = [v for v in eqn.outvars if v not in root and v not in fused]
         created = sum(nbytes(v.aval) for v in made)
         dying = set()
         for v in eqn.invars:
-            if isinstance(v, jcore.Var):
+            if _var(v):
                 dying.update(s for s in sources(v) if last_use.get(s) == i)
-        dying -= outputs | inputs
-        reused = _reused(eqn, made, dying, root)
+        dying -= outputs
+        over = dying & inputs if donated and made and made[0] in outputs else set()  # a donated input's buffer
+        dying -= inputs
+        taken = _reused(eqn, made, dying | over, sources)
+        reused = nbytes(taken.aval) if taken is not None else 0
         peak = max(peak, live + created - reused + inner)
         live += sum(nbytes(v.aval) for v in made if v in last_use or v in outputs)
-        live -= sum(nbytes(v.aval) for v in dying)
+        live -= sum(nbytes(v.aval) for v in dying) + (reused if taken in over else 0)
     return peak
 
 
@@ -153,12 +213,15 @@ def _above_outputs(jaxpr) -> int:
     return max(0, peak_live_bytes(jaxpr) - sum(nbytes(v.aval) for v in made))
 
 
-def _reused(eqn, made: list, dying: set, root: dict) -> int:
-    """Bytes of a dying operand whose buffer `eqn`'s result takes (IN_PLACE; 0 if none)."""
+def _reused(eqn, made: list, dying: set, sources):
+    """The dying operand whose buffer `eqn`'s result takes (IN_PLACE; None if none): a direct
+    operand or, for an elementwise op, one its fused operands read at the same index."""
     if str(eqn.primitive) not in IN_PLACE or len(made) != 1:
-        return 0
+        return None
     size = nbytes(made[0].aval)
     for v in eqn.invars:
-        if isinstance(v, jcore.Var) and root.get(v, v) in dying and nbytes(root.get(v, v).aval) == size:
-            return size
-    return 0
+        if _var(v):
+            for s in sources(v):
+                if s in dying and nbytes(s.aval) == size:
+                    return s
+    return None

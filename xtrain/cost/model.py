@@ -238,7 +238,7 @@ def memory_from_graph(per_device_jaxpr, state: Mapping[str, int], activations_ho
     gradients are intermediates there and counted in that peak, not twice; values placed in
     host memory are not: `activations_host` bytes of offloaded activations per step,
     xtrain.lowering.offload.offloaded_activation_bytes, count as host memory)."""
-    temporaries = liveness.peak_live_bytes(per_device_jaxpr)
+    temporaries = liveness.peak_live_bytes(per_device_jaxpr, donated=True)  # a step donates its state
     held = state.get("parameters", 0) + state.get("optimizer", 0) + state.get("grad_residual", 0)
     return Memory(total=int(held + temporaries), parameters=state.get("parameters", 0),
                   gradients=state.get("gradients", 0), optimizer=state.get("optimizer", 0),

@@ -28,7 +28,7 @@ def _temporaries(step, batch: tuple, remat, compare: bool) -> int:
 
 
 def _graph_peak(program) -> int:
-    return liveness.peak_live_bytes(cost_program.per_device_body(program) or program)
+    return liveness.peak_live_bytes(cost_program.per_device_body(program) or program, donated=True)
 
 
 def _remat_note(step, batch: tuple, memory: dict[str, int], compare: bool) -> str:
