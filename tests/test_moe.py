@@ -378,7 +378,8 @@ def test_zero_with_expert_axis_splits_expert_state_over_data(stage):
     """Plan(zero=stage) on Mesh(data=2, expert=4): the expert weights, split over `expert` by
     expert parallelism, have their ZeRO split over `data` (the batch axis they leave free):
     optimizer state (and, stage 3, the weights) held by 1/8 of the devices each, not 1/4; ZeRO-1
-    and 2 move the expert weights' shards over `data` alone."""
+    and 2 move the expert weights' shards over `data` alone; ZeRO-3 gathers each layer's other
+    weights over data x expert (never per use, with an all-reduce of their gradients)."""
     model, make_opt, loss_fn, batches, _ = case("moe")
     m = copy.deepcopy(model)
     step = xtrain.compile(m, xtrain.Mesh(data=2, expert=4), optimizer=make_opt(m.parameters()),
@@ -390,9 +391,13 @@ def test_zero_with_expert_axis_splits_expert_state_over_data(stage):
     for n in stored:
         assert axes(step.layout.optimizer_specs, n) == {"expert", "data"}, (n, step.layout.optimizer_specs[n])
         assert axes(step.layout.param_specs, n) == ({"expert", "data"} if stage == 3 else {"expert"})
+    report = step.report().collectives
     if stage in (1, 2):
-        zero = [c for c in step.report().collectives if "xtrain.zero" in c.source or "in_backward" in c.source]
+        zero = [c for c in report if "xtrain.zero" in c.source or "in_backward" in c.source]
         assert zero and {c.axes for c in zero} == {("data", "expert"), ("data",)}, zero
+    else:  # every layer weight gathered flat, its gradient reduce-scattered: the experts' over data alone
+        scattered = {c.axes for c in report if c.kind == "reduce-scatter" and "zero3_flat_gather" in c.source}
+        assert scattered == {("data", "expert"), ("data",)}, report
 
 
 def _loss_reduction(c) -> bool:

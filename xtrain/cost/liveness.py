@@ -138,7 +138,8 @@ def _flat(jaxpr) -> tuple[list[_Eqn], list, set]:
 
     def walk(body, inlined: bool):
         for eqn in body.eqns:
-            called = (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")) if str(eqn.primitive) in INLINED else None
+            inlined_call = str(eqn.primitive) in INLINED
+            called = (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")) if inlined_call else None
             if called is None:
                 if inlined:  # a jaxpr called twice has the same variables twice: fresh ones per call
                     rename.update({v: _Fresh(v.aval) for v in eqn.outvars})

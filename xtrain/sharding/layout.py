@@ -66,6 +66,9 @@ class StateLayout:
     agreement: Mapping[str, Hashable] = dataclasses.field(default_factory=dict)
     offload_optimizer: bool = False
     batch_args: tuple[tuple[int, Spec], ...] = ()
+    # split over `expert` by expert parallelism (their experts dim): used where they are, never
+    # gathered over it (any other tensor split over `expert` is a ZeRO-3 / FSDP shard over it)
+    expert_weights: frozenset[str] = frozenset()
 
     def arg_spec(self, index: int) -> Spec:
         """The spec of batch argument `index`."""
@@ -92,8 +95,10 @@ class StateLayout:
 
     def zero_axes(self, name: str) -> tuple[str, ...]:
         """The batch axes a stored parameter is split over: a ZeRO-3 (FSDP) shard, gathered for use.
-        Not `expert`: experts split over it are used where they are (tokens travel to them)."""
-        return tuple(a for a in self.split_axes(name) if a in self.batch_axes and a != EXPERT)
+        Not `expert` for the expert weights: split over it they are used where they are (tokens
+        travel to them); every other tensor's split over `expert` is ZeRO's or FSDP's, like `data`'s."""
+        return tuple(a for a in self.split_axes(name) if a in self.batch_axes
+                     and (a != EXPERT or name not in self.expert_weights))
 
     def replicated(self) -> list[str]:
         """Stored parameters whole on every device."""
@@ -168,7 +173,9 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
     spec = batch_spec(plan, sizes)
     data_axes = tuple(a for e in spec for a in axes_of(e))
     dims = {n: tuple(s.shape) for n, s in shapes.items()}
-    params, optimizer, whole = zero.specs_for_stage(dims, plan.param_specs(dims, sizes), sizes, data_axes, plan.zero)
+    planned = plan.param_specs(dims, sizes)
+    params, optimizer, whole = zero.specs_for_stage(dims, planned, sizes, data_axes, plan.zero)
+    experts = [n for n, spec in planned.items() if EXPERT in {a for e in spec for a in axes_of(e)}]
     agreement = _agreement(shapes, params, optimizer, optimized, lr_groups)
     stack = scan_layers and plan.pipeline is None and lr_groups is not None
     stacking = Stacking.find(shapes, agreement.get) if stack else Stacking({})
@@ -178,7 +185,8 @@ def resolve(plan: Plan, sizes: Mapping[str, int], shapes: Mapping, *, optimized:
                       optimizer_specs=stacking.stack_specs(optimizer),
                       optimized=frozenset(stacking.stored_names(optimized)), zero_whole=tuple(whole),
                       scan_layers=scan_layers, agreement=agreement,
-                      offload_optimizer=plan.offload is Offload.OPTIMIZER)
+                      offload_optimizer=plan.offload is Offload.OPTIMIZER,
+                      expert_weights=frozenset(experts) | frozenset(stacking.stored_names(experts)))
     _check_mesh_used(out, plan)
     return out
 
