@@ -82,10 +82,12 @@ def _llama_remat():
         xtrain.Plan(zero=3, remat="full", precision="bf16"), dict(loss_fn=ids_loss)
 
 
-def _expert():
-    torch.manual_seed(0)
-    return mixtral(), lm_batches(n=1, batch=8, seq=SEQ)[0], xtrain.Mesh(data=2, expert=4), xtrain.Plan(), \
-        dict(loss_fn=lm_loss)
+def _expert(zero=0):
+    def case():
+        torch.manual_seed(0)
+        return mixtral(), lm_batches(n=1, batch=8, seq=SEQ)[0], xtrain.Mesh(data=2, expert=4), \
+            xtrain.Plan(zero=zero), dict(loss_fn=lm_loss)
+    return case
 
 
 # family -> (target, case): the suite's families (the others: benchmarks/aot_families.py). DDP and
@@ -101,7 +103,9 @@ FAMILIES = {
     "megatron_sp": (H100, _megatron_sp),
     "1f1b": (H100, _gpt(xtrain.Mesh(pipe=2, data=4), xtrain.Plan().with_pipeline(stages=2, microbatches=2,
                                                                                  schedule="1f1b"), layers=2)),
-    "expert": (H100, _expert),
+    "expert": (H100, _expert()),
+    # ZeRO-3 beside expert parallelism: the experts' shards gathered over data, the rest over data x expert
+    "expert_zero3": (H100, _expert(zero=3)),
     "context": (H100, _context),
     "int8": (H100, _gpt(xtrain.Mesh(data=8), xtrain.Plan(), grad_sync=xtrain.GradSync(comm_dtype="int8"))),
     "a100_hsdp": (A100, _hybrid(xtrain.Mesh(replicate=2, data=8), batch=16)),
@@ -181,6 +185,16 @@ def test_saved_layer_inputs_are_never_transposed_as_one_stack(compiled):
             if op not in ("get-tuple-element", "bitcast", "parameter")
             and math.prod(int(d) for d in dims.split(",")) == elements]
     assert made and all(dims.split(",")[0] == "4" for dims in made), made
+
+
+@E2E
+def test_zero3_beside_expert_parallel_gathers_the_experts_over_data_alone(compiled):
+    """ZeRO-3 on Mesh(data=2, expert=4), compiled for H100s: the expert weights (split over
+    `expert`) are gathered and their gradients reduce-scattered over `data` alone, every other
+    weight over data x expert; the report lists the same (the family's agreement test)."""
+    found = {(c.kind, tuple(c.axes)) for c in compiled["expert_zero3"].collectives}
+    for kind in ("all-gather", "reduce-scatter"):
+        assert {(kind, ("data",)), (kind, ("data", "expert"))} <= found, found
 
 
 @E2E
