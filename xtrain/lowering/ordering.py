@@ -195,8 +195,11 @@ def in_order(fn: Callable) -> Callable:
     def staged(*args: Any):
         flat, tree = jax.tree.flatten(args)
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
-        # closed-over values become operands: a primitive's parameters must not hold tracers
+        # closed-over values become operands: a primitive's parameters must not hold tracers; what
+        # no output needs is left out (JAX's own pass stops at this primitive): the report counts the
+        # collectives the program keeps, and XLA would drop a dead one after lowering
         jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+        jaxpr = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
         outs = in_order_p.bind(*closed.consts, *flat, jaxpr=core.ClosedJaxpr(jaxpr, ()))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
