@@ -57,25 +57,15 @@ def _fallback(eqn) -> str:
 
 
 def collectives(closed, sizes: dict[str, int], module_paths=frozenset()) -> list[Collective]:
-    """Every collective in a (nested) jaxpr that its outputs need, in program order; a scan
-    body's once per iteration. Dead ones are left out, as XLA leaves them out of the compiled
-    program (the cotangents a custom VJP computes for a layer's constants, rotary tables say,
-    summed over the batch axes and then dropped)."""
+    """Every collective in a (nested) jaxpr, in program order; a scan body's once per iteration.
+    A step's per-device program has no dead ones: xtrain.lowering.ordering.in_order stages it
+    dead-code eliminated, as XLA compiles it."""
     return _walk(closed.jaxpr, sizes, module_paths)
-
-
-def _live(jaxpr):
-    """`jaxpr` without the equations its outputs do not need (at every level: JAX's own pass
-    stops at a primitive it has no rule for, xtrain's in_order)."""
-    from jax._src.interpreters import partial_eval as pe  # dead-code elimination: no public name in jax 0.10
-
-    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]  # every input kept
 
 
 def _walk(jaxpr, sizes, module_paths, carries: int | None = None) -> list[Collective]:
     """The collectives of one run of `jaxpr`; `carries`: for a scan body, how many of its
     outputs are loop carries."""
-    jaxpr = _live(jaxpr)
     region = Region(jaxpr, carries) if any(str(e.primitive) in _KIND for e in jaxpr.eqns) else None
     found: list[Collective] = []
     for i, eqn in enumerate(jaxpr.eqns):
