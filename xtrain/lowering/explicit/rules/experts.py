@@ -14,8 +14,11 @@ its rows land at each peer and what it receives; the combine sends the results b
 way; the transposes use the same offsets reversed (no exchange of offsets in the backward pass).
 The receive buffer keeps the drop-free worst case (all pairs of every peer), the wire only the
 rows routed. The tokens go in CHUNKS chunks, so that one chunk's dispatch and another's combine
-are in flight while the experts of a third compute (XLA's latency-hiding scheduler places them;
-the first dispatch and the last combine of a layer have no other chunk to hide behind)."""
+are in flight while another chunk's experts compute (XLA's latency-hiding scheduler places them).
+A device never sends itself rows: the pairs routed to its own experts are a chunk of their own,
+run without any all-to-all; the first chunk's run while the layer's first dispatch is in flight,
+the last chunk's while its last combine is, so every all-to-all of the layer has expert GEMMs of
+other rows to hide behind (with EP 8, an eighth of a chunk's rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -109,6 +112,7 @@ class _Chunk:
 
     Attributes:
         order: its (token, expert) pairs sorted by expert (S,).
+        mine: which sorted pairs go to this device's own experts (S,): never sent.
         payload: the sorted pairs' rows with their expert's id on its device (S, H + 1).
         scale: the sorted pairs' gate weights (S, 1).
         dispatch: the dispatch's (input offsets, send sizes, output offsets at each peer, receive sizes).
@@ -116,6 +120,7 @@ class _Chunk:
     """
 
     order: Any
+    mine: Any
     payload: Any
     scale: Any
     dispatch: tuple
@@ -124,20 +129,30 @@ class _Chunk:
 
 def _chunk(x, expert_ids, weights, per_device: int, peers: int) -> _Chunk:
     """A chunk's pairs sorted by expert (so by destination device, each peer's rows contiguous)
-    and where they go: one all-gather of every device's rows per peer (peers x peers integers)."""
+    and where they go: one all-gather of every device's rows per peer (peers x peers integers).
+    A device's rows for itself are not sent (its own experts run them: `_own`)."""
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)
     sorted_ids = flat[order]
-    send = jnp.zeros((peers,), jnp.int32).at[sorted_ids // per_device].add(1)  # rows for each peer
-    sizes = collectives.all_gather(send, (EXPERT,), 0, tiled=False)  # sizes[i, j]: device i's rows for device j
     here = lax.axis_index(EXPERT)
-    before = jnp.cumsum(sizes, axis=0) - sizes  # where device i's rows land at device j
+    count = jnp.zeros((peers,), jnp.int32).at[sorted_ids // per_device].add(1)  # rows for each peer
+    sizes = collectives.all_gather(count, (EXPERT,), 0, tiled=False)  # sizes[i, j]: device i's rows for device j
     starts = jnp.cumsum(sizes, axis=1) - sizes  # where device i's rows for device j start in its own buffer
-    recv = sizes[:, here]
+    sent = jnp.where(jnp.eye(peers, dtype=bool), 0, sizes)  # the rows that travel: none to oneself
+    before = jnp.cumsum(sent, axis=0) - sent  # where device i's rows land at device j
+    recv = sent[:, here]
     payload = jnp.concatenate([x[order // k], (sorted_ids % per_device)[:, None].astype(x.dtype)], axis=1)
-    return _Chunk(order, payload, weights.reshape(-1)[order][:, None].astype(x.dtype),
-                  (starts[here], send, before[here], recv), (before[:, here], recv, starts[:, here], send))
+    return _Chunk(order, sorted_ids // per_device == here, payload, weights.reshape(-1)[order][:, None].astype(x.dtype),
+                  (starts[here], sent[here], before[here], recv), (before[:, here], recv, starts[:, here], sent[here]))
+
+
+def _own(c: _Chunk, up, down, spec: moe.ExpertsSpec):
+    """The chunk's pairs routed to this device's experts through them, in the chunk's sorted
+    order (S, H); the other pairs' rows are padding (theirs come back by the combine)."""
+    per_device = up.shape[0]
+    rows = c.payload.at[:, -1].set(jnp.where(c.mine, c.payload[:, -1], per_device))
+    return _local_experts(rows[None], up, down, spec)[0]
 
 
 def _unsorted(rows, order, k: int):
@@ -149,7 +164,8 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
     """The drop-free layer sending only routed rows (module docstring), its tokens in `count` chunks:
     chunk i's experts run after chunk i-1's (an optimization barrier: XLA would otherwise merge
     their GEMMs or fuse their gathers into one kernel waiting on both dispatches), so chunk i's
-    dispatch and chunk i-1's combine are in flight while experts compute."""
+    dispatch and chunk i-1's combine are in flight while experts compute; the first chunk's own
+    pairs (never sent) run during the first dispatch, the others' during the last combine."""
     n, k = expert_ids.shape
     m, per_device = n // count, up.shape[0]
     parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers)
@@ -157,6 +173,8 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
     received = [_ragged(c.payload, _buffer(peers * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
                 for c in parts]  # padding rows carry the id per_device, which no local expert has
     combine = lambda c, done: _ragged(done, _buffer(c.payload.shape[0], done), c.combine, c.dispatch)
+    own = [_own(parts[0], up, down, spec)] + [None] * (count - 1)
+    received[0], own[0] = lax.optimization_barrier((received[0], own[0]))  # own rows first, the dispatch in flight
     done, back = [None] * count, [None] * count
     for i, c in enumerate(parts):
         if i:  # chunk i's experts after chunk i-1's, whose combine then starts
@@ -166,8 +184,15 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
         done[i] = _local_experts(received[i].reshape(peers, rows, -1), up, down, spec).reshape(peers * rows, -1)
         if i:  # chunk i-1's combine completes while chunk i's experts compute
             back[i - 1], done[i] = lax.optimization_barrier((back[i - 1], done[i]))
+    if count > 1:  # the other chunks' own rows once the last combine can start, and during it
+        done[-1], *later = lax.optimization_barrier((done[-1], *(c.payload for c in parts[1:])))
+        parts[1:] = [dataclasses.replace(c, payload=p) for c, p in zip(parts[1:], later)]
     back[-1] = combine(parts[-1], done[-1])
-    return jnp.concatenate([_unsorted(b * c.scale, c.order, k) for c, b in zip(parts, back)]).astype(x.dtype)
+    if count > 1:
+        own[1:] = [_own(c, up, down, spec) for c in parts[1:]]
+        back[-1], *own[1:] = lax.optimization_barrier((back[-1], *own[1:]))
+    return jnp.concatenate([_unsorted(jnp.where(c.mine[:, None], o, b) * c.scale, c.order, k)
+                            for c, b, o in zip(parts, back, own)]).astype(x.dtype)
 
 
 def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, peers: int,

@@ -148,9 +148,9 @@ def routed_experts(ctx: Context, eqn, args):
             chunks = experts.chunks(x.value.shape[0])
             ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by ragged all-to-all "
                      f"over {experts.EXPERT!r}: each device sends its {cap} routed rows x {x.shape[1]} features "
-                     f"(+1 for the expert id) each way, received into a buffer of {cap * peers} rows; in {chunks} "
-                     f"chunk{'s' if chunks > 1 else ''}" + (", one chunk's all-to-alls in flight while another's "
-                                                            "experts compute" if chunks > 1 else ""))
+                     f"(+1 for the expert id) each way, but those for its own experts, which run them meanwhile; "
+                     f"received into a buffer of {cap * peers} rows; in {chunks} chunk{'s' if chunks > 1 else ''}"
+                     + (", one chunk's all-to-alls in flight while another's experts compute" if chunks > 1 else ""))
         else:
             ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
                      f"{experts.EXPERT!r} with a capacity of {cap} rows per peer ({how}), {cap * peers} x "
