@@ -107,7 +107,7 @@ def test_expert_parallel_layer_equals_the_single_device_moe(monkeypatch, ragged)
     text = str(jax.make_jaxpr(layer)(x, ids, weights, up, down))
     if ragged:  # per chunk a dispatch of its routed rows (+ the id column) and a combine; no all-to-all
         rows = TOKENS * K // experts.CHUNKS
-        assert sent == [(rows, HIDDEN + 1)] * experts.CHUNKS + [(PEERS * rows, HIDDEN)] * experts.CHUNKS
+        assert sent == [(rows, HIDDEN + 1)] * experts.CHUNKS + [((PEERS - 1) * rows, HIDDEN)] * experts.CHUNKS
         # chunk after chunk (2 per later chunk); the own rows during the first dispatch (1) and the last combine (2)
         assert text.count("optimization_barrier") == 2 * (experts.CHUNKS - 1) + 3 and "all_to_all" not in text
     else:

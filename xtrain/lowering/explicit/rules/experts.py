@@ -12,8 +12,8 @@ compiled for one by xtrain.aot) a drop-free layer sends only its routed rows wit
 per peer; one all-gather of the per-peer counts (peers x peers integers) gives every device where
 its rows land at each peer and what it receives; the combine sends the results back the same
 way; the transposes use the same offsets reversed (no exchange of offsets in the backward pass).
-The receive buffer keeps the drop-free worst case (all pairs of every peer), the wire only the
-rows routed. The tokens go in CHUNKS chunks, so that one chunk's dispatch and another's combine
+The receive buffer keeps the drop-free worst case (all pairs of every other peer), the wire only
+the rows routed. The tokens go in CHUNKS chunks, so that one chunk's dispatch and another's combine
 are in flight while another chunk's experts compute (XLA's latency-hiding scheduler places them).
 A device never sends itself rows: the pairs routed to its own experts are a chunk of their own,
 run without any all-to-all; the first chunk's run while the layer's first dispatch is in flight,
@@ -170,7 +170,8 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
     m, per_device = n // count, up.shape[0]
     parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers)
              for i in range(count)]
-    received = [_ragged(c.payload, _buffer(peers * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
+    others = max(peers - 1, 1)  # the peers a device receives from: never itself
+    received = [_ragged(c.payload, _buffer(others * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
                 for c in parts]  # padding rows carry the id per_device, which no local expert has
     combine = lambda c, done: _ragged(done, _buffer(c.payload.shape[0], done), c.combine, c.dispatch)
     own = [_own(parts[0], up, down, spec)] + [None] * (count - 1)
@@ -181,7 +182,7 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
             received[i], done[i - 1] = lax.optimization_barrier((received[i], done[i - 1]))
             back[i - 1] = combine(parts[i - 1], done[i - 1])
         rows = c.payload.shape[0]
-        done[i] = _local_experts(received[i].reshape(peers, rows, -1), up, down, spec).reshape(peers * rows, -1)
+        done[i] = _local_experts(received[i].reshape(others, rows, -1), up, down, spec).reshape(others * rows, -1)
         if i:  # chunk i-1's combine completes while chunk i's experts compute
             back[i - 1], done[i] = lax.optimization_barrier((back[i - 1], done[i]))
     if count > 1:  # the other chunks' own rows once the last combine can start, and during it

@@ -149,7 +149,8 @@ def routed_experts(ctx: Context, eqn, args):
             ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by ragged all-to-all "
                      f"over {experts.EXPERT!r}: each device sends its {cap} routed rows x {x.shape[1]} features "
                      f"(+1 for the expert id) each way, but those for its own experts, which run them meanwhile; "
-                     f"received into a buffer of {cap * peers} rows; in {chunks} chunk{'s' if chunks > 1 else ''}"
+                     f"received into a buffer of {cap * max(peers - 1, 1)} rows; "
+                     f"in {chunks} chunk{'s' if chunks > 1 else ''}"
                      + (", one chunk's all-to-alls in flight while another's experts compute" if chunks > 1 else ""))
         else:
             ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'} dispatches and combines by all-to-all over "
