@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -415,11 +416,19 @@ def assert_moe_local_router(report):
 
 @pytest.mark.unit
 def test_grouped_matmul_flops_count_active_experts():
-    """Model FLOPs (MFU) count each routed row once, through one expert, forward and backward."""
+    """Model FLOPs (MFU) count each routed row once, through one expert, forward and backward;
+    apart, what the backend runs beyond that: JAX lowers a ragged dot off TPU as one dense dot of
+    every row against every expert's matrix (the others' rows masked), `experts - 1` times more
+    (the cost model's compute time counts it)."""
     rows, k, n, experts = 12, 6, 5, 4
     sizes = jnp.array([3, 0, 7, 2], jnp.int32)
     loss = lambda a, b: jnp.sum(lax.ragged_dot(a, b, sizes) ** 2)
-    grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((rows, k)), jnp.ones((experts, k, n)))
+    args = jnp.ones((rows, k)), jnp.ones((experts, k, n))
+    grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*args)
     assert flops.count(grads).dot == 3 * 2 * rows * k * n
+    assert flops.count(grads).ragged_dense == (experts - 1) * 3 * 2 * rows * k * n
+    lowered = jax.jit(lambda a, b: lax.ragged_dot(a, b, sizes)).lower(*args).as_text()
+    dense = re.search(r"dot_general .*: \(tensor<(\d+)x(\d+)x(\d+)xf32>, tensor<4x6x5xf32>\)", lowered)
+    assert dense and tuple(map(int, dense.groups())) == (experts, rows, k), lowered
 
 

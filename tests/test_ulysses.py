@@ -279,21 +279,24 @@ def test_the_search_picks_ring_or_ulysses_as_the_worked_answer(kv_heads, padded)
 
 @pytest.mark.unit
 def test_context_collectives_hide_under_the_compute_beside_them():
-    """The cost model credits a collective over `context` alone with profile.overlap of the
-    matmul time that neither feeds nor consumes it, at most its own time; others get none."""
+    """The cost model credits a collective over `context` (or `expert`: MoE dispatch and combine)
+    alone with profile.overlap of the matmul time that neither feeds nor consumes it, at most its
+    own time; others get none."""
     import types
 
-    from xtrain.cost.model import hidden_context_seconds
+    from xtrain.cost.model import hidden_seconds
     from xtrain.lowering.report import Collective
 
     profile = hardware.profile("p4d.24xlarge")
     cost = types.SimpleNamespace(flops=types.SimpleNamespace(matmul_dtype="float32"))
     peak = profile.matmul_flops_per_s("float32")
     ring = Collective("collective-permute", ("context",), 1 << 20, "attn", 4, overlap_flops=peak * 1e-3)
-    assert hidden_context_seconds(ring, 1.0, cost, profile) == pytest.approx(profile.overlap * 1e-3)
-    assert hidden_context_seconds(ring, 1e-4, cost, profile) == 1e-4
-    tensor = dataclasses.replace(ring, axes=("tensor",))
-    assert hidden_context_seconds(tensor, 1.0, cost, profile) == 0.0
+    assert hidden_seconds(ring, 1.0, cost, profile) == pytest.approx(profile.overlap * 1e-3)
+    assert hidden_seconds(ring, 1e-4, cost, profile) == 1e-4
+    dispatch = dataclasses.replace(ring, kind="all-to-all", axes=("expert",))
+    assert hidden_seconds(dispatch, 1.0, cost, profile) == pytest.approx(profile.overlap * 1e-3)
+    for axes in (("tensor",), ("data", "expert")):
+        assert hidden_seconds(dataclasses.replace(ring, axes=axes), 1.0, cost, profile) == 0.0
 
 
 # -- cuDNN's fused kernel: whole sequences under Ulysses, never under the ring ----------------------

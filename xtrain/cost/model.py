@@ -39,7 +39,7 @@ from xtrain.errors import PlanError, UnsupportedError
 from xtrain.ir.analysis import flops as ir_flops
 from xtrain.ir.analysis.flops import Flops
 from xtrain.lowering.report import Collective
-from xtrain.sharding.mesh import CONTEXT
+from xtrain.sharding.mesh import CONTEXT, EXPERT
 
 INTRA, INTER = "intra-node", "inter-node"
 _RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
@@ -140,28 +140,31 @@ def collective_seconds(c: Collective, link: str, profile: HardwareProfile) -> fl
 
 
 def compute_seconds(flops: Flops, profile: HardwareProfile) -> float:
-    """Matmuls at the peak of their dtype, the rest at memory bandwidth; on GPUs with cuDNN's fused
+    """Matmuls at the peak of their dtype (ragged dots as the backends run them: dense against
+    every group, Flops.ragged_dense), the rest at memory bandwidth; on GPUs with cuDNN's fused
     attention, the blockwise attention calls it would take keep their softmax traffic on chip."""
-    matmul = flops.matmul / profile.matmul_flops_per_s(flops.matmul_dtype)
+    matmul = (flops.matmul + flops.ragged_dense) / profile.matmul_flops_per_s(flops.matmul_dtype)
     elementwise, moved = flops.elementwise + flops.reduce, flops.moved_bytes
     if profile.fused_attention == "cuda":
         elementwise, moved = elementwise - flops.cuda_fused_elementwise, moved - flops.cuda_fused_moved_bytes
     return matmul + (elementwise * ELEMENT_BYTES + moved) / profile.hbm_bytes_per_s
 
 
-def hidden_context_seconds(c: Collective, seconds: float, cost: StepCost, profile: HardwareProfile) -> float:
-    """What of a collective over `context` alone runs under compute: ring attention passes the
-    next key/value chunk while the chunk in hand is attended to, and Ulysses' all-to-all of k or
-    v can run beside the projection of q. Credited as `profile.overlap` of the matmul time of the
-    compute that neither feeds nor consumes it (Collective.overlap_flops), at most all of it."""
-    if tuple(c.axes) != (CONTEXT,) or not c.overlap_flops:
+def hidden_seconds(c: Collective, seconds: float, cost: StepCost, profile: HardwareProfile) -> float:
+    """What of a collective over `context` or `expert` alone runs under compute: ring attention
+    passes the next key/value chunk while the chunk in hand is attended to, Ulysses' all-to-all
+    of k or v can run beside the projection of q, and on GPUs an MoE layer's dispatch and combine
+    run beside other rows' expert GEMMs (xtrain.lowering.explicit.rules.experts). Credited as
+    `profile.overlap` of the matmul time of the compute that neither feeds nor consumes it
+    (Collective.overlap_flops), at most all of it."""
+    if tuple(c.axes) not in ((CONTEXT,), (EXPERT,)) or not c.overlap_flops:
         return 0.0
     return min(seconds, profile.overlap * c.overlap_flops / profile.matmul_flops_per_s(cost.flops.matmul_dtype))
 
 
 def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, float], float, float]:
     """(seconds per link, seconds of data-parallel collectives, exposed seconds of the others:
-    all of them but what context-parallel attention hides, `hidden_context_seconds`)."""
+    all of them but what runs under compute, `hidden_seconds`)."""
     per_link = {INTRA: 0.0, INTER: 0.0}
     data_parallel = other = 0.0
     for c in cost.collectives:
@@ -171,7 +174,7 @@ def communication(cost: StepCost, profile: HardwareProfile) -> tuple[dict[str, f
         if set(c.axes) <= set(cost.data_axes):
             data_parallel += seconds
         else:
-            other += seconds - hidden_context_seconds(c, seconds, cost, profile)
+            other += seconds - hidden_seconds(c, seconds, cost, profile)
     return per_link, data_parallel, other
 
 

@@ -3,7 +3,11 @@
 Counts the operations an op must do, not what a backend fuses away:
   dot_general     2 x output elements x contracted size (one multiply, one add per term)
   ragged_dot      2 x lhs elements x the rhs's free size: each row meets one group's matrix
-                  (a routed token one expert's), so counted FLOPs are those of the active experts
+                  (a routed token one expert's), so counted FLOPs are those of the active experts;
+                  apart, `ragged_dense`: what the backends spend beyond that. JAX on CPU (and
+                  Neuron) and XLA's GPU compiler (its ragged-dot rewriter) run a ragged dot as one
+                  dense dot of every row against every group's matrix, the other groups' rows
+                  masked to zero: (groups - 1) x the counted FLOPs more
   conv            2 x output elements x (kernel window x input features per group)
   elementwise     one per output element (add, mul, exp, select, ...); transcendentals also
                   counted apart, as XLA's cost analysis does
@@ -70,6 +74,7 @@ class Flops:
     # CUDA host runs in cuDNN's fused kernel (Site.fused_on), where it never leaves the chip
     cuda_fused_elementwise: float = 0.0
     cuda_fused_moved_bytes: float = 0.0
+    ragged_dense: float = 0.0     # matmul FLOPs a ragged dot runs beyond `dot` (module docstring)
 
     @property
     def matmul(self) -> float:
@@ -82,7 +87,7 @@ class Flops:
 
     def add(self, other: "Flops", times: float = 1.0) -> None:
         for f in ("dot", "conv", "elementwise", "transcendental", "reduce", "moved_bytes", "cuda_fused_elementwise",
-                  "cuda_fused_moved_bytes"):
+                  "cuda_fused_moved_bytes", "ragged_dense"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         self.unknown_loops += other.unknown_loops
         for dtype, value in other.matmul_dtypes.items():
@@ -139,6 +144,8 @@ def _op(eqn, acc: Flops) -> None:
     if name in ("dot_general", "conv_general_dilated", "ragged_dot_general") or name in neuron_attention.PER_HEAD:
         value = {"dot_general": _dot, "ragged_dot_general": _ragged_dot}.get(
             name, neuron_attention.matmul_flops if name in neuron_attention.PER_HEAD else _conv)(eqn)
+        if name == "ragged_dot_general":  # run dense against each of the groups (module docstring)
+            acc.ragged_dense += (eqn.invars[2].aval.shape[-1] - 1) * value
         if name != "conv_general_dilated":
             acc.dot += value
         else:
