@@ -72,10 +72,18 @@ def _decode(cls: type[T], text: str) -> T:
     return cls(**{k: _typed(hints[k], v) for k, v in fields.items()})
 
 
+def _unwrapped(part: str) -> str:
+    """A name-stack level without JAX's transformation wrappers: 'transpose(jvp(x))' -> 'x'."""
+    while part.endswith(")") and "(" in part and part[:part.index("(")].isidentifier():
+        part = part[part.index("(") + 1:-1]
+    return part
+
+
 def found(cls: type[T], name_stack: Any) -> list[T]:
     """Every marker of type `cls` in a name stack (or one name), outermost first."""
     prefix = _prefix(cls)
-    return [_decode(cls, part[len(prefix):]) for part in str(name_stack).split("/") if part.startswith(prefix)]
+    parts = map(_unwrapped, str(name_stack).split("/"))
+    return [_decode(cls, part[len(prefix):]) for part in parts if part.startswith(prefix)]
 
 
 def outermost(cls: type[T], name_stack: Any) -> T | None:

@@ -7,7 +7,9 @@ Counts the operations an op must do, not what a backend fuses away:
                   apart, `ragged_dense`: what the backends spend beyond that. JAX on CPU (and
                   Neuron) and XLA's GPU compiler (its ragged-dot rewriter) run a ragged dot as one
                   dense dot of every row against every group's matrix, the other groups' rows
-                  masked to zero: (groups - 1) x the counted FLOPs more
+                  masked to zero: (groups - 1) x the counted FLOPs more. xtrain's own grouped
+                  matmul (xtrain.ir.kernels.grouped_matmul, a loop of tiles) counts the same:
+                  its rows' share of the loop's matmuls, the rest in `ragged_dense`
   conv            2 x output elements x (kernel window x input features per group)
   elementwise     one per output element (add, mul, exp, select, ...); transcendentals also
                   counted apart, as XLA's cost analysis does
@@ -42,7 +44,7 @@ import jax
 from jax.extend import core as jcore
 
 from xtrain.ir import attention, markers
-from xtrain.ir.kernels import neuron_attention
+from xtrain.ir.kernels import grouped_matmul, neuron_attention
 
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
                             "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "lgamma",
@@ -196,6 +198,11 @@ def of_eqn(eqn, fused: bool = False) -> Flops:
     for sub in subs:
         acc.add(count(sub, fused), times)
     acc.unknown_loops += 0 if known else 1
+    tiles = markers.innermost(grouped_matmul.Tiles, eqn.source_info.name_stack) if times > 1 else None
+    if tiles is not None:  # a grouped matmul's loop: its rows' share is the matmul (module docstring)
+        extra = acc.dot * (1 - tiles.useful)
+        acc.dot, acc.ragged_dense = acc.dot - extra, acc.ragged_dense + extra
+        acc.matmul_dtypes = {k: v * tiles.useful for k, v in acc.matmul_dtypes.items()}
     return acc
 
 

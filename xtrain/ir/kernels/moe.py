@@ -4,7 +4,8 @@
 its router has picked each token's top-k experts: every (token, expert) pair is sorted by expert
 into a buffer of fixed size tokens x top_k (drop-free: no token is ever dropped, so the result
 equals torch's), each expert's rows go through its FFN as one grouped matmul
-(`lax.ragged_dot`), and the rows are weighted and summed back per token.
+(`grouped_matmul`: off TPU `lax.ragged_dot` runs every row through every expert's matrix), and
+the rows are weighted and summed back per token.
 
 Every token's output depends on that token alone, so the function is token-local: on a shard of
 the tokens it computes exactly that shard of the output. The front end traces an MoE layer's
@@ -25,6 +26,7 @@ from jax import lax
 
 from xtrain.errors import UnsupportedError
 from xtrain.ir import markers
+from xtrain.ir.kernels import grouped_matmul
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -70,9 +72,13 @@ def _as_in_out(w, spec: ExpertsSpec):
 
 
 def _grouped(rows, w, sizes, spec: ExpertsSpec):
-    """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype."""
+    """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype.
+    One expert: one dot (its rows past `sizes` zero); more: the grouped matmul's tiles."""
     dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
-    out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
+    if w.shape[0] == 1:
+        out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
+    else:
+        out = grouped_matmul.grouped_matmul(rows.astype(dtype), w.astype(dtype), sizes)
     return out.astype(rows.dtype)
 
 

@@ -1,0 +1,66 @@
+"""xtrain's grouped matmul (xtrain.ir.kernels.grouped_matmul): the MoE experts' GEMMs as a loop of
+(tile, group) items, against `lax.ragged_dot`, which off TPU runs every row through every group's
+matrix; its FLOPs as counted for MFU and for the cost model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from xtrain.ir.analysis import flops
+from xtrain.ir.kernels import grouped_matmul as gm
+
+pytestmark = pytest.mark.unit
+
+CASES = {
+    "uneven, empty groups, rows past the groups": (37, [3, 0, 20, 2, 0, 7]),
+    "one group of all rows": (64, [64]),
+    "no rows in any group": (50, [0, 0, 0]),
+    "a group of one row between tiles": (33, [1, 1, 1, 30]),
+    "many groups": (300, [5] * 40 + [0] * 20 + [60]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_ragged_dot_with_its_gradients(case):
+    rows, sizes = CASES[case]
+    groups, k, n = len(sizes), 6, 5
+    sizes = jnp.array(sizes, jnp.int32)
+    keys = jax.random.split(jax.random.key(rows), 3)
+    a, b = jax.random.normal(keys[0], (rows, k)), jax.random.normal(keys[1], (groups, k, n))
+    probe = jax.random.normal(keys[2], (rows, n))
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)) * probe), (0, 1)))
+    (want, want_grads), (got, got_grads) = loss(lax.ragged_dot)(a, b), loss(gm.grouped_matmul)(a, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_accumulates_the_weight_gradient_in_float32():
+    """A group spanning many tiles: its weight gradient is summed over the tiles in float32, then
+    rounded once, as one dot would (within bf16's rounding of the float32 reference)."""
+    rows, k, n = 512, 8, 4
+    sizes = jnp.array([500, 12], jnp.int32)
+    a = jax.random.normal(jax.random.key(0), (rows, k))
+    b = jax.random.normal(jax.random.key(1), (2, k, n))
+    grad = lambda dtype: jax.grad(lambda b: jnp.sum(gm.grouped_matmul(a.astype(dtype), b, sizes).astype(jnp.float32)))
+    reference = grad(jnp.float32)(b)
+    got = grad(jnp.bfloat16)(b.astype(jnp.bfloat16)).astype(jnp.float32)
+    np.testing.assert_allclose(got, reference, rtol=2e-2, atol=0.5)  # inputs rounded to bf16, sums of 500 rows
+
+
+def test_flops_count_each_row_once_and_the_loop_rest_apart():
+    """Model FLOPs count each row through one group's matrix (as for lax.ragged_dot: forward, and
+    the rows' and the matrices' gradients); the loop's other work is `ragged_dense`, a fraction of
+    the work lax.ragged_dot's dense lowering does beyond it."""
+    rows, k, n, groups = 256, 16, 8, 8
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    args = jnp.ones((rows, k)), jnp.ones((groups, k, n))
+    counted = {name: flops.count(jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(f(a, b, sizes) ** 2), (0, 1)))(*args))
+               for name, f in (("ragged", lax.ragged_dot), ("grouped", gm.grouped_matmul))}
+    useful = 3 * 2 * rows * k * n
+    assert counted["ragged"].dot == counted["grouped"].dot == useful
+    tile = gm.tile_rows(rows, groups)
+    items = -(-rows // tile) + groups - 1
+    assert counted["grouped"].ragged_dense == pytest.approx(3 * 2 * items * tile * k * n - useful)
+    assert counted["grouped"].ragged_dense < counted["ragged"].ragged_dense / 4

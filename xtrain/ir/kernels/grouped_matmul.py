@@ -1,0 +1,141 @@
+"""Grouped matmul over rows sorted by group, each row through its own group's matrix only.
+
+`lax.ragged_dot` computes the same thing, but off TPU every backend runs it as one dense dot
+of every row against every group's matrix, the other groups' rows masked to zero (JAX's own
+lowering on CPU and Neuron, XLA's ragged-dot rewriter on GPU): `groups` times the work. An MoE
+layer's experts are groups, so a model with 8 experts on a device did 8 times its expert FLOPs.
+
+Here the rows go in tiles of `tile` rows, and the work is a list of (tile, group) items: each
+group's rows are contiguous, so it meets the tiles it spans, and all groups together meet at most
+`tiles + groups - 1` of them. One loop runs the items in order, each a (tile x K) @ (K x N)
+matmul of one tile by one group's matrix written where the tile's rows are that group's; items
+past the last group's (the count is static, the groups' sizes are not) write nothing. The work is
+about rows + groups x tile rows instead of groups x rows, and each item reads one group's matrix.
+
+FLOP counts (xtrain.ir.analysis.flops) read each loop's `Tiles` marker: the rows' share of the
+items' work is the matmul FLOPs (what `lax.ragged_dot` counts, so model FLOPs and MFU are the
+same either way), the rest is the backend's extra work (`Flops.ragged_dense`).
+
+The gradient is the same loop twice (`custom_vjp`): the rows' gradient is the grouped matmul of
+the output's gradient by the transposed matrices, the matrices' gradient accumulates each item's
+(K x tile) @ (tile x N) product into its group, in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from xtrain.ir import markers, vma
+
+MAX_TILE = 1024
+
+
+@markers.marker("grouped_matmul")
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One grouped matmul loop: `items` items of `tile` rows over `rows` rows."""
+
+    rows: int
+    items: int
+    tile: int
+
+    @property
+    def useful(self) -> float:
+        """The rows' share of the items' work."""
+        return self.rows / (self.items * self.tile)
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """Rows per tile: about half a group's share of the rows (so at most about 1.5 x the rows'
+    work), a power of two from 8 to MAX_TILE."""
+    want = max(rows // (2 * groups), 1)
+    return min(max(8, 1 << (want - 1).bit_length()), MAX_TILE)
+
+
+def _items(sizes, tiles: int, tile: int):
+    """(group, tile index, real) of each work item, in order of group: (W,) each, W = tiles +
+    groups - 1; an item past the last group's is not real (its group and tile are clamped)."""
+    groups = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first, last = starts // tile, (ends - 1) // tile  # the tiles a group spans (when it has rows)
+    spans = jnp.where(sizes > 0, last - first + 1, 0)
+    through = jnp.cumsum(spans)  # items of groups 0..g
+    index = jnp.arange(tiles + groups - 1, dtype=sizes.dtype)
+    group = jnp.minimum(jnp.searchsorted(through, index, side="right", method="compare_all"), groups - 1).astype(sizes.dtype)
+    at = jnp.clip(first[group] + index - (through[group] - spans[group]), 0, tiles - 1)
+    return group, at, index < through[-1], starts, ends
+
+
+def _padded(x, rows: int):
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _matmul(rows, w, sizes, tile: int):
+    """rows (M, K) @ w (G, K, N) by group -> (M, N), in rows' dtype."""
+    m = rows.shape[0]
+    tiles = -(-m // tile)
+    padded = _padded(rows, tiles * tile)
+    group, at, real, starts, ends = _items(sizes, tiles, tile)
+    offsets = jnp.arange(tile, dtype=sizes.dtype)
+
+    def item(out, work):
+        g, t, ok = work
+        x = lax.dynamic_slice_in_dim(padded, t * tile, tile)
+        y = jnp.dot(x, lax.dynamic_index_in_dim(w, g, keepdims=False), preferred_element_type=rows.dtype)
+        r = t * tile + offsets
+        mine = ok & (r >= starts[g]) & (r < ends[g])
+        here = lax.dynamic_slice_in_dim(out, t * tile, tile)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), t * tile, 0), None
+
+    zeros = jnp.zeros((tiles * tile, w.shape[2]), rows.dtype)
+    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
+        out, _ = lax.scan(item, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), (group, at, real))
+    return out[:m]
+
+
+def _weight_grad(rows, dout, sizes, groups: int, tile: int):
+    """The matrices' gradient: per group, its rows' (K x rows) @ (rows x N), in float32."""
+    m = rows.shape[0]
+    tiles = -(-m // tile)
+    x_all, d_all = _padded(rows, tiles * tile), _padded(dout, tiles * tile)
+    group, at, real, starts, ends = _items(sizes, tiles, tile)
+    offsets = jnp.arange(tile, dtype=sizes.dtype)
+
+    def item(dw, work):
+        g, t, ok = work
+        r = t * tile + offsets
+        mine = ok & (r >= starts[g]) & (r < ends[g])
+        d = jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, t * tile, tile), 0)
+        part = jnp.dot(lax.dynamic_slice_in_dim(x_all, t * tile, tile).T, d, preferred_element_type=jnp.float32)
+        return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0), None
+
+    zeros = jnp.zeros((groups, rows.shape[1], dout.shape[1]), jnp.float32)
+    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
+        dw, _ = lax.scan(item, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), (group, at, real))
+    return dw
+
+
+@jax.custom_vjp
+def grouped_matmul(rows, w, sizes):
+    """rows (M, K) sorted by group, w (G, K, N), sizes (G,) int32 rows per group (rows past their
+    sum: zero) -> (M, N) in rows' dtype, each row times its group's matrix (module docstring)."""
+    return _matmul(rows, w, sizes, tile_rows(rows.shape[0], w.shape[0]))
+
+
+def _fwd(rows, w, sizes):
+    return grouped_matmul(rows, w, sizes), (rows, w, sizes)
+
+
+def _bwd(res, dout):
+    rows, w, sizes = res
+    tile = tile_rows(rows.shape[0], w.shape[0])
+    drows = _matmul(dout.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes, tile)
+    dw = _weight_grad(rows, dout.astype(rows.dtype), sizes, w.shape[0], tile)
+    return drows, dw.astype(w.dtype), None
+
+
+grouped_matmul.defvjp(_fwd, _bwd)
