@@ -2,15 +2,11 @@
 lookups where an embedding table is split over model axes."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
-from xtrain.ir import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import (bind, fallback, out_avals, register, same_vma, whole_dims_where,
-                                               wrap)
+from xtrain.lowering.explicit.registry import bind, fallback, out_avals, register, whole_dims_where, wrap
 from xtrain.lowering.explicit.rules.contractions import _gather_axes, _match_pairs
 from xtrain.lowering.context import Context
 from xtrain.lowering.sharded import Sharded
@@ -74,35 +70,6 @@ def _vocab_parallel_gather(ctx: Context, eqn, operand: Sharded, indices: Sharded
     return wrap(eqn, [out], [Layout(tuple(dims), axes)])
 
 
-def _lookup_made_late(ctx: Context, eqn, table, index):
-    """A row lookup (an embedding) whose gradient's zeros are made only once the cotangent is
-    there: JAX transposes a gather into a scatter-add into a table of zeros, and XLA's GPU
-    scheduler, with memory to spare, made that table (the embedding's, 2 GiB in f32 on
-    Llama-3.1-8B) before the backward pass's layer loop and held it throughout. Here the zeros
-    come out of an optimization barrier with the cotangent; the scatter-add is JAX's transpose."""
-    from jax._src.lax.slicing import ScatterDimensionNumbers
-
-    dn, shape, dtype, axes = eqn.params["dimension_numbers"], table.shape, table.dtype, vma.of(table)
-    scatter = ScatterDimensionNumbers(
-        update_window_dims=dn.offset_dims, inserted_window_dims=dn.collapsed_slice_dims,
-        scatter_dims_to_operand_dims=dn.start_index_map, operand_batching_dims=dn.operand_batching_dims,
-        scatter_indices_batching_dims=dn.start_indices_batching_dims)
-
-    @jax.custom_vjp
-    def lookup(table, index):
-        return bind(ctx, eqn, [table, index])[0]
-
-    def backward(index, ct):
-        zero, ct = lax.optimization_barrier((jnp.zeros((), dtype), ct))
-        zeros = vma.widen(jnp.broadcast_to(zero, shape), axes)
-        return lax.scatter_add(zeros, index, ct.astype(dtype), scatter, mode=eqn.params["mode"],
-                               unique_indices=eqn.params["unique_indices"],
-                               indices_are_sorted=eqn.params["indices_are_sorted"]), None
-
-    lookup.defvjp(lambda table, index: (lookup(table, index), index), backward)
-    return lookup(table, index)
-
-
 def gather(ctx: Context, eqn, args):
     """Gathers whose operand is whole except on batching dims: each device gathers locally;
     output batch dims follow the index array's split. An embedding lookup from a table split
@@ -122,10 +89,7 @@ def gather(ctx: Context, eqn, args):
     dims = [()] * out_ndim
     for out_d, idx_d in zip(batch_out, range(indices.ndim - 1)):
         dims[out_d] = indices.layout.dims[idx_d]
-    if d is None:
-        out = bind(ctx, eqn, [operand.value, indices.value])
-    else:
-        out = [_lookup_made_late(ctx, eqn, *same_vma(ctx, [operand.value, indices.value]))]
+    out = bind(ctx, eqn, [operand.value, indices.value])
     return wrap(eqn, out, [Layout(tuple(dims), operand.layout.partial)])
 
 
