@@ -65,7 +65,8 @@ def _items(sizes, tiles: int, tile: int):
     spans = jnp.where(sizes > 0, last - first + 1, 0)
     through = jnp.cumsum(spans)  # items of groups 0..g
     index = jnp.arange(tiles + groups - 1, dtype=sizes.dtype)
-    group = jnp.minimum(jnp.searchsorted(through, index, side="right", method="compare_all"), groups - 1).astype(sizes.dtype)
+    group = jnp.searchsorted(through, index, side="right", method="compare_all")
+    group = jnp.minimum(group, groups - 1).astype(sizes.dtype)
     at = jnp.clip(first[group] + index - (through[group] - spans[group]), 0, tiles - 1)
     return group, at, index < through[-1], starts, ends
 
@@ -74,49 +75,48 @@ def _padded(x, rows: int):
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
+def _over_items(m: int, sizes, tile: int, init, step):
+    """`init` carried through the work items of `m` rows in tiles of `tile` (`_items`):
+    step(carry, group, first row of the tile, which of the tile's rows are the group's) -> carry."""
+    group, at, real, starts, ends = _items(sizes, -(-m // tile), tile)
+    offsets = jnp.arange(tile, dtype=sizes.dtype)
+
+    def item(carry, work):
+        g, t, ok = work
+        r = t * tile + offsets
+        return step(carry, g, t * tile, ok & (r >= starts[g]) & (r < ends[g])), None
+
+    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
+        return lax.scan(item, init, (group, at, real))[0]
+
+
 def _matmul(rows, w, sizes, tile: int):
     """rows (M, K) @ w (G, K, N) by group -> (M, N), in rows' dtype."""
     m = rows.shape[0]
-    tiles = -(-m // tile)
-    padded = _padded(rows, tiles * tile)
-    group, at, real, starts, ends = _items(sizes, tiles, tile)
-    offsets = jnp.arange(tile, dtype=sizes.dtype)
+    padded = _padded(rows, -(-m // tile) * tile)
 
-    def item(out, work):
-        g, t, ok = work
-        x = lax.dynamic_slice_in_dim(padded, t * tile, tile)
-        y = jnp.dot(x, lax.dynamic_index_in_dim(w, g, keepdims=False), preferred_element_type=rows.dtype)
-        r = t * tile + offsets
-        mine = ok & (r >= starts[g]) & (r < ends[g])
-        here = lax.dynamic_slice_in_dim(out, t * tile, tile)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), t * tile, 0), None
+    def step(out, g, at, mine):
+        y = jnp.dot(lax.dynamic_slice_in_dim(padded, at, tile), lax.dynamic_index_in_dim(w, g, keepdims=False),
+                    preferred_element_type=rows.dtype)
+        here = lax.dynamic_slice_in_dim(out, at, tile)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
 
-    zeros = jnp.zeros((tiles * tile, w.shape[2]), rows.dtype)
-    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
-        out, _ = lax.scan(item, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), (group, at, real))
-    return out[:m]
+    zeros = jnp.zeros((padded.shape[0], w.shape[2]), rows.dtype)
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step)[:m]
 
 
 def _weight_grad(rows, dout, sizes, groups: int, tile: int):
     """The matrices' gradient: per group, its rows' (K x rows) @ (rows x N), in float32."""
     m = rows.shape[0]
-    tiles = -(-m // tile)
-    x_all, d_all = _padded(rows, tiles * tile), _padded(dout, tiles * tile)
-    group, at, real, starts, ends = _items(sizes, tiles, tile)
-    offsets = jnp.arange(tile, dtype=sizes.dtype)
+    x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout, -(-m // tile) * tile)
 
-    def item(dw, work):
-        g, t, ok = work
-        r = t * tile + offsets
-        mine = ok & (r >= starts[g]) & (r < ends[g])
-        d = jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, t * tile, tile), 0)
-        part = jnp.dot(lax.dynamic_slice_in_dim(x_all, t * tile, tile).T, d, preferred_element_type=jnp.float32)
-        return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0), None
+    def step(dw, g, at, mine):
+        d = jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, at, tile), 0)
+        part = jnp.dot(lax.dynamic_slice_in_dim(x_all, at, tile).T, d, preferred_element_type=jnp.float32)
+        return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0)
 
     zeros = jnp.zeros((groups, rows.shape[1], dout.shape[1]), jnp.float32)
-    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
-        dw, _ = lax.scan(item, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), (group, at, real))
-    return dw
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step)
 
 
 @jax.custom_vjp
