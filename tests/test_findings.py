@@ -40,7 +40,7 @@ def test_the_cursor_moves_only_inside_its_blocks_and_comes_back_after_an_error()
 
 
 @pytest.mark.unit
-def test_context_and_options_are_frozen_and_remat_is_dropped_by_a_new_context():
+def test_context_and_options_are_frozen_and_a_derivative_rule_gets_a_new_context():
     ctx = Context.of(SIZES, remat="remat policy stand-in")
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.path = "blocks.0"
@@ -48,8 +48,9 @@ def test_context_and_options_are_frozen_and_remat_is_dropped_by_a_new_context():
         ctx.options.unroll = True
     with pytest.raises(TypeError):
         ctx.sizes["a"] = 4  # a read-only view of the mesh sizes
-    inner = ctx.without_remat()
+    inner = ctx.in_derivative_rule()
     assert (inner.remat, ctx.remat) == (None, "remat policy stand-in")
+    assert (inner.options.derivative_rule, ctx.options.derivative_rule) == (True, False)
     assert inner.cursor is ctx.cursor and inner.record is ctx.record  # the same interpretation
     with ctx.cursor.at("blocks.1"):
         inner.note_fallback("sort")

@@ -7,7 +7,7 @@
     Record            what the rules found (xtrain.lowering.findings), returned with the program
 
 A `Context` bundles the three for the rules; it is frozen: a rule reads options, moves the
-cursor in a `with` block, or passes a Context with other options down (`without_remat`).
+cursor in a `with` block, or passes a Context with other options down (`in_derivative_rule`).
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class LoweringOptions:
         context: attention over a sequence split along `context`: ring, Ulysses or both (Plan.context).
         platform: what the program is built for ("cpu", "cuda", "neuron"): MoE dispatch is a ragged
             all-to-all on "cuda" (xtrain.lowering.explicit.rules.experts).
+        derivative_rule: interpreting a user's JVP rule, whose tangents are linear: nothing
+            without a transpose (checkpoint tags, custom VJPs) may be emitted.
         fallback: where a split operand may reach a primitive without a rule and run replicated
             (Plan.fallback_policy(); elsewhere registry.fallback raises UnsupportedOpError).
         synced: parameters whose gradients the layer scan all-reduces inside the backward pass:
@@ -60,6 +62,7 @@ class LoweringOptions:
     capacity_factor: float | None = None
     context: ContextParallel = ContextParallel()
     platform: str = "cpu"
+    derivative_rule: bool = False
     fallback: FallbackPolicy = FallbackPolicy()
     synced: Mapping = dataclasses.field(default_factory=dict)
     sync: Any = None
@@ -136,10 +139,10 @@ class Context:
         """A fresh Context lowering for a mesh of `sizes` with `options` (LoweringOptions' fields)."""
         return Context(LoweringOptions(sizes=sizes, **options))
 
-    def without_remat(self) -> "Context":
-        """This interpretation (same cursor and record) with remat off: inside a derivative rule,
-        whose tangents are linear and whose tags (checkpoint_name) would have no transpose."""
-        return dataclasses.replace(self, options=dataclasses.replace(self.options, remat=None))
+    def in_derivative_rule(self) -> "Context":
+        """This interpretation (same cursor and record) inside a user's derivative rule, whose
+        tangents are linear: remat off (a checkpoint_name tag has no transpose) and no custom VJPs."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, remat=None, derivative_rule=True))
 
     # the options the rules read, and where the interpreter is
     @property

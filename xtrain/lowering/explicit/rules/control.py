@@ -73,7 +73,7 @@ def custom_jvp(ctx: Context, eqn, args):
         with ctx.cursor.at(path):
             # remat='selective' tags nothing inside the rule: its tangents are linear, and a tag
             # (checkpoint_name) on them has no transpose; the rule's outputs are tagged outside
-            outs = interpret(ctx.without_remat(), jaxpr, jconsts,
+            outs = interpret(ctx.in_derivative_rule(), jaxpr, jconsts,
                              with_values(prims, primals) + with_values(prims, tangents))
             n = len(out_zeros)
             want = layouts or [o.layout for o in outs[:n]]

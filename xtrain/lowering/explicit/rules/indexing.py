@@ -2,11 +2,15 @@
 lookups where an embedding table is split over model axes."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
+from xtrain.ir import vma
 from xtrain.lowering import sharded as C
 from xtrain.lowering.sharded import Layout
-from xtrain.lowering.explicit.registry import bind, fallback, out_avals, register, whole_dims_where, wrap
+from xtrain.lowering.explicit.registry import (bind, fallback, out_avals, register, same_vma, whole_dims_where,
+                                               wrap)
 from xtrain.lowering.explicit.rules.contractions import _gather_axes, _match_pairs
 from xtrain.lowering.context import Context
 from xtrain.lowering.sharded import Sharded
@@ -34,6 +38,38 @@ def _model_prefix(ctx: Context, axes) -> tuple:
     return tuple(out)
 
 
+def _lookup(ctx: Context, eqn, table, index):
+    """A row lookup (an embedding) whose gradient's zeros are made only once the cotangent is
+    there: JAX transposes a gather into a scatter-add into a table of zeros, and XLA's GPU
+    scheduler, with memory to spare, made that table (the embedding's, 2 GiB in f32 on
+    Llama-3.1-8B) before the backward pass's layer loop and held it throughout. Here the zeros
+    come out of an optimization barrier with the cotangent; the scatter-add is JAX's transpose.
+    Not inside a user's derivative rule (`ctx.options.derivative_rule`): its tangents are linear,
+    and a custom VJP on them has no transpose."""
+    if ctx.options.derivative_rule:
+        return bind(ctx, eqn, [table, index])[0]
+    table, index = same_vma(ctx, [table, index])
+    dn, shape, dtype, axes = eqn.params["dimension_numbers"], table.shape, table.dtype, vma.of(table)
+    scatter = lax.ScatterDimensionNumbers(
+        update_window_dims=dn.offset_dims, inserted_window_dims=dn.collapsed_slice_dims,
+        scatter_dims_to_operand_dims=dn.start_index_map, operand_batching_dims=dn.operand_batching_dims,
+        scatter_indices_batching_dims=dn.start_indices_batching_dims)
+
+    @jax.custom_vjp
+    def lookup(table, index):
+        return bind(ctx, eqn, [table, index])[0]
+
+    def backward(index, ct):
+        zero, ct = lax.optimization_barrier((jnp.zeros((), dtype), ct))
+        zeros = vma.widen(jnp.broadcast_to(zero, shape), axes)
+        return lax.scatter_add(zeros, index, ct.astype(dtype), scatter, mode=eqn.params["mode"],
+                               unique_indices=eqn.params["unique_indices"],
+                               indices_are_sorted=eqn.params["indices_are_sorted"]), None
+
+    lookup.defvjp(lambda table, index: (lookup(table, index), index), backward)
+    return lookup(table, index)
+
+
 def _vocab_parallel_gather(ctx: Context, eqn, operand: Sharded, indices: Sharded, d: int):
     """Megatron's vocab-parallel embedding: each device looks up the rows its shard holds
     (zeros elsewhere); the result is a partial sum over the table's axes, resolved by the
@@ -52,7 +88,7 @@ def _vocab_parallel_gather(ctx: Context, eqn, operand: Sharded, indices: Sharded
         index = jnp.clip(index, 0, rows - 1)
     shifted = index - (C.axis_offset(ctx, axes) * local).astype(index.dtype)
     mine = (shifted >= 0) & (shifted < local)  # (..., 1)
-    out = bind(ctx, eqn, [operand.value, jnp.where(mine, shifted, 0)])[0]
+    out = _lookup(ctx, eqn, operand.value, jnp.where(mine, shifted, 0))
     offset_dims = eqn.params["dimension_numbers"].offset_dims
     mask = jnp.expand_dims(mine[..., 0], offset_dims)
     out = jnp.where(mask, out, jnp.zeros((), out.dtype))
@@ -89,7 +125,10 @@ def gather(ctx: Context, eqn, args):
     dims = [()] * out_ndim
     for out_d, idx_d in zip(batch_out, range(indices.ndim - 1)):
         dims[out_d] = indices.layout.dims[idx_d]
-    out = bind(ctx, eqn, [operand.value, indices.value])
+    if d is None:
+        out = bind(ctx, eqn, [operand.value, indices.value])
+    else:
+        out = [_lookup(ctx, eqn, operand.value, indices.value)]
     return wrap(eqn, out, [Layout(tuple(dims), operand.layout.partial)])
 
 
