@@ -45,11 +45,11 @@ model = GPT(GPTConfig(layers=2))
 step = xtrain.compile(model, xtrain.Mesh(data=1), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
 x, y = torch.randint(0, 256, (32, 64)), torch.randint(0, 256, (32, 64))
 counts = []
-for i in range(8):  # 3 to compile and grow the heap to the step's high-water mark, then 5 measured
+for i in range(20):  # 4 to compile and grow the heap to the step's high-water mark, then 16 measured
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     float(step(x, y)["loss"])
     counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(statistics.median(counts[3:]))
+print(statistics.median(counts[4:]))
 """
 
 
@@ -71,6 +71,10 @@ def test_retained_memory_ends_the_page_faults_of_every_step():
     # (about 16,000 minor faults per step here); with the setting xtrain.init makes the steady state
     # faults none (issue: < 1,000). Each in its own process: the setting only holds for arenas made
     # after it (a thread that allocated before keeps its own arena, trimmed as glibc likes).
+    # Retained, a step still faults now and then while the heap settles: the step's largest block
+    # (about 60 MB) finds no hole big enough when the threads' order of allocation split the
+    # last one, and the heap grows once more (2-3 times in the first 30 steps under load, none in the
+    # next 170): hence the median over 16 steps, not over the first few.
     default, retained = _faults_per_step(XTRAIN_CPU_MALLOC="default"), _faults_per_step()
     assert default > 5_000, (default, retained)  # the cost the setting removes is there to remove
     assert retained < 1_000, (default, retained)
