@@ -186,7 +186,7 @@ def test_search_lists_every_candidate_and_picks_a_fitting_one():
     assert f"pick: {result.best.candidate.name}" in text and "emulated-cpu:8" in text
     # memory-only variants that were not lowered are counted, listed only on request
     skipped = [r for r in result.rows if r.prediction is None and r.reason.startswith("not lowered:")]
-    assert skipped and f"({len(skipped)} memory-only variants not lowered" in text
+    assert skipped and f"({len(skipped)} candidates not lowered" in text
     assert "not lowered: fits without remat" not in text and "not lowered: fits without remat" in result.listing(
         show_all=True)
     assert len([r for r in result.rows if r.prediction]) == 13       # 26 points; remat only lowered when short

@@ -9,8 +9,8 @@ NAME = 34  # width of the plan column
 
 
 def table(result, *, show_all: bool = False) -> str:
-    """`result` (a search.SearchResult) as a table: every lowered or refused candidate; the
-    memory-only variants that were not lowered (their plain plan fits) only with `show_all`.
+    """`result` (a search.SearchResult) as a table: every lowered or refused candidate; those left
+    unlowered because a bound shows they cannot be the pick (xtrain.cost.sweep) only with `show_all`.
     Ends with the pick, as code."""
     head = (f"{'':2}{'plan':<{NAME}}{'memory/device':>14}{'fits':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}"
             f"{'compute ms':>12}{'comm ms':>10}{'bubble':>8}  note")
@@ -27,8 +27,8 @@ def table(result, *, show_all: bool = False) -> str:
             continue
         lines.append(mark + _predicted(row))
     if len(shown) < len(result.rows):
-        lines.append(f"  ({len(result.rows) - len(shown)} memory-only variants not lowered: their plain plan fits; "
-                     "--all lists them)")
+        lines.append(f"  ({len(result.rows) - len(shown)} candidates not lowered: a bound shows none of them can be "
+                     "the pick; --all lists each with its bound)")
     lines += _pick(result) + [f"device memory: {size(result.profile.hbm_bytes)}"]
     if result.profile.plan_precision == "fp16":
         lines.append("precision: fp16 with dynamic loss scaling (this GPU has no bf16 arithmetic)")

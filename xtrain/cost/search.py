@@ -52,7 +52,7 @@ import jax
 from xtrain.errors import OptionsError, UnsupportedError
 from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
-from xtrain.cost import listing, placement
+from xtrain.cost import listing, placement, sweep
 from xtrain.cost import program as program_mod
 # the search space lives in cost.candidates; its public names are the search's too
 from xtrain.cost.candidates import (SKIPPED_REJECTED, SKIPPED_REMAT, SKIPPED_ZERO_BUBBLE, Candidate, candidates,
@@ -136,8 +136,8 @@ class SearchResult:
         return self.listing()
 
     def listing(self, *, show_all: bool = False) -> str:
-        """The table: every lowered or refused candidate; the memory-only variants that were not
-        lowered (their plain plan fits) only with `show_all`. Ends with the pick, as code."""
+        """The table: every lowered or refused candidate; those a bound left unlowered
+        (xtrain.cost.sweep) only with `show_all`. Ends with the pick, as code."""
         return listing.table(self, show_all=show_all)
 
 
@@ -248,8 +248,7 @@ def _fallback_note(fallbacks) -> str:
 
 def pick(rows: Sequence[Row]) -> Row | None:
     """The fastest candidate that fits; among those within TIE of it, the simplest."""
-    usable = [r for r in rows if r.usable]
-    usable = [r for r in usable if not r.fallbacks] or usable  # a plan without replicated fallbacks first
+    usable = sweep.preferred(rows)  # a plan without replicated fallbacks first
     if not usable:
         return None
     fastest = min(r.prediction.step_s for r in usable)
@@ -276,8 +275,10 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         candidate_list: the candidates (default: `candidates(devices, profile, pipe_degrees=...)`,
             with context-parallel points where the batch's sequence is long: `context_degrees`).
         regather: ZeRO-3 re-gathers weights in the backward pass (as the step does by default).
-        prune_remat: lower a memory-only variant (remat, 1F1B, offload) only when its plain plan does not fit,
-            and a zero-bubble one only when its GPipe form without a bubble would beat the best.
+        prune_remat: leave unlowered what a bound shows cannot be the pick (xtrain.cost.sweep): a
+            memory-only variant (remat, 1F1B, offload) whose plain plan fits or is too slow already,
+            a ZeRO sibling whose mesh's matmuls alone are too slow, a zero-bubble one whose GPipe form
+            without a bubble would not beat the best; False lowers every candidate.
         pipe_degrees: pipeline degrees of the default candidates, 1 included for no pipeline
             (default: 1 and `pipeline_degrees(devices, repeated blocks of the model)`).
         experts: the model's MoE expert weights (Trainable.experts): the default candidates then
@@ -323,35 +324,20 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
             return Row(candidate=c, reason=f"{STATE_ALONE} {listing.size(need)} > {listing.size(profile.hbm_bytes)}")
         return evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
                         model_flops=facts.matmul_flops, experts=experts)
-    done = {c: lower(c) for c in candidate_list if not c.saves_memory_only and not c.zero_bubble}
-    for c in candidate_list:
-        if c.saves_memory_only:
-            plain = done.get(c.plain)
-            placed = dataclasses.replace(c, order=plain.candidate.order) if plain is not None else c
-            # remat, 1F1B and offload never make a step faster: only worth lowering when memory is
-            # short; and they change no collective, so cannot mend a plan the target's checker rejects
-            if prune_remat and plain is not None and plain.findings:
-                done[c] = Row(candidate=placed, reason=SKIPPED_REJECTED)
-            elif prune_remat and plain is not None and plain.usable:
-                done[c] = Row(candidate=placed, reason=c.skipped)
-            else:
-                done[c] = lower(c)
-    fastest = min((r.prediction.step_s for r in done.values() if r.usable), default=None)
-    for c in (c for c in candidate_list if c.zero_bubble):
-        # zero bubble can at best remove the GPipe form's bubble: worth lowering only if that could win
-        gpipe = done.get(c.plain)
-        if prune_remat and gpipe is not None and gpipe.usable and fastest is not None and \
-                gpipe.prediction.step_s * (1 - gpipe.cost.pipeline.bubble_fraction) > fastest:
-            done[c] = Row(candidate=dataclasses.replace(c, order=gpipe.candidate.order), reason=SKIPPED_ZERO_BUBBLE)
-        else:
-            done[c] = lower(c)
+    swept = sweep.Sweep(lower, profile, TIE, Row, prune=prune_remat)
+    done = swept.run(candidate_list)
     rows = [done[c] for c in candidate_list]
     if precision is None:
         rows += _fp8_rows(rows, profile, lower, (FP8_ROWS if default else 0) if fp8_rows is None else fp8_rows)
     if verify is not None:
         plan_of = lambda c: c.plan(tensor_plan(model, batch) if structure is not None else None,
                                    expert_plan(model, experts) if experts else None)
-        rows = verified(rows, verify, plan_of, verify_top)
+        while True:  # until no bound skipped what the verified rows' fastest could lose to
+            rows = verified(rows, verify, plan_of, verify_top)
+            reopened = swept.reopen(rows)
+            if not reopened:
+                break
+            rows = [reopened.get(c, r) for c, r in zip(candidate_list, rows)] + rows[len(candidate_list):]
     return SearchResult(target or f"{profile.name} ({devices} devices)", profile, rows, pick(rows))
 
 

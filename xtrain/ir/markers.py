@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import typing
 from typing import Any, Callable, TypeVar
@@ -27,8 +28,9 @@ _KINDS: dict[type, str] = {}
 def marker(kind: str) -> Callable[[type[T]], type[T]]:
     """Registers a frozen dataclass as the marker `xtrain_<kind>=...`."""
     def register(cls: type[T]) -> type[T]:
-        if not dataclasses.is_dataclass(cls) or kind in _KINDS.values():
-            raise TypeError(f"marker({kind!r}) takes a dataclass, once per kind; got {cls.__name__}")
+        frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # decoded values are shared
+        if not frozen or kind in _KINDS.values():
+            raise TypeError(f"marker({kind!r}) takes a frozen dataclass, once per kind; got {cls.__name__}")
         _KINDS[cls] = kind
         return cls
     return register
@@ -66,6 +68,7 @@ def _typed(hint: Any, x: Any) -> Any:
     return x
 
 
+@functools.lru_cache(maxsize=4096)  # markers are frozen: one decoded value serves every equation naming it
 def _decode(cls: type[T], text: str) -> T:
     fields = json.loads(text.replace("'", '"'))
     hints = typing.get_type_hints(cls)

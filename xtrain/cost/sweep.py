@@ -1,0 +1,144 @@
+"""The order in which the plan search lowers its candidates, and the ones it leaves unlowered.
+
+Lowering a candidate (tracing its training step for an abstract mesh, xtrain.cost.program) is
+what a search spends its time on: about ten seconds each for an 8B-parameter model on one core,
+and an 8-GPU target has hundreds of candidates. A candidate is left unlowered only where a bound
+shows it cannot be the pick (search.pick: the simplest usable candidate within TIE of the fastest):
+
+- a memory-only variant (remat, 1F1B, offload) whose plain form fits: it only adds work;
+- a memory-only variant whose plain form's compute alone is more than TIE slower than the fastest
+  usable candidate's whole step: recomputation, lockstep ticks and host transfers only add to it;
+- an optimizer-offload variant whose plain form, less its whole optimizer state, still does not
+  fit the device: offload moves that state to the host and nothing else;
+- an activation-offload variant whose remat form is usable: it recomputes each layer as remat does
+  and adds the host transfers, so it is never faster, and remat is simpler;
+- a zero-bubble schedule whose GPipe form, even without its bubble, is slower than the fastest
+  (fitting or not: the bound is on time).
+
+Each plain candidate is lowered with its memory-only variants right after it (in the list's
+order), so that a usable candidate is known early. The fastest only gets faster as the sweep goes
+on, so a bound that was over it stays over the final one; where the target's compiler later
+says the fastest does not fit (search(verify=...)), `reopen` lowers what the bounds skipped
+against the old fastest and now could win.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Mapping, Sequence
+
+from xtrain.cost import listing
+from xtrain.cost.candidates import SKIPPED_REJECTED, SKIPPED_ZERO_BUBBLE, Candidate
+from xtrain.cost.hardware import HardwareProfile
+from xtrain.sharding.offload import Offload
+
+SLOWER_PLAIN = "not lowered: its plain form's compute alone ({floor}) is over {tie} more than the fastest step ({best})"
+OFFLOAD_SHORT = "not lowered: its plain form less its whole optimizer state still needs {need} > {device}"
+ACT_OFFLOAD_DOMINATED = ("not lowered: its remat form fits, which recomputes the same and needs no host transfers "
+                         "for the activations")
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def preferred(rows: Iterable) -> list:
+    """The rows the pick is made from: the usable ones, those without replicated fallbacks when
+    there is one."""
+    usable = [r for r in rows if r.usable]
+    return [r for r in usable if not r.fallbacks] or usable
+
+
+def fastest(rows: Iterable) -> float | None:
+    """The step seconds the pick is measured against (`preferred`'s fastest); None: none usable."""
+    return min((r.prediction.step_s for r in preferred(rows)), default=None)
+
+
+@dataclasses.dataclass
+class Sweep:
+    """Lowers a candidate list through `lower` (search's: refusals, tracing, prediction) in the
+    order above. `prune`: search(prune_remat=...): False lowers every candidate."""
+
+    lower: Callable[[Candidate], object]
+    profile: HardwareProfile
+    tie: float
+    row: Callable[..., object]  # search.Row, for the rows of candidates left unlowered
+    prune: bool = True
+    done: dict = dataclasses.field(default_factory=dict)
+    floors: dict = dataclasses.field(default_factory=dict)  # candidate -> lower bound on its step seconds
+
+    def run(self, candidate_list: Sequence[Candidate]) -> dict:
+        """{candidate: Row} for every candidate of the list."""
+        variants: dict[Candidate, list[Candidate]] = {}
+        for c in candidate_list:
+            if c.saves_memory_only:
+                variants.setdefault(c.plain, []).append(c)
+        plain = [c for c in candidate_list if not c.saves_memory_only and not c.zero_bubble]
+        for c in plain:
+            self.done[c] = self.lower(c)
+            for v in sorted(variants.pop(c, ()), key=lambda v: list(Offload).index(v.offload)):
+                self._variant(v)
+        for v in (v for vs in variants.values() for v in vs):  # variants whose plain form is not listed
+            self.done[v] = self.lower(v)
+        for c in (c for c in candidate_list if c.zero_bubble):
+            self._zero_bubble(c)
+        return self.done
+
+    def reopen(self, rows: Sequence) -> Mapping[Candidate, object]:
+        """Rows for the candidates skipped by a bound on time that no longer holds against the
+        fastest of `rows` (after verification marked rows unusable), lowered now."""
+        best = fastest(rows)
+        due = [c for c, floor in self.floors.items() if best is None or floor <= best * (1 + self.tie)]
+        for c in due:
+            del self.floors[c]
+            self.done[c] = self.lower(c)
+        return {c: self.done[c] for c in due}
+
+    def _best(self) -> float | None:
+        return fastest(self.done.values()) if self.prune else None
+
+    def _skip(self, c: Candidate, reason: str, floor: float | None = None, plain=None):
+        placed = dataclasses.replace(c, order=plain.candidate.order) if plain is not None else c
+        if floor is not None:
+            self.floors[c] = floor
+        self.done[c] = self.row(candidate=placed, reason=reason)
+
+    def _variant(self, v: Candidate) -> None:
+        plain, best = self.done.get(v.plain), self._best()
+        if not self.prune or plain is None:
+            self.done[v] = self.lower(v)
+        elif plain.findings:  # same collectives as its plain form, which the target's checker rejects
+            self._skip(v, SKIPPED_REJECTED, plain=plain)
+        elif plain.usable:
+            self._skip(v, v.skipped, plain=plain)
+        elif plain.prediction is None:  # refused before lowering (state, batch): the variant may do better
+            self.done[v] = self.lower(v)
+        elif best is not None and plain.prediction.compute_s > best * (1 + self.tie):
+            floor = plain.prediction.compute_s
+            self._skip(v, SLOWER_PLAIN.format(floor=ms(floor), tie=f"{self.tie:.0%}", best=ms(best)), floor, plain)
+        elif v.offload is Offload.OPTIMIZER and self._still_short(plain) is not None:
+            self._skip(v, self._still_short(plain), plain=plain)
+        elif v.offload is Offload.ACTIVATIONS and self._remat_usable(v):
+            self._skip(v, ACT_OFFLOAD_DOMINATED, plain=plain)
+        else:
+            self.done[v] = self.lower(v)
+
+    def _still_short(self, plain) -> str | None:
+        memory = plain.cost.memory
+        need = memory.total - memory.optimizer
+        if need <= self.profile.hbm_bytes:
+            return None
+        return OFFLOAD_SHORT.format(need=listing.size(need), device=listing.size(self.profile.hbm_bytes))
+
+    def _remat_usable(self, v: Candidate) -> bool:
+        remat = self.done.get(dataclasses.replace(v, offload=Offload.NONE, remat=True))
+        return remat is not None and remat.usable
+
+    def _zero_bubble(self, c: Candidate) -> None:
+        # zero bubble can at best remove the GPipe form's bubble: worth lowering only if that could win
+        gpipe, best = self.done.get(c.plain), self._best()
+        if best is not None and gpipe is not None and gpipe.prediction is not None:
+            floor = gpipe.prediction.step_s * (1 - gpipe.cost.pipeline.bubble_fraction)
+            if floor > best:
+                self._skip(c, SKIPPED_ZERO_BUBBLE, floor, plain=gpipe)
+                return
+        self.done[c] = self.lower(c)
