@@ -13,13 +13,15 @@ from xtrain.frontend.structure import describe
 C = search.Candidate
 # one family per bound: remat (act-offload dominated by it), optimizer offload (still short without
 # its state), tensor parallel (its plain form's compute alone too slow), a pipeline (1F1B and its
-# remat too slow; zero bubble bounded by its GPipe form without the bubble)
+# remat too slow; zero bubble bounded by its GPipe form without the bubble), context parallel (its
+# data-parallel twin holds the same tokens per device without the sequence split's transfers)
 LISTED = [C(data=8, zero=1), C(data=8, zero=1, remat=True), C(data=8, zero=1, offload="optimizer"),
           C(data=8, zero=1, offload="activations"),
           C(data=2, tensor=4, zero=1), C(data=2, tensor=4, zero=1, remat=True),
           C(data=2, tensor=4, zero=1, offload="optimizer"),
           C(data=4, pipe=2, microbatches=2), C(data=4, pipe=2, microbatches=2, remat=True),
-          C(data=4, pipe=2, microbatches=2, schedule="1f1b"), C(data=4, pipe=2, microbatches=2, schedule="zbh1")]
+          C(data=4, pipe=2, microbatches=2, schedule="1f1b"), C(data=4, pipe=2, microbatches=2, schedule="zbh1"),
+          C(data=4, context=2, zero=1), C(data=4, context=2, ulysses=2, zero=1), C(data=4, context=2, zero=1, remat=True)]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def test_every_bound_holds_and_the_pick_is_the_unpruned_searchs(setting):
     skipped = {name: r.reason for name, r in rows.items() if r.prediction is None}
     assert set(skipped) == {"dp8 zero1 offload", "dp8 zero1 act-offload", "dp2xtp4 zero1 remat",
                             "dp2xtp4 zero1 offload", "dp4xpp2 gpipe m2 remat", "dp4xpp2 1f1b m2",
-                            "dp4xpp2 zbh1 m2"}, skipped
+                            "dp4xpp2 zbh1 m2", "dp4xcp2 zero1", "dp4xcp2 zero1 ulysses", "dp4xcp2 zero1 remat"}, skipped
     # each bound against the candidate as lowered
     plain = rows["dp8 zero1"].cost.memory
     assert skipped["dp8 zero1 offload"].startswith("not lowered: its plain form less its whole optimizer state")
@@ -64,8 +66,14 @@ def test_every_bound_holds_and_the_pick_is_the_unpruned_searchs(setting):
     assert skipped["dp4xpp2 zbh1 m2"] == search.SKIPPED_ZERO_BUBBLE
     assert every["dp4xpp2 zbh1 m2"].prediction.step_s >= \
         gpipe.prediction.step_s * (1 - gpipe.cost.pipeline.bubble_fraction)
+    # a sequence split where the batch divides over data x context: its data-parallel twin dominates it
+    for name, twin in (("dp4xcp2 zero1", "dp8 zero1"), ("dp4xcp2 zero1 ulysses", "dp8 zero1"),
+                       ("dp4xcp2 zero1 remat", "dp8 zero1 remat")):
+        assert skipped[name] == sweep.CONTEXT_DOMINATED.format(twin="dp8 zero1"), skipped[name]
+        assert every[name].prediction.step_s >= every[twin].prediction.step_s, name
+        assert every[name].prediction.memory_bytes >= every[twin].prediction.memory_bytes, name
     text = pruned.listing()
-    assert "(7 candidates not lowered" in text and "its plain form's compute alone" in pruned.listing(show_all=True)
+    assert "(10 candidates not lowered" in text and "its plain form's compute alone" in pruned.listing(show_all=True)
 
 
 @pytest.mark.e2e

@@ -13,7 +13,13 @@ shows it cannot be the pick (search.pick: the simplest usable candidate within T
 - an activation-offload variant whose remat form is usable: it recomputes each layer as remat does
   and adds the host transfers, so it is never faster, and remat is simpler;
 - a zero-bubble schedule whose GPipe form, even without its bubble, is slower than the fastest
-  (fitting or not: the bound is on time).
+  (fitting or not: the bound is on time);
+- a context-parallel candidate (and its variants) whose data-parallel twin, data x context devices
+  over "data" and the rest the same, is listed and lowered: the batch then divides over the twin's
+  devices, which hold the same tokens each (rows / (data x context) whole sequences instead of
+  1/context of rows / data sequences), with the same FLOPs and gradient sync but none of the ring's
+  or all-to-all's transfers, and ZeRO shards the state over all of them. Splitting a sequence only
+  pays where the batch has fewer rows than that, and there the twin is refused for its batch.
 
 Each plain candidate is lowered with its memory-only variants right after it (in the list's
 order), so that a usable candidate is known early. The fastest only gets faster as the sweep goes
@@ -33,6 +39,8 @@ from xtrain.sharding.offload import Offload
 
 SLOWER_PLAIN = "not lowered: its plain form's compute alone ({floor}) is over {tie} more than the fastest step ({best})"
 OFFLOAD_SHORT = "not lowered: its plain form less its whole optimizer state still needs {need} > {device}"
+CONTEXT_DOMINATED = ("not lowered: {twin} holds the same tokens per device with the same FLOPs and none of the "
+                     "sequence split's transfers")
 ACT_OFFLOAD_DOMINATED = ("not lowered: its remat form fits, which recomputes the same and needs no host transfers "
                          "for the activations")
 
@@ -53,6 +61,14 @@ def fastest(rows: Iterable) -> float | None:
     return min((r.prediction.step_s for r in preferred(rows)), default=None)
 
 
+def _data_twin(c: Candidate) -> Candidate:
+    """A context-parallel candidate's data-parallel twin: its context devices over "data" (the
+    candidate itself when it splits no sequence)."""
+    if c.context == 1:
+        return c
+    return dataclasses.replace(c, data=c.data * c.context, context=1, ulysses=1, order=())
+
+
 @dataclasses.dataclass
 class Sweep:
     """Lowers a candidate list through `lower` (search's: refusals, tracing, prediction) in the
@@ -65,6 +81,7 @@ class Sweep:
     prune: bool = True
     done: dict = dataclasses.field(default_factory=dict)
     floors: dict = dataclasses.field(default_factory=dict)  # candidate -> lower bound on its step seconds
+    dominated: set = dataclasses.field(default_factory=set)  # plain candidates a lowered twin dominates
 
     def run(self, candidate_list: Sequence[Candidate]) -> dict:
         """{candidate: Row} for every candidate of the list."""
@@ -74,7 +91,12 @@ class Sweep:
                 variants.setdefault(c.plain, []).append(c)
         plain = [c for c in candidate_list if not c.saves_memory_only and not c.zero_bubble]
         for c in plain:
-            self.done[c] = self.lower(c)
+            twin = _data_twin(c)
+            if self.prune and twin in self.done and self.done[twin].prediction is not None:
+                self._skip(c, CONTEXT_DOMINATED.format(twin=twin.name))
+                self.dominated.add(c)
+            else:
+                self.done[c] = self.lower(c)
             for v in sorted(variants.pop(c, ()), key=lambda v: list(Offload).index(v.offload)):
                 self._variant(v)
         for v in (v for vs in variants.values() for v in vs):  # variants whose plain form is not listed
@@ -110,6 +132,8 @@ class Sweep:
             self._skip(v, SKIPPED_REJECTED, plain=plain)
         elif plain.usable:
             self._skip(v, v.skipped, plain=plain)
+        elif v.plain in self.dominated:
+            self._skip(v, plain.reason)
         elif plain.prediction is None:  # refused before lowering (state, batch): the variant may do better
             self.done[v] = self.lower(v)
         elif best is not None and plain.prediction.compute_s > best * (1 + self.tie):
