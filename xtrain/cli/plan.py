@@ -2,6 +2,7 @@
 plans), lowered for an abstract mesh from a script's first step, without training."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Sequence
 
@@ -48,13 +49,26 @@ def plan(script: str, args: Sequence[str], target: str, global_batch: int | None
         t = step.trainable
         verify = _compiler(step.trainable, shapes, target) if compile_top else None
         capacity = capacity_factor if capacity_factor is not None else getattr(step.plan, "capacity_factor", None)
-        result = search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
-                               target=f"{target} ({devices} devices)", experts=sorted(t.experts),
-                               verify=verify, verify_top=compile_top or search.VERIFY_TOP, precision=precision,
-                               capacity_factor=capacity)
+        with _progress() as lowered:
+            result = search.search(t.model, t.tx, shapes, profile, devices, structure=t.structure,
+                                   target=f"{target} ({devices} devices)", experts=sorted(t.experts),
+                                   verify=verify, verify_top=compile_top or search.VERIFY_TOP, precision=precision,
+                                   capacity_factor=capacity, progress=lowered)
         print(result.listing(show_all=show_all), flush=True)
 
     return _intercepted(script, args, show, build=False, what="plan")
+
+
+@contextlib.contextmanager
+def _progress():
+    """A progress line on stderr while the search lowers candidates (seconds each at real size)."""
+    from tqdm import tqdm
+
+    with tqdm(desc="xtrain plan: lowering candidates", unit=" plans", file=sys.stderr, leave=False) as bar:
+        def lowered(candidate) -> None:
+            bar.set_postfix_str(candidate.name, refresh=False)
+            bar.update(1)
+        yield lowered
 
 
 def _compiler(trainable, shapes: tuple, target: str):

@@ -265,7 +265,8 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
            target: str | None = None, candidate_list: Sequence[Candidate] | None = None,
            regather: bool = True, prune_remat: bool = True, pipe_degrees: Sequence[int] | None = None,
            experts: Sequence[str] = (), precision: str | None = None, capacity_factor: float | None = None,
-           verify: Verify | None = None, verify_top: int = VERIFY_TOP, fp8_rows: int | None = None) -> SearchResult:
+           verify: Verify | None = None, verify_top: int = VERIFY_TOP, fp8_rows: int | None = None,
+           progress: Callable[[Candidate], None] | None = None) -> SearchResult:
     """Predicts every candidate for `devices` devices of `profile` and picks one.
 
     Args:
@@ -294,6 +295,7 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         fp8_rows: on a target with an FP8 peak, a search without `precision` also lists its fastest
             `fp8_rows` candidates costed with FP8 matmuls, never picked (FP8_LISTED); default
             FP8_ROWS with the default candidates, none with a `candidate_list`.
+        progress: called with each candidate once it is lowered (e.g. a progress bar's update).
 
     A candidate whose parameters, gradients and optimizer state alone cannot fit the device, split
     as evenly as it splits them (Candidate.state_floor), is listed as such and never traced.
@@ -322,8 +324,11 @@ def search(model, tx, batch: tuple, profile: HardwareProfile, devices: int, *, s
         need = c.state_floor(*totals)
         if need > profile.hbm_bytes:  # no activation can make it fit: not worth a trace
             return Row(candidate=c, reason=f"{STATE_ALONE} {listing.size(need)} > {listing.size(profile.hbm_bytes)}")
-        return evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
-                        model_flops=facts.matmul_flops, experts=experts)
+        row = evaluate(model, tx, structure, c, batch, profile, regather=regather, layers=facts.layers,
+                       model_flops=facts.matmul_flops, experts=experts)
+        if progress is not None:
+            progress(c)
+        return row
     swept = sweep.Sweep(lower, profile, TIE, Row, prune=prune_remat)
     done = swept.run(candidate_list)
     rows = [done[c] for c in candidate_list]
