@@ -69,7 +69,7 @@ def test_every_bound_holds_and_the_pick_is_the_unpruned_searchs(setting):
     # a sequence split where the batch divides over data x context: its data-parallel twin dominates it
     for name, twin in (("dp4xcp2 zero1", "dp8 zero1"), ("dp4xcp2 zero1 ulysses", "dp8 zero1"),
                        ("dp4xcp2 zero1 remat", "dp8 zero1 remat")):
-        assert skipped[name] == sweep.CONTEXT_DOMINATED.format(twin="dp8 zero1"), skipped[name]
+        assert skipped[name] == sweep.CONTEXT_DOMINATED.format(twin=twin), skipped[name]
         assert every[name].prediction.step_s >= every[twin].prediction.step_s, name
         assert every[name].prediction.memory_bytes >= every[twin].prediction.memory_bytes, name
     text = pruned.listing()

@@ -91,8 +91,8 @@ class Sweep:
                 variants.setdefault(c.plain, []).append(c)
         plain = [c for c in candidate_list if not c.saves_memory_only and not c.zero_bubble]
         for c in plain:
-            twin = _data_twin(c)
-            if self.prune and twin in self.done and self.done[twin].prediction is not None:
+            twin = self._lowered_twin(c)
+            if self.prune and twin is not None:
                 self._skip(c, CONTEXT_DOMINATED.format(twin=twin.name))
                 self.dominated.add(c)
             else:
@@ -115,6 +115,12 @@ class Sweep:
             self.done[c] = self.lower(c)
         return {c: self.done[c] for c in due}
 
+    def _lowered_twin(self, c: Candidate) -> Candidate | None:
+        """`c`'s data-parallel twin where `c` splits sequences and the twin was lowered, else None."""
+        twin = _data_twin(c)
+        row = self.done.get(twin) if twin != c else None
+        return twin if row is not None and row.prediction is not None else None
+
     def _best(self) -> float | None:
         return fastest(self.done.values()) if self.prune else None
 
@@ -125,8 +131,10 @@ class Sweep:
         self.done[c] = self.row(candidate=placed, reason=reason)
 
     def _variant(self, v: Candidate) -> None:
-        plain, best = self.done.get(v.plain), self._best()
-        if not self.prune or plain is None:
+        plain, best, twin = self.done.get(v.plain), self._best(), self._lowered_twin(v)
+        if self.prune and twin is not None:  # e.g. an offloaded sequence split whose plain form's state is refused
+            self._skip(v, CONTEXT_DOMINATED.format(twin=twin.name))
+        elif not self.prune or plain is None:
             self.done[v] = self.lower(v)
         elif plain.findings:  # same collectives as its plain form, which the target's checker rejects
             self._skip(v, SKIPPED_REJECTED, plain=plain)
