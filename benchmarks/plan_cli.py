@@ -31,11 +31,11 @@ def run(command: list[str]) -> tuple[str, float, float]:
     """The listing `xtrain <command>` prints, its wall seconds and the largest process's peak RSS (GiB)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "xtrain.cli", *command], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-m", "xtrain.cli", *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          text=True)  # its stderr (the progress line) passes through
     wall = time.monotonic() - start
     if done.returncode:
-        raise SystemExit(f"xtrain {' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        raise SystemExit(f"xtrain {' '.join(command)} failed ({done.returncode}): see its stderr above")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / (1 << 20)  # KiB -> GiB
     return done.stdout[done.stdout.index("xtrain plan for"):], wall, peak
 
