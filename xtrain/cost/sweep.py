@@ -147,8 +147,8 @@ class Sweep:
         elif best is not None and plain.prediction.compute_s > best * (1 + self.tie):
             floor = plain.prediction.compute_s
             self._skip(v, SLOWER_PLAIN.format(floor=ms(floor), tie=f"{self.tie:.0%}", best=ms(best)), floor, plain)
-        elif v.offload is Offload.OPTIMIZER and self._still_short(plain) is not None:
-            self._skip(v, self._still_short(plain), plain=plain)
+        elif v.offload is Offload.OPTIMIZER and (short := self._still_short(plain)) is not None:
+            self._skip(v, short, plain=plain)
         elif v.offload is Offload.ACTIVATIONS and self._remat_usable(v):
             self._skip(v, ACT_OFFLOAD_DOMINATED, plain=plain)
         else:
