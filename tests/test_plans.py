@@ -28,6 +28,8 @@ def case(name):
     torch.manual_seed(0)
     if name == "gpt":
         model, batches, loss_fn = GPT(), token_batches(n=4), None
+    elif name == "llama-512":  # attention by the blockwise kernel: 2 key blocks of 256 (CPU), a scan
+        model, batches, loss_fn = llama(), lm_batches(seq=512), lm_loss
     else:
         model, batches, loss_fn = {"gpt2": gpt2, "llama": llama}[name](), lm_batches(), lm_loss
     return model, batches, loss_fn, torch_reference(model, sgd, batches, loss_fn)
@@ -248,6 +250,18 @@ def test_megatron_gpt_without_vocab_parallel_parity():
                          ids=["gpt2-tp2", "llama-tp2", "llama-tp4-kv-whole"])
 def test_megatron_hf_parity(name, mesh):
     parity(name, mesh, plans.megatron(case(name)[0], mesh))
+
+
+@pytest.mark.e2e
+def test_megatron_splits_heads_through_the_blockwise_key_loop_parity():
+    # the heads' split passes through the kernel's scan over key blocks, as at 16 tokens (no loop);
+    # it used to read the loop's stacked key blocks one dimension off and keep attention whole
+    model, batches, _, _ = case("llama-512")
+    plan = plans.megatron(model, TP2, example=batches[0], loss_fn=lm_loss)
+    layer = "model.layers.*.self_attn."
+    assert plan.params[layer + "q_proj.weight"] == ("tensor", None)
+    assert plan.params[layer + "o_proj.weight"] == (None, "tensor")
+    parity("llama-512", TP2, plan)
 
 
 @pytest.mark.e2e

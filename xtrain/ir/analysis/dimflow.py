@@ -9,9 +9,10 @@ dimension when the axis divides the heads) and back, the batch dimensions of att
 dot_generals, slices of a fused output (the slice bounds become the source's *segments*; sliced
 after the reshape into heads, in whole heads, and a slice of fewer heads than the axis, MQA's key
 or value head, is whole on every device), grouped convolutions' channels and stacks
-(xtrain.ir.analysis.structural), and call bodies (pjit, custom_jvp). It ends well at a
-dot_general that contracts it with a parameter: the *sink*, row-parallel (its output is a
-partial sum: one all-reduce). Sources that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
+(xtrain.ir.analysis.structural), call bodies (pjit, custom_jvp) and scan bodies (one slice of its
+stacked operands per iteration: the blockwise attention's key blocks). It ends well at a dot_general
+that contracts it with a parameter: the *sink*, row-parallel (its output is a partial sum: one
+all-reduce). Sources that meet (q and k in the scores, gate and up in a gated product) form one *group*: they are
 split together or not at all. A group breaks at anything else (a reduction over the split
 dimension, a reshape that mixes it, a gather), and the first break is kept, with its op and
 module path, to explain why it stays whole. A group without a sink whose breaks are all
@@ -143,21 +144,33 @@ class _Analysis:
             group.breaks.append(("indivisible", "routed experts", f"{path}: {size // 2} expert FFN features"))
 
     def call(self, body, eqn, ins, vws, labels, views, path) -> None:
+        xs, ys = _stacked(eqn)  # a scan's per-iteration operands and results: one leading dimension more
+        ins = [self.unstack(lab, path) if i in xs else lab for i, lab in enumerate(ins)]
+        vws = [provenance.View(vw.name, vw.dims[1:]) if i in xs and vw is not None else vw for i, vw in enumerate(vws)]
         inner_labels = {v: lab for v, lab in zip(body.invars, ins) if lab is not None}
         inner_views = {v: vw for v, vw in zip(body.invars, vws) if vw is not None}
-        for v, outer in zip(body.invars, eqn.invars):
+        for i, (v, outer) in enumerate(zip(body.invars, eqn.invars)):
             if not isinstance(outer, jcore.Literal) and outer in self.ghosts:
-                self.ghosts[v] = self.ghosts[outer]
+                self.ghosts[v] = self.ghosts[outer][1:] if i in xs else self.ghosts[outer]
         self.run(body, inner_labels, inner_views, path)
-        for var, out in zip(eqn.outvars, body.outvars):
+        for j, (var, out) in enumerate(zip(eqn.outvars, body.outvars)):
             if isinstance(out, jcore.Literal) or isinstance(var, jcore.DropVar):
                 continue
+            lead = (None,) if j in ys else ()
             if out in self.ghosts:
-                self.ghosts[var] = self.ghosts[out]
+                self.ghosts[var] = lead + self.ghosts[out]
             if out in inner_labels:
-                labels[var] = inner_labels[out]
-            if out in inner_views:
+                labels[var] = lead + inner_labels[out]
+            if out in inner_views and not lead:
                 views[var] = inner_views[out]
+
+    def unstack(self, label, path: str):
+        """A scan operand's label in its body (one slice of the leading dimension per iteration); a
+        split of that dimension itself breaks (each iteration would need every device's slice)."""
+        if label is None:
+            return None
+        self.brk(label[:1], "op", "scan", f"{path}: a loop over the split dimension")
+        return label[1:] if any(x is not None for x in label[1:]) else None
 
     def op(self, eqn, ins, vws, path) -> list:
         prim = eqn.primitive.name
@@ -351,6 +364,14 @@ class _Analysis:
         if any(g is not None for g in ghosts):
             self.row_out = (None,) * len(batch) + tuple(ghosts)
         return tuple(batch + free)
+
+
+def _stacked(eqn) -> tuple[range, range]:
+    """The operands and results of a scan with the leading (iteration) dimension: its `xs` and `ys`."""
+    if eqn.primitive.name != "scan":
+        return range(0), range(0)
+    p = eqn.params
+    return range(p["num_consts"] + p["num_carry"], len(eqn.invars)), range(p["num_carry"], len(eqn.outvars))
 
 
 def analyze(closed, names: list[str], tp: int, module_paths: frozenset[str] = frozenset()) -> Flow:
