@@ -79,6 +79,23 @@ def test_a_pipeline_search_traces_the_model_once_per_microbatch_shape():
 
 
 @pytest.mark.e2e
+def test_pipelines_on_two_meshes_replay_one_trace_of_the_microbatch():
+    with xtrain.checkpoint.meta_params():
+        module = transformers.LlamaForCausalLM(llama_config())
+    batch = (np.zeros((16, 16), np.int64),) * 2
+    # the same microbatch (16 / 2 = 8 rows) on two meshes, in bf16: the kept trace's derivative-rule
+    # thunks (custom_vjp / custom_jvp) were first called under the first pipeline's mesh and handed
+    # it to the second, whose lowering failed
+    plans = [C(data=4, pipe=2, microbatches=2, precision="bf16"),
+             C(data=2, pipe=2, microbatches=2, tensor=2, precision="bf16")]
+    with counted() as events:
+        result = planned(module, batch, plans)
+    assert all(r.prediction is not None for r in result.rows), str(result)
+    # the whole batch in fp32 (the search's model facts) and in bf16, and the microbatch once for both meshes
+    assert events[MODEL_TRACE_EVENT] == 3, dict(events)
+
+
+@pytest.mark.e2e
 def test_a_50b_parameter_model_on_the_meta_device_plans_in_seconds():
     """200 GB of fp32 weights, planned on a machine with a tenth of that: only shapes are read.
     A candidate whose state alone cannot fit is refused without a trace."""

@@ -49,7 +49,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
-from xtrain.errors import OptionsError, UnsupportedError
+from xtrain.errors import OptionsError, UnsupportedError, XtrainError
 from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
 from xtrain.cost import listing, placement, sweep
@@ -222,7 +222,7 @@ def evaluate(model, tx, structure: Structure | None, candidate: Candidate, batch
         traced = program_mod.abstract_step(program_mod.trainable_of(model, tx, experts), candidate.mesh, plan, batch,
                                            options=AssemblyOptions(scan_layers=True, regather=regather),
                                            platform="neuron" if target else None, built_for=built_for)
-    except ValueError as err:
+    except XtrainError as err:  # what xtrain refuses, with its reason; anything else is a bug, raised
         return Row(candidate=candidate, reason=f"cannot lower: {err}")
     idle = traced.bubble if candidate.pipe > 1 else None
     cost = step_cost(traced, candidate.mesh, _tokens(batch), model.module_paths(),
