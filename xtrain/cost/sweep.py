@@ -14,6 +14,11 @@ shows it cannot be the pick (search.pick: the simplest usable candidate within T
   and adds the host transfers, so it is never faster, and remat is simpler;
 - a zero-bubble schedule whose GPipe form, even without its bubble, is slower than the fastest
   (fitting or not: the bound is on time);
+- a pipeline whose data-parallel twin (stages x data devices over "data", no pipeline), lowered,
+  computes for longer than the fastest step even before the schedule's idle share is added: each
+  device holds 1/stages of the layers for all its twin's rows, the same FLOPs in smaller
+  microbatches, and the lockstep ticks run busy / (1 - bubble) at least (its variants and other
+  schedules too: they only add to it);
 - a context-parallel candidate (and its variants) whose data-parallel twin, data x context devices
   over "data" and the rest the same, is listed and lowered: the batch then divides over the twin's
   devices, which hold the same tokens each (rows / (data x context) whole sequences instead of
@@ -35,12 +40,15 @@ from typing import Callable, Iterable, Mapping, Sequence
 from xtrain.cost import listing
 from xtrain.cost.candidates import SKIPPED_REJECTED, SKIPPED_ZERO_BUBBLE, Candidate
 from xtrain.cost.hardware import HardwareProfile
+from xtrain.lowering.pipeline import schedule
 from xtrain.sharding.offload import Offload
 
 SLOWER_PLAIN = "not lowered: its plain form's compute alone ({floor}) is over {tie} more than the fastest step ({best})"
 OFFLOAD_SHORT = "not lowered: its plain form less its whole optimizer state still needs {need} > {device}"
 CONTEXT_DOMINATED = ("not lowered: {twin} holds the same tokens per device with the same FLOPs and none of the "
                      "sequence split's transfers")
+PIPELINE_SLOWER = ("not lowered: its data-parallel twin {twin} computes for {twin_ms}; with this schedule's "
+                   "{bubble:.1%} bubble that is at least {floor}, over {tie} more than the fastest step ({best})")
 ACT_OFFLOAD_DOMINATED = ("not lowered: its remat form fits, which recomputes the same and needs no host transfers "
                          "for the activations")
 
@@ -95,7 +103,7 @@ class Sweep:
             if self.prune and twin is not None:
                 self._skip(c, CONTEXT_DOMINATED.format(twin=twin.name))
                 self.dominated.add(c)
-            else:
+            elif not self._pipeline_slower(c):
                 self.done[c] = self.lower(c)
             for v in sorted(variants.pop(c, ()), key=lambda v: list(Offload).index(v.offload)):
                 self._variant(v)
@@ -134,6 +142,8 @@ class Sweep:
         plain, best, twin = self.done.get(v.plain), self._best(), self._lowered_twin(v)
         if self.prune and twin is not None:  # e.g. an offloaded sequence split whose plain form's state is refused
             self._skip(v, CONTEXT_DOMINATED.format(twin=twin.name))
+        elif self.prune and v.plain in self.floors:  # a pipeline too slow already: the variant only adds to it
+            self._skip(v, plain.reason, self.floors[v.plain])
         elif not self.prune or plain is None:
             self.done[v] = self.lower(v)
         elif plain.findings:  # same collectives as its plain form, which the target's checker rejects
@@ -173,4 +183,30 @@ class Sweep:
             if floor > best:
                 self._skip(c, SKIPPED_ZERO_BUBBLE, floor, plain=gpipe)
                 return
-        self.done[c] = self.lower(c)
+        if not self._pipeline_slower(c):
+            self.done[c] = self.lower(c)
+
+    def _pipeline_slower(self, c: Candidate) -> bool:
+        """Whether pipeline `c` was left unlowered: its data-parallel twin's compute over the
+        schedule's busy share is more than TIE slower than the fastest (a row of the twin's
+        plain forms, any ZeRO stage, the least compute: ZeRO only shrinks the optimizer's and
+        the gradients' elementwise work, which the pipeline's stage does for more parameters)."""
+        best = self._best()
+        if best is None or c.pipe == 1:
+            return False
+        key = (c.data * c.pipe * c.context, c.tensor, c.expert, c.precision, c.capacity_factor)
+        twins = [r for r in self.done.values() if r.prediction is not None and r.candidate.pipe == 1
+                 and r.candidate.context == 1 and not r.candidate.saves_memory_only and key == (
+                     r.candidate.data, r.candidate.tensor, r.candidate.expert, r.candidate.precision,
+                     r.candidate.capacity_factor)]
+        if not twins:
+            return False
+        twin = min(twins, key=lambda r: r.prediction.compute_s)
+        bubble = schedule.build(c.schedule, c.pipe, c.microbatches).bubble()
+        floor = twin.prediction.compute_s / (1 - bubble)
+        if floor <= best * (1 + self.tie):
+            return False
+        self._skip(c, PIPELINE_SLOWER.format(twin=twin.candidate.name, twin_ms=ms(twin.prediction.compute_s),
+                                             bubble=bubble, floor=ms(floor), tie=f"{self.tie:.0%}", best=ms(best)),
+                   floor)
+        return True
