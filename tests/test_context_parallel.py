@@ -12,6 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 import xtrain
 from xtrain import plans
 from xtrain.cost import hardware, search
+from xtrain.cost import candidates as space
 from xtrain.cost.candidates import Candidate
 from xtrain.errors import InputError, PlanError, UnsupportedError
 from xtrain.lowering import ring_attention as ra
@@ -111,6 +112,18 @@ def test_context_inside_pipeline_stages(name, padded, schedule):
     assert row.cost.flops.matmul == compiled.flops.matmul
     key = lambda c: (c.kind, c.axes, c.payload_bytes)
     assert sorted(map(key, row.cost.collectives)) == sorted(map(key, compiled.collectives))
+
+
+@pytest.mark.e2e
+def test_zero_bubble_is_refused_on_a_sequence_split_and_not_listed():
+    # its split backward does not run the stages' ring or Ulysses attention: the devices waited on
+    # each other's collectives forever (it was listed, and the 8B search lowered it)
+    candidate = Candidate(data=2, pipe=2, context=2, microbatches=2, schedule="zbh1")
+    with pytest.raises(UnsupportedError, match="zero bubble's split backward does not run the stages' ring"):
+        train("llama", False, xtrain.Mesh(**candidate.mesh), 128, plan=lambda m, mesh: candidate.plan(), layers=2)
+    names = [c.name for c in space.candidates(8, hardware.emulated(8), context=[1, 2], pipe_degrees=(2,))]
+    assert "dp4xpp2 zbh1 m2" in names and "dp2xpp2xcp2 1f1b m2" in names
+    assert not [n for n in names if "cp" in n and (" zb" in n)]
 
 
 def _ring_cost(step, batch) -> tuple[int, float]:

@@ -273,7 +273,7 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
 
     Pipeline points (pipe > 1) take ZeRO 0-1 (the stages the pipeline step supports), each
     of `microbatches` (default (p, 2p, 4p)) and of `schedules` (on Trainium without the
-    zero-bubble ones, which branch); remat there is GPipe's
+    zero-bubble ones, which branch; nor with context parallel, which they do not run); remat there is GPipe's
     per-stage checkpoint (1F1B always recomputes). `expert_degrees` > 1 (for MoE models only)
     add expert-parallel points, with and without a pipeline (inside one, each stage's experts
     split over `expert`); `context`: context-parallel degrees
@@ -294,7 +294,7 @@ def candidates(devices: int, profile: HardwareProfile, *, tensor_degrees: Sequen
                 points = _points(devices // (t * p * c * e), t, p, zero_stages, remat,
                                  microbatches or (p, 2 * p, 4 * p), schedules, profile, offloads)
                 out += [dataclasses.replace(x, expert=e, context=c, ulysses=u) for x in points
-                        for u in _ulysses_sizes(c, p, ulysses)]
+                        if c == 1 or not x.zero_bubble for u in _ulysses_sizes(c, p, ulysses)]
     return out
 
 

@@ -48,11 +48,13 @@ from xtrain.lowering.sharded import Sharded
 from xtrain.lowering.grad_transforms import GradTransforms
 from xtrain.lowering.options import StepOptions
 from xtrain.lowering.pipeline import executors, zero_bubble
+from xtrain.lowering.pipeline.schedule import ZERO_BUBBLE
 from xtrain.lowering.pipeline.program import PipelineProgram
 from xtrain.lowering.pipeline.stage import Layers, Stage, layer_counts, stack_layers, stage_rows, take
 from xtrain.lowering.state import TrainState
 from xtrain.lowering.train_step import Gradients, PerDevice, StepConfig
 from xtrain.sharding.layout import StateLayout
+from xtrain.sharding.mesh import CONTEXT
 from xtrain.sharding.pipeline import Pipeline
 from xtrain.sharding.plan import axes_of
 from xtrain.sharding.remat import LayerRemat
@@ -148,6 +150,12 @@ class PipelineStrategy:
     def __init__(self, model: Model, mesh, layout: StateLayout, state_specs: TrainState, config: StepConfig,
                  pipeline: Pipeline):
         check(config, layout)
+        if pipeline.schedule in ZERO_BUBBLE and dict(mesh.shape).get(CONTEXT, 1) > 1:
+            raise UnsupportedError(
+                f"with_pipeline(schedule={pipeline.schedule!r}) on a mesh that splits sequences over {CONTEXT!r} "
+                f"({dict(mesh.shape)[CONTEXT]}): zero bubble's split backward does not run the stages' ring or Ulysses "
+                "attention yet (its devices would wait on each other's collectives); use schedule='1f1b' or 'gpipe' "
+                "with context parallel, or zero bubble without it")
         self.model, self.pipeline, self.storage = model, pipeline, layout.stacking
         self.fallback, self.context, self.capacity_factor = config.fallback, config.context, config.capacity_factor
         self.platform = config.platform
