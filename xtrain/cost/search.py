@@ -50,7 +50,6 @@ from typing import Callable, Mapping, Sequence
 import jax
 
 from xtrain.errors import OptionsError, UnsupportedError, XtrainError
-from xtrain.ir.analysis import dimflow
 from xtrain.ir.analysis import flops as flops_mod
 from xtrain.cost import model as cost_model
 from xtrain.cost import listing, placement, sweep
@@ -64,7 +63,6 @@ from xtrain.lowering import accounting, offload
 from xtrain.lowering.assembly import AssemblyOptions
 from xtrain.sharding import presets
 from xtrain.sharding.experts import expert_parallel
-from xtrain.sharding.mesh import TENSOR
 from xtrain.sharding.offload import Offload
 from xtrain.sharding.plan import Plan
 
@@ -175,16 +173,9 @@ def _refusal(candidate: Candidate, rows: int, layers: int | None) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=8)
-def _flow(model, shapes: tuple, tp: int) -> dimflow.Flow:
-    return dimflow.of_model(model, shapes, tp)
-
-
 @functools.lru_cache(maxsize=16)
 def _megatron(model, shapes: tuple, sizes: tuple) -> Plan:
-    sizes = dict(sizes)  # the derivation reads the tensor degree only: one flow per degree for every mesh
-    params = {n: tuple(s.shape) for n, s in model.param_shapes().items()}
-    return presets.megatron(_flow(model, shapes, sizes[TENSOR]), params, sizes)
+    return presets.megatron_of(model, shapes, dict(sizes))
 
 
 def tensor_plan(model, batch: tuple) -> Callable[[Mapping[str, int]], Plan]:

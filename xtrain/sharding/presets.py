@@ -9,6 +9,7 @@ parameter tree first.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from typing import Mapping
 
@@ -145,11 +146,16 @@ def megatron(flow: dimflow.Flow, shapes: Shapes, sizes: Mapping[str, int], *, ax
 
 def megatron_of(model: Model, batch: tuple, sizes: Mapping[str, int], *, axis: str = TENSOR,
                 vocab_parallel: bool = True) -> Plan:
-    """`megatron` for a model traced on `batch` (only its shapes are read)."""
+    """`megatron` for a model traced on `batch` (only its shapes are read; the dimension flow reads
+    only the tensor degree: derived once per degree, kept for every mesh, e.g. a plan search's)."""
     require_axes((axis,), sizes, "megatron")
     shapes = {n: tuple(s.shape) for n, s in model.param_shapes().items()}
-    return megatron(dimflow.of_model(model, batch, sizes[axis]), shapes, sizes, axis=axis,
-                    vocab_parallel=vocab_parallel)
+    return megatron(_flow(model, tuple(batch), sizes[axis]), shapes, sizes, axis=axis, vocab_parallel=vocab_parallel)
+
+
+@functools.lru_cache(maxsize=8)
+def _flow(model: Model, batch: tuple, tp: int) -> dimflow.Flow:
+    return dimflow.of_model(model, batch, tp)
 
 
 # -- checks ---------------------------------------------------------------------------------
