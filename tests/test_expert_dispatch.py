@@ -112,3 +112,31 @@ def test_expert_parallel_layer_equals_the_single_device_moe(monkeypatch, ragged)
         assert text.count("optimization_barrier") == 2 * (experts.CHUNKS - 1) + 3 and "all_to_all" not in text
     else:
         assert not sent and text.count("all_to_all") == 2
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged (GPU)", "fixed buffers (CPU)"])
+def test_rows_cross_in_the_experts_bf16_with_the_same_values(monkeypatch, ragged):
+    """A bf16 layer whose input is float32 (torch autocast's residual stream): its rows are sent
+    in bf16, half the bytes, and the output and gradients equal those of the rows sent in float32
+    bit for bit (the first GEMM casts the rows to bf16 and the last one's products are bf16)."""
+    sent = []
+    ragged_all_to_all, all_to_all = emulated_ragged_all_to_all, collectives.all_to_all
+    monkeypatch.setattr(collectives, "ragged_all_to_all", lambda x, *a: sent.append(x.dtype) or ragged_all_to_all(x, *a))
+    monkeypatch.setattr(collectives, "all_to_all", lambda x, *a: sent.append(x.dtype) or all_to_all(x, *a))
+    spec = moe.ExpertsSpec(activation="silu", compute="bfloat16")
+    x, ids, weights, up, down = _layer()
+
+    def local(x, ids, weights, up, down):
+        return experts.routed_experts(x, ids, weights, up, down, spec=spec, peers=PEERS, ragged=ragged)
+
+    layer = jax.shard_map(local, mesh=_devices(PEERS), in_specs=(P("expert"),) * 5, out_specs=P("expert"))
+    step = lambda: jax.jit(jax.value_and_grad(lambda x, w, u, d: jnp.sum(jnp.sin(layer(x, ids, w, u, d))),
+                                              argnums=(0, 1, 2, 3)))(x, weights, up, down)
+    bf16 = step()
+    assert sent and set(sent) == {jnp.dtype(jnp.bfloat16)}, sent  # dispatch and combine, both ways
+    sent.clear()
+    monkeypatch.setattr(experts, "wire_dtype", lambda dtype, *_: jnp.dtype(dtype))
+    f32 = step()
+    assert set(sent) == {jnp.dtype(jnp.float32)}
+    for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(f32)):
+        np.testing.assert_array_equal(a, b)

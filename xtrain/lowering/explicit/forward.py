@@ -146,7 +146,7 @@ class Program:
             outs = [C.replicate(ctx, o).value for o in outs]
             losses = len(jax.tree.leaves(out_shape[0]))
             outs = outs[:losses] + [_invariant(ctx, o) for o in outs[losses:]]
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), _counts(ctx)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs), _counts(ctx, outs[:losses])
 
         return Forward(local, tuple(repeated), tuple(block_notes),
                        frozenset(by_var[v] for blocks in repeated for v in blocks.stacked if v is not None),
@@ -207,10 +207,12 @@ def _invariant(ctx: Context, buffer):
         return collectives.broadcast_first(buffer, axes)
 
 
-def _counts(ctx: Context) -> dict:
+def _counts(ctx: Context, losses: list) -> dict:
     """The per-step counts the rules recorded, summed over the devices that split them: the
     counts of one dtype pending over the same axes in one all-reduce (alone, a layer's tokens per
-    expert is the very sum HF's load-balancing loss makes, and XLA would merge the two)."""
+    expert is the very sum HF's load-balancing loss makes, and XLA would merge the two), once
+    the losses are computed (an optimization barrier): left free, XLA's GPU scheduler placed it
+    inside the last MoE layer, where it took the GEMMs that hide that layer's first dispatch."""
     out: dict = {}
     pending: dict = {}
     for (name, path), count in sorted(ctx.record.counts.items()):
@@ -219,8 +221,9 @@ def _counts(ctx: Context) -> dict:
         else:
             out.setdefault(name, {})[path] = C.replicate(ctx, count).value
     for (axes, _), items in pending.items():
+        values, _ = lax.optimization_barrier(([v for *_, v in items], losses))
         with jax.named_scope("xtrain.counts"):  # the report's source of this all-reduce
-            totals = collectives.all_reduce_joined([v for *_, v in items], axes)
+            totals = collectives.all_reduce_joined(values, axes)
         for (name, path, _), total in zip(items, totals):
             out.setdefault(name, {})[path] = total
     return out

@@ -17,8 +17,11 @@ the rows routed. The tokens go in CHUNKS chunks, so that one chunk's dispatch an
 are in flight while another chunk's experts compute (XLA's latency-hiding scheduler places them).
 A device never sends itself rows: the pairs routed to its own experts are a chunk of their own,
 run without any all-to-all; the first chunk's while the layer's first dispatch is in flight (with
-EP 8, an eighth of a chunk's rows), the last chunk's once its last combine can start (whether that
-combine encloses them is XLA's choice: in the 16 x H100 compile of Mixtral-8x7B it ran them after)."""
+EP 8, an eighth of a chunk's rows), the last chunk's while its last combine is. Which collective
+a GEMM hides is XLA's scheduler's choice: an expert mesh gets one more collective in flight
+(xtrain.lowering.gpu_options), or its GEMMs went to ZeRO-3's gathers instead. (XLA's scheduling
+groups, `_scheduling_group_id`, would pin a GEMM under an all-to-all; jaxlib 0.10.2's GPU compiler
+crashes on one put on an all-to-all.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +55,16 @@ def _slots(sorted_ids, dest, peers: int, per_device: int, per_expert: int | None
     return jnp.where(place < per_expert, sorted_ids % per_device * per_expert + place, block), block
 
 
+def wire_dtype(x_dtype, spec: moe.ExpertsSpec, per_device: int):
+    """The dtype rows cross the wire in: the experts' 16-bit compute dtype where x is wider, if it
+    holds the expert ids (and the padding id `per_device`) exactly. The first GEMM casts the rows
+    to it and the last one's products are in it, so the values are the same and the all-to-alls
+    move half the bytes (a bf16 step's residual stream is float32, as under torch autocast)."""
+    dtype = jnp.dtype(spec.compute) if spec.compute else jnp.dtype(x_dtype)
+    exact = dtype.itemsize == 2 and per_device <= 2 ** (jnp.finfo(dtype).nmant + 1)
+    return dtype if exact and dtype.itemsize < jnp.dtype(x_dtype).itemsize else jnp.dtype(x_dtype)
+
+
 def _dispatch(rows, local_ids, dest, slot, peers: int, block: int, per_device: int):
     """(S, H) rows and their expert ids (within the destination) -> (P, C, H + 1) send buffer;
     the unused rows carry the id `per_device`, which no local expert's group contains."""
@@ -60,14 +73,15 @@ def _dispatch(rows, local_ids, dest, slot, peers: int, block: int, per_device: i
     return empty.at[dest, slot].set(payload, mode="drop")
 
 
-def _local_experts(received, up, down, spec: moe.ExpertsSpec):
-    """(P, C, H + 1) received rows -> (P, C, H), each through its expert on this device."""
+def _local_experts(received, up, down, spec: moe.ExpertsSpec, dtype):
+    """(P, C, H + 1) received rows -> (P, C, H), each through its expert on this device, computed
+    as on rows of `dtype` (the layer's input: the wire dtype changes the bytes, not the values)."""
     peers, cap, width = received.shape
     flat = received.reshape(peers * cap, width)
-    rows, ids = flat[:, :-1], lax.stop_gradient(flat[:, -1]).astype(jnp.int32)  # (P C, H), (P C,)
+    rows, ids = flat[:, :-1].astype(dtype), lax.stop_gradient(flat[:, -1]).astype(jnp.int32)  # (P C, H), (P C,)
     order = jnp.argsort(ids, stable=True)
     out = moe._ffn(rows[order], moe.group_sizes(ids, up.shape[0]), up, down, spec)  # padding rows: zero
-    return out[jnp.argsort(order)].reshape(peers, cap, width - 1)
+    return out[jnp.argsort(order)].reshape(peers, cap, width - 1).astype(received.dtype)
 
 
 CHUNKS = 2  # a GPU layer's tokens in chunks: one chunk's all-to-alls in flight while another's experts compute
@@ -113,8 +127,8 @@ class _Chunk:
     Attributes:
         order: its (token, expert) pairs sorted by expert (S,).
         mine: which sorted pairs go to this device's own experts (S,): never sent.
-        payload: the sorted pairs' rows with their expert's id on its device (S, H + 1).
-        scale: the sorted pairs' gate weights (S, 1).
+        payload: the sorted pairs' rows with their expert's id on its device (S, H + 1), in the wire dtype.
+        scale: the sorted pairs' gate weights (S, 1), in the layer input's dtype.
         dispatch: the dispatch's (input offsets, send sizes, output offsets at each peer, receive sizes).
         combine: the same for the combine, its reverse.
     """
@@ -127,7 +141,7 @@ class _Chunk:
     combine: tuple
 
 
-def _chunk(x, expert_ids, weights, per_device: int, peers: int) -> _Chunk:
+def _chunk(x, expert_ids, weights, per_device: int, peers: int, wire) -> _Chunk:
     """A chunk's pairs sorted by expert (so by destination device, each peer's rows contiguous)
     and where they go: one all-gather of every device's rows per peer (peers x peers integers).
     A device's rows for itself are not sent (its own experts run them: `_own`)."""
@@ -142,7 +156,7 @@ def _chunk(x, expert_ids, weights, per_device: int, peers: int) -> _Chunk:
     sent = jnp.where(jnp.eye(peers, dtype=bool), 0, sizes)  # the rows that travel: none to oneself
     before = jnp.cumsum(sent, axis=0) - sent  # where device i's rows land at device j
     recv = sent[:, here]
-    payload = jnp.concatenate([x[order // k], (sorted_ids % per_device)[:, None].astype(x.dtype)], axis=1)
+    payload = jnp.concatenate([x[order // k].astype(wire), (sorted_ids % per_device)[:, None].astype(wire)], axis=1)
     return _Chunk(order, sorted_ids // per_device == here, payload, weights.reshape(-1)[order][:, None].astype(x.dtype),
                   (starts[here], sent[here], before[here], recv), (before[:, here], recv, starts[:, here], sent[here]))
 
@@ -152,7 +166,7 @@ def _own(c: _Chunk, up, down, spec: moe.ExpertsSpec):
     order (S, H); the other pairs' rows are padding (theirs come back by the combine)."""
     per_device = up.shape[0]
     rows = c.payload.at[:, -1].set(jnp.where(c.mine, c.payload[:, -1], per_device))
-    return _local_experts(rows[None], up, down, spec)[0]
+    return _local_experts(rows[None], up, down, spec, c.scale.dtype)[0]
 
 
 def _unsorted(rows, order, k: int):
@@ -168,8 +182,9 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
     pairs (never sent) run during the first dispatch, the others' once the last combine can start."""
     n, k = expert_ids.shape
     m, per_device = n // count, up.shape[0]
-    parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers)
-             for i in range(count)]
+    wire = wire_dtype(x.dtype, spec, per_device)
+    parts = [_chunk(x[i * m:(i + 1) * m], expert_ids[i * m:(i + 1) * m], weights[i * m:(i + 1) * m], per_device, peers,
+                    wire) for i in range(count)]
     others = max(peers - 1, 1)  # the peers a device receives from: never itself
     received = [_ragged(c.payload, _buffer(others * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
                 for c in parts]  # padding rows carry the id per_device, which no local expert has
@@ -181,8 +196,8 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
         if i:  # chunk i's experts after chunk i-1's, whose combine then starts
             received[i], done[i - 1] = lax.optimization_barrier((received[i], done[i - 1]))
             back[i - 1] = combine(parts[i - 1], done[i - 1])
-        rows = c.payload.shape[0]
-        done[i] = _local_experts(received[i].reshape(others, rows, -1), up, down, spec).reshape(others * rows, -1)
+        held = received[i].reshape(others, c.payload.shape[0], -1)
+        done[i] = _local_experts(held, up, down, spec, x.dtype).reshape(held.shape[0] * held.shape[1], -1)
         if i:  # chunk i-1's combine completes while chunk i's experts compute
             back[i - 1], done[i] = lax.optimization_barrier((back[i - 1], done[i]))
     if count > 1:  # the other chunks' own rows once the last combine can start
@@ -212,9 +227,10 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     sorted_ids = flat[order]
     dest = sorted_ids // per_device  # (S,) the device holding each pair's expert
     slot, block = _slots(sorted_ids, dest, peers, per_device, per_expert)
-    send = _dispatch(x[order // k], sorted_ids % per_device, dest, slot, peers, block, per_device)  # (P, C, H + 1)
+    rows = x[order // k].astype(wire_dtype(x.dtype, spec, per_device))  # the gather's gradient summed in x's dtype
+    send = _dispatch(rows, sorted_ids % per_device, dest, slot, peers, block, per_device)  # (P, C, H + 1)
     received = collectives.all_to_all(send, (EXPERT,), 0)  # block j: device j's pairs for my experts
-    done = _local_experts(received, up, down, spec)  # (P, C, H)
+    done = _local_experts(received, up, down, spec, x.dtype)  # (P, C, H)
     back = collectives.all_to_all(done, (EXPERT,), 0)  # block j: my pairs, computed on device j
     out = back.at[dest, slot].get(mode="fill", fill_value=0) * weights.reshape(-1)[order][:, None].astype(x.dtype)
     return _unsorted(out, order, k).astype(x.dtype)
