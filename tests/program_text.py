@@ -78,9 +78,15 @@ def _called(ins: hlo.Instruction) -> list[str]:
     return []
 
 
+def _holds_collectives(module, ins: hlo.Instruction) -> bool:
+    return any(_kind(inner.opcode) or _holds_collectives(module, inner)
+               for sub in _called(ins) for inner in module.computations[sub])
+
+
 def collectives(text: str, mesh: dict[str, int]) -> collections.Counter:
     """(kind, mesh axes, payload bytes) -> how often one step runs it: a loop body's collectives
-    count once per iteration (the loop's static trip count)."""
+    count once per iteration (the loop's static trip count; a loop counted at run time, as a
+    grouped matmul over a padded buffer is, must hold none)."""
     module = hlo.parse(text)
     found: collections.Counter = collections.Counter()
 
@@ -93,8 +99,9 @@ def collectives(text: str, mesh: dict[str, int]) -> collections.Counter:
             repeat = times
             if ins.opcode == "while":
                 trips = hlo.static_trip_count(module, ins)
-                assert trips is not None, f"while {ins.name} has no static trip count"
-                repeat = times * trips
+                assert trips is not None or not _holds_collectives(module, ins), \
+                    f"while {ins.name} has collectives and no static trip count"
+                repeat = times * (trips or 1)
             for sub in _called(ins):
                 walk(sub, repeat)
 

@@ -230,7 +230,7 @@ def test_expert_dispatch_sends_routed_rows_while_the_other_chunks_experts_comput
     assert sum(dispatch) == layers * 2 * routed * (hidden + 1) // hidden <= 1.1 * layers * 2 * routed
     for layer in range(layers):
         experts = f"model.layers.{layer}.mlp.experts/"
-        hidden_by_experts = [c for c in ragged if any(experts in g and "ragged_dot" in g for g in c.overlapped)]
+        hidden_by_experts = [c for c in ragged if any(experts in g and "grouped_matmul" in g for g in c.overlapped)]
         assert len(hidden_by_experts) == 8, [(c.name, c.overlapped) for c in ragged]
     assert program.manifest["compiler_options"]["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
     notes = " ".join(program.report().notes)

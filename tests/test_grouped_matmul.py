@@ -21,16 +21,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("expected", [None, "held"], ids=["every item", "the items holding rows (run-time count)"])
 @pytest.mark.parametrize("case", CASES)
-def test_equals_ragged_dot_with_its_gradients(case):
+def test_equals_ragged_dot_with_its_gradients(case, expected):
     rows, sizes = CASES[case]
+    expected = None if expected is None else max(sum(sizes), 1)
     groups, k, n = len(sizes), 6, 5
     sizes = jnp.array(sizes, jnp.int32)
     keys = jax.random.split(jax.random.key(rows), 3)
     a, b = jax.random.normal(keys[0], (rows, k)), jax.random.normal(keys[1], (groups, k, n))
     probe = jax.random.normal(keys[2], (rows, n))
     loss = lambda f: jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)) * probe), (0, 1)))
-    (want, want_grads), (got, got_grads) = loss(lax.ragged_dot)(a, b), loss(gm.grouped_matmul)(a, b)
+    grouped = lambda a, b, sizes: gm.grouped_matmul(a, b, sizes, expected)
+    (want, want_grads), (got, got_grads) = loss(lax.ragged_dot)(a, b), loss(grouped)(a, b)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
@@ -64,3 +67,23 @@ def test_flops_count_each_row_once_and_the_loop_rest_apart():
     items = -(-rows // tile) + groups - 1
     assert counted["grouped"].ragged_dense == pytest.approx(3 * 2 * items * tile * k * n - useful)
     assert counted["grouped"].ragged_dense < counted["ragged"].ragged_dense / 4
+
+
+def test_a_padded_buffer_runs_and_counts_only_the_items_holding_rows():
+    """An expert-parallel receive buffer: 1024 rows of room, 96 held by 2 groups. With `expected`
+    rows the loop's count is known at run time (a while loop, not a scan over every item), its
+    tiles are sized for the rows held, and FLOP counts take the items `expected` rows make."""
+    room, k, n, held = 1024, 16, 8, [40, 56]
+    sizes = jnp.array(held, jnp.int32)
+    args = jax.random.normal(jax.random.key(0), (room, k)), jax.random.normal(jax.random.key(1), (2, k, n))
+    step = lambda expected: jax.make_jaxpr(jax.grad(
+        lambda a, b: jnp.sum(gm.grouped_matmul(a, b, sizes, expected) ** 2), (0, 1)))(*args)
+    every, padded = step(None), step(sum(held))
+    assert "while" in str(padded) and "scan" not in str(padded) and "scan" in str(every)
+    counted = flops.count(padded)
+    assert counted.unknown_loops == 0
+    assert counted.dot == 3 * 2 * sum(held) * k * n  # forward, the rows' and the matrices' gradients
+    tile = gm.tile_rows(sum(held), 2)
+    items = gm.expected_items(sum(held), 2, tile, room // tile)
+    assert counted.ragged_dense == pytest.approx(3 * 2 * items * tile * k * n - counted.dot)
+    assert counted.dot + counted.ragged_dense < (flops.count(every).dot + flops.count(every).ragged_dense) / 4

@@ -103,6 +103,7 @@ def test_a_cuda_steps_reduce_scatters_combine_up_to_one_bucket_of_gradients():
     assert gpu_options.compiler_options(bucket, zero3, regather=False)[
         "xla_gpu_experimental_parallel_collective_overlap_limit"] == 1
     # a mesh with experts split over `expert`: one more, a MoE layer's dispatch or combine in flight
-    for plan, regather, limit in ((xtrain.Plan(), True, 2), (xtrain.Plan(zero=3), True, 3), (xtrain.Plan(zero=3), False, 2)):
+    zero3 = xtrain.Plan(zero=3)
+    for plan, regather, limit in ((xtrain.Plan(), True, 2), (zero3, True, 3), (zero3, False, 2)):
         options = gpu_options.compiler_options(GradSync(), _layout(plan, data=2, expert=4), regather=regather)
         assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == limit, (plan, regather)

@@ -145,6 +145,19 @@ class Schedule:
             return min(sizes[:2])  # as xtrain.lowering.accounting counts it
         return sum(sizes)
 
+    def _gemms(self, ins: hlo.Instruction) -> tuple[float, list]:
+        """(FLOPs, GEMM instructions) of `ins`: a GEMM kernel, or a loop's body (times its static
+        trip count; once where it is known at run time only, as a grouped matmul over a padded
+        buffer's is)."""
+        f = self.gemm_flops(ins)
+        if f or ins.opcode != "while":
+            return f, [ins] if f else []
+        flops, gemms = 0.0, []
+        for inner in self.module.computations.get(ins.attribute("body") or "", []):
+            f, found = self._gemms(inner)
+            flops, gemms = flops + f, gemms + found
+        return flops * self._trips(ins), gemms
+
     def _window(self, body: list[hlo.Instruction], index: int) -> tuple[hlo.Instruction | None, float, list]:
         """The done of the start at `index`, the GEMM FLOPs and the GEMMs scheduled in between."""
         start = body[index]
@@ -152,9 +165,8 @@ class Schedule:
         for ins in body[index + 1:]:
             if ins.opcode.endswith("-done") and start.name in ins.operands:
                 return ins, flops, gemms
-            f = self.gemm_flops(ins)
-            if f:
-                flops, gemms = flops + f, gemms + [ins]
+            f, found = self._gemms(ins)
+            flops, gemms = flops + f, gemms + found
         return None, 0.0, []
 
     def _trips(self, ins: hlo.Instruction) -> int:

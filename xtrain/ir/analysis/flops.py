@@ -19,7 +19,8 @@ transpose, dynamic slices and updates, gathers and scatters, split, copy) and th
 stacked operands cost (its per-iteration outputs written into (length, ...) buffers, which
 are zero-filled first, and its stacked inputs read): memory traffic with no arithmetic.
 Loops multiply their body by the trip count (scan's `length`); a `while` whose trip count is
-not static counts its body once and is listed in `unknown_loops`. Inside `shard_map` shapes
+not static counts its body once and is listed in `unknown_loops`, but a grouped matmul's over a
+padded buffer counts the items its marker expects. Inside `shard_map` shapes
 are already per device, so xtrain's explicit program gives per-device FLOPs directly.
 
 Model FLOPs and MFU have one definition here, used by `xtrain plan` (cost.search), the
@@ -195,10 +196,13 @@ def of_eqn(eqn, fused: bool = False) -> Flops:
         acc.add(max((count(s, fused) for s in subs), key=lambda f: f.total))
         return acc
     times, known = _trip_count(eqn)
+    tiles = markers.innermost(grouped_matmul.Tiles, eqn.source_info.name_stack)
+    if tiles is not None and not known:  # a grouped matmul over a padded buffer: its expected items
+        times, known = float(tiles.items), True
     for sub in subs:
         acc.add(count(sub, fused), times)
     acc.unknown_loops += 0 if known else 1
-    tiles = markers.innermost(grouped_matmul.Tiles, eqn.source_info.name_stack) if times > 1 else None
+    tiles = tiles if times > 1 else None
     if tiles is not None:  # a grouped matmul's loop: its rows' share is the matmul (module docstring)
         extra = acc.dot * (1 - tiles.useful)
         acc.dot, acc.ragged_dense = acc.dot - extra, acc.ragged_dense + extra

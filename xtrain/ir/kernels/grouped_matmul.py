@@ -19,10 +19,18 @@ same either way), the rest is the backend's extra work (`Flops.ragged_dense`).
 The gradient is the same loop twice (`custom_vjp`): the rows' gradient is the grouped matmul of
 the output's gradient by the transposed matrices, the matrices' gradient accumulates each item's
 (K x tile) @ (tile x N) product into its group, in float32.
+
+A buffer mostly of padding (an expert-parallel device's receive buffer: room for every pair any
+peer could send it, about 1 / peers of it filled when the load is even) passes `expected`, the
+rows it holds on average: the loop then runs only the items holding rows, a count known at run
+time (a while loop: xtrain uses it on CUDA; Neuron compiles no such loop, and on GPUs each
+iteration's test is a copy to the host), its tiles sized for `expected` rows, and FLOP counts
+take `expected` rows' items.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +44,8 @@ MAX_TILE = 1024
 @markers.marker("grouped_matmul")
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One grouped matmul loop: `items` items of `tile` rows over `rows` rows."""
+    """One grouped matmul loop: `items` items of `tile` rows over `rows` rows (a loop with a run-time
+    count: those it runs for its `expected` rows)."""
 
     rows: int
     items: int
@@ -75,9 +84,15 @@ def _padded(x, rows: int):
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
-def _over_items(m: int, sizes, tile: int, init, step):
+def expected_items(rows: int, groups: int, tile: int, tiles: int) -> int:
+    """The items `rows` rows of `groups` groups make (each group's partial tiles), at most all."""
+    return min(-(-rows // tile) + groups - 1, tiles + groups - 1)
+
+
+def _over_items(m: int, sizes, tile: int, init, step, expected: int | None):
     """`init` carried through the work items of `m` rows in tiles of `tile` (`_items`):
-    step(carry, group, first row of the tile, which of the tile's rows are the group's) -> carry."""
+    step(carry, group, first row of the tile, which of the tile's rows are the group's) -> carry.
+    `expected` rows (not None): only the items holding rows run, a count known at run time."""
     group, at, real, starts, ends = _items(sizes, -(-m // tile), tile)
     offsets = jnp.arange(tile, dtype=sizes.dtype)
 
@@ -86,11 +101,17 @@ def _over_items(m: int, sizes, tile: int, init, step):
         r = t * tile + offsets
         return step(carry, g, t * tile, ok & (r >= starts[g]) & (r < ends[g])), None
 
-    with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
-        return lax.scan(item, init, (group, at, real))[0]
+    if expected is None:
+        with jax.named_scope(markers.name(Tiles(m, group.shape[0], tile))):
+            return lax.scan(item, init, (group, at, real))[0]
+    expected = min(expected, m)
+    with jax.named_scope(markers.name(Tiles(expected, expected_items(expected, sizes.shape[0], tile, -(-m // tile)),
+                                            tile))):
+        return lax.fori_loop(0, jnp.sum(real, dtype=jnp.int32),
+                             lambda i, carry: item(carry, (group[i], at[i], True))[0], init)
 
 
-def _matmul(rows, w, sizes, tile: int):
+def _matmul(rows, w, sizes, tile: int, expected: int | None = None):
     """rows (M, K) @ w (G, K, N) by group -> (M, N), in rows' dtype."""
     m = rows.shape[0]
     padded = _padded(rows, -(-m // tile) * tile)
@@ -102,10 +123,10 @@ def _matmul(rows, w, sizes, tile: int):
         return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
 
     zeros = jnp.zeros((padded.shape[0], w.shape[2]), rows.dtype)
-    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step)[:m]
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step, expected)[:m]
 
 
-def _weight_grad(rows, dout, sizes, groups: int, tile: int):
+def _weight_grad(rows, dout, sizes, groups: int, tile: int, expected: int | None = None):
     """The matrices' gradient: per group, its rows' (K x rows) @ (rows x N), in float32."""
     m = rows.shape[0]
     x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout, -(-m // tile) * tile)
@@ -116,25 +137,31 @@ def _weight_grad(rows, dout, sizes, groups: int, tile: int):
         return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0)
 
     zeros = jnp.zeros((groups, rows.shape[1], dout.shape[1]), jnp.float32)
-    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step)
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step,
+                       expected)
 
 
-@jax.custom_vjp
-def grouped_matmul(rows, w, sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(rows, w, sizes, expected: int | None = None):
     """rows (M, K) sorted by group, w (G, K, N), sizes (G,) int32 rows per group (rows past their
-    sum: zero) -> (M, N) in rows' dtype, each row times its group's matrix (module docstring)."""
-    return _matmul(rows, w, sizes, tile_rows(rows.shape[0], w.shape[0]))
+    sum: zero) -> (M, N) in rows' dtype, each row times its group's matrix (module docstring).
+    `expected`: the rows a mostly padded buffer holds on average (module docstring)."""
+    return _matmul(rows, w, sizes, _tile(rows, w, expected), expected)
 
 
-def _fwd(rows, w, sizes):
-    return grouped_matmul(rows, w, sizes), (rows, w, sizes)
+def _tile(rows, w, expected: int | None) -> int:
+    return tile_rows(rows.shape[0] if expected is None else min(expected, rows.shape[0]), w.shape[0])
 
 
-def _bwd(res, dout):
+def _fwd(rows, w, sizes, expected):
+    return grouped_matmul(rows, w, sizes, expected), (rows, w, sizes)
+
+
+def _bwd(expected, res, dout):
     rows, w, sizes = res
-    tile = tile_rows(rows.shape[0], w.shape[0])
-    drows = _matmul(dout.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes, tile)
-    dw = _weight_grad(rows, dout.astype(rows.dtype), sizes, w.shape[0], tile)
+    tile = _tile(rows, w, expected)
+    drows = _matmul(dout.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes, tile, expected)
+    dw = _weight_grad(rows, dout.astype(rows.dtype), sizes, w.shape[0], tile, expected)
     return drows, dw.astype(w.dtype), None
 
 

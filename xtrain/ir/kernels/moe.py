@@ -71,20 +71,21 @@ def _as_in_out(w, spec: ExpertsSpec):
     return w if spec.transposed else jnp.swapaxes(w, 1, 2)
 
 
-def _grouped(rows, w, sizes, spec: ExpertsSpec):
+def _grouped(rows, w, sizes, spec: ExpertsSpec, expected: int | None = None):
     """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype.
-    One expert: one dot (its rows past `sizes` zero); more: the grouped matmul's tiles."""
+    One expert: one dot (its rows past `sizes` zero); more, or a mostly padded buffer holding
+    `expected` rows on average: the grouped matmul's tiles (xtrain.ir.kernels.grouped_matmul)."""
     dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
-    if w.shape[0] == 1:
+    if w.shape[0] == 1 and expected is None:
         out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
     else:
-        out = grouped_matmul.grouped_matmul(rows.astype(dtype), w.astype(dtype), sizes)
+        out = grouped_matmul.grouped_matmul(rows.astype(dtype), w.astype(dtype), sizes, expected)
     return out.astype(rows.dtype)
 
 
-def _ffn(rows, sizes, up, down, spec: ExpertsSpec):
-    """Each expert's FFN over its contiguous rows: (S, H) -> (S, H)."""
-    h = _grouped(rows, _as_in_out(up, spec), sizes, spec)  # (S, I) or (S, 2I)
+def _ffn(rows, sizes, up, down, spec: ExpertsSpec, expected: int | None = None):
+    """Each expert's FFN over its contiguous rows: (S, H) -> (S, H). `expected`: _grouped."""
+    h = _grouped(rows, _as_in_out(up, spec), sizes, spec, expected)  # (S, I) or (S, 2I)
     act = ACTIVATIONS[spec.activation]
     if spec.gated:
         if spec.concatenated:
@@ -94,7 +95,7 @@ def _ffn(rows, sizes, up, down, spec: ExpertsSpec):
         h = act(gate) * lin
     else:
         h = act(h)
-    return _grouped(h, _as_in_out(down, spec), sizes, spec)  # (S, H)
+    return _grouped(h, _as_in_out(down, spec), sizes, spec, expected)  # (S, H)
 
 
 def group_sizes(expert_ids, experts: int):

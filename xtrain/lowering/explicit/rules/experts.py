@@ -73,14 +73,16 @@ def _dispatch(rows, local_ids, dest, slot, peers: int, block: int, per_device: i
     return empty.at[dest, slot].set(payload, mode="drop")
 
 
-def _local_experts(received, up, down, spec: moe.ExpertsSpec, dtype):
+def _local_experts(received, up, down, spec: moe.ExpertsSpec, dtype, expected: int | None = None):
     """(P, C, H + 1) received rows -> (P, C, H), each through its expert on this device, computed
-    as on rows of `dtype` (the layer's input: the wire dtype changes the bytes, not the values)."""
+    as on rows of `dtype` (the layer's input: the wire dtype changes the bytes, not the values).
+    `expected`: the rows the buffer holds on average, the rest padding the GEMMs skip at run time
+    (None: every row computed, as Neuron needs)."""
     peers, cap, width = received.shape
     flat = received.reshape(peers * cap, width)
     rows, ids = flat[:, :-1].astype(dtype), lax.stop_gradient(flat[:, -1]).astype(jnp.int32)  # (P C, H), (P C,)
     order = jnp.argsort(ids, stable=True)
-    out = moe._ffn(rows[order], moe.group_sizes(ids, up.shape[0]), up, down, spec)  # padding rows: zero
+    out = moe._ffn(rows[order], moe.group_sizes(ids, up.shape[0]), up, down, spec, expected)  # padding rows: zero
     return out[jnp.argsort(order)].reshape(peers, cap, width - 1).astype(received.dtype)
 
 
@@ -161,12 +163,13 @@ def _chunk(x, expert_ids, weights, per_device: int, peers: int, wire) -> _Chunk:
                   (starts[here], sent[here], before[here], recv), (before[:, here], recv, starts[:, here], sent[here]))
 
 
-def _own(c: _Chunk, up, down, spec: moe.ExpertsSpec):
+def _own(c: _Chunk, up, down, spec: moe.ExpertsSpec, peers: int, skip: bool):
     """The chunk's pairs routed to this device's experts through them, in the chunk's sorted
     order (S, H); the other pairs' rows are padding (theirs come back by the combine)."""
     per_device = up.shape[0]
     rows = c.payload.at[:, -1].set(jnp.where(c.mine, c.payload[:, -1], per_device))
-    return _local_experts(rows[None], up, down, spec, c.scale.dtype)[0]
+    expected = -(-rows.shape[0] // peers) if skip else None  # an even load: 1 / peers of them
+    return _local_experts(rows[None], up, down, spec, c.scale.dtype, expected)[0]
 
 
 def _unsorted(rows, order, k: int):
@@ -174,7 +177,7 @@ def _unsorted(rows, order, k: int):
     return rows[jnp.argsort(order)].reshape(-1, k, rows.shape[1]).sum(axis=1)
 
 
-def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peers: int, count: int):
+def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peers: int, count: int, skip: bool):
     """The drop-free layer sending only routed rows (module docstring), its tokens in `count` chunks:
     chunk i's experts run after chunk i-1's (an optimization barrier: XLA would otherwise merge
     their GEMMs or fuse their gathers into one kernel waiting on both dispatches), so chunk i's
@@ -189,15 +192,16 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
     received = [_ragged(c.payload, _buffer(others * c.payload.shape[0], c.payload, per_device), c.dispatch, c.combine)
                 for c in parts]  # padding rows carry the id per_device, which no local expert has
     combine = lambda c, done: _ragged(done, _buffer(c.payload.shape[0], done), c.combine, c.dispatch)
-    own = [_own(parts[0], up, down, spec)] + [None] * (count - 1)
+    own = [_own(parts[0], up, down, spec, peers, skip)] + [None] * (count - 1)
     received[0], own[0] = lax.optimization_barrier((received[0], own[0]))  # own rows first, the dispatch in flight
     done, back = [None] * count, [None] * count
     for i, c in enumerate(parts):
         if i:  # chunk i's experts after chunk i-1's, whose combine then starts
             received[i], done[i - 1] = lax.optimization_barrier((received[i], done[i - 1]))
             back[i - 1] = combine(parts[i - 1], done[i - 1])
-        held = received[i].reshape(others, c.payload.shape[0], -1)
-        done[i] = _local_experts(held, up, down, spec, x.dtype).reshape(held.shape[0] * held.shape[1], -1)
+        held = received[i].reshape(others, c.payload.shape[0], -1)  # even: 1 / peers of each other peer's rows
+        expected = -(-c.payload.shape[0] * others // peers) if skip else None
+        done[i] = _local_experts(held, up, down, spec, x.dtype, expected).reshape(held.shape[0] * held.shape[1], -1)
         if i:  # chunk i-1's combine completes while chunk i's experts compute
             back[i - 1], done[i] = lax.optimization_barrier((back[i - 1], done[i]))
     if count > 1:  # the other chunks' own rows once the last combine can start
@@ -205,22 +209,23 @@ def _ragged_routed(x, expert_ids, weights, up, down, spec: moe.ExpertsSpec, peer
         parts[1:] = [dataclasses.replace(c, payload=p) for c, p in zip(parts[1:], later)]
     back[-1] = combine(parts[-1], done[-1])
     if count > 1:
-        own[1:] = [_own(c, up, down, spec) for c in parts[1:]]
+        own[1:] = [_own(c, up, down, spec, peers, skip) for c in parts[1:]]
         back[-1], *own[1:] = lax.optimization_barrier((back[-1], *own[1:]))
     return jnp.concatenate([_unsorted(jnp.where(c.mine[:, None], o, b) * c.scale, c.order, k)
                             for c, b, o in zip(parts, back, own)]).astype(x.dtype)
 
 
 def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, peers: int,
-                   per_expert: int | None = None, ragged: bool = False):
+                   per_expert: int | None = None, ragged: bool = False, skip_padding: bool = False):
     """moe.routed_experts on this device's tokens with the experts split over `expert` in
     `peers` blocks: x (N, H), expert_ids / weights (N, k), up / down (E / peers, ...) -> (N, H).
     `per_expert`: each expert's capacity (pairs past it dropped); None: drop-free. `ragged`
     (drop-free only): send only the routed rows (lax.ragged_all_to_all; not on CPU), the tokens
-    in CHUNKS chunks where they divide."""
+    in CHUNKS chunks where they divide. `skip_padding`: the expert GEMMs run only the rows a
+    receive buffer holds (a loop count known at run time: CUDA), the cost counted for an even load."""
     n, k = expert_ids.shape
     if ragged and per_expert is None:
-        return _ragged_routed(x, expert_ids, weights, up, down, spec, peers, chunks(n))
+        return _ragged_routed(x, expert_ids, weights, up, down, spec, peers, chunks(n), skip_padding)
     per_device = up.shape[0]
     flat = expert_ids.reshape(-1).astype(jnp.int32)  # (S,)
     order = jnp.argsort(flat, stable=True)
@@ -230,7 +235,8 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     rows = x[order // k].astype(wire_dtype(x.dtype, spec, per_device))  # the gather's gradient summed in x's dtype
     send = _dispatch(rows, sorted_ids % per_device, dest, slot, peers, block, per_device)  # (P, C, H + 1)
     received = collectives.all_to_all(send, (EXPERT,), 0)  # block j: device j's pairs for my experts
-    done = _local_experts(received, up, down, spec, x.dtype)  # (P, C, H)
+    expected = min(n * k, received.shape[0] * received.shape[1]) if skip_padding else None  # even: n k pairs
+    done = _local_experts(received, up, down, spec, x.dtype, expected)  # (P, C, H)
     back = collectives.all_to_all(done, (EXPERT,), 0)  # block j: my pairs, computed on device j
     out = back.at[dest, slot].get(mode="fill", fill_value=0) * weights.reshape(-1)[order][:, None].astype(x.dtype)
     return _unsorted(out, order, k).astype(x.dtype)
