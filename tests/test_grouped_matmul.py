@@ -9,6 +9,7 @@ from jax import lax
 
 from xtrain.ir.analysis import flops
 from xtrain.ir.kernels import grouped_matmul as gm
+from xtrain.ir.kernels import moe
 
 pytestmark = pytest.mark.unit
 
@@ -21,19 +22,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("expected", [None, "held"], ids=["every item", "the items holding rows (run-time count)"])
 @pytest.mark.parametrize("case", CASES)
-def test_equals_ragged_dot_with_its_gradients(case, expected):
+def test_equals_ragged_dot_with_its_gradients(case):
     rows, sizes = CASES[case]
-    expected = None if expected is None else max(sum(sizes), 1)
     groups, k, n = len(sizes), 6, 5
     sizes = jnp.array(sizes, jnp.int32)
     keys = jax.random.split(jax.random.key(rows), 3)
     a, b = jax.random.normal(keys[0], (rows, k)), jax.random.normal(keys[1], (groups, k, n))
     probe = jax.random.normal(keys[2], (rows, n))
     loss = lambda f: jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)) * probe), (0, 1)))
-    grouped = lambda a, b, sizes: gm.grouped_matmul(a, b, sizes, expected)
-    (want, want_grads), (got, got_grads) = loss(lax.ragged_dot)(a, b), loss(grouped)(a, b)
+    (want, want_grads), (got, got_grads) = loss(lax.ragged_dot)(a, b), loss(gm.grouped_matmul)(a, b)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
@@ -69,21 +67,53 @@ def test_flops_count_each_row_once_and_the_loop_rest_apart():
     assert counted["grouped"].ragged_dense < counted["ragged"].ragged_dense / 4
 
 
+SPECS = {
+    "SwiGLU [gate; up]": moe.ExpertsSpec(activation="silu"),
+    "interleaved, stored (in, out)": moe.ExpertsSpec(activation="silu", concatenated=False, transposed=True),
+    "GELU, not gated": moe.ExpertsSpec(activation="gelu", gated=False),
+    "bf16 GEMMs": moe.ExpertsSpec(activation="silu", compute="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("held", [[30], [5, 0, 17], [0, 0]], ids=["one group", "three groups", "no rows"])
+def test_a_padded_buffer_through_the_experts_ffn_tile_by_tile(spec, held):
+    """An expert-parallel receive buffer (room for 96 rows, a few held, the rest padding) through
+    the experts' FFN tile by tile over the rows held (grouped_ffn, a loop counted at run time):
+    the same values and gradients as the FFN over every row."""
+    spec, room, hidden, ffn = SPECS[spec], 96, 8, 6
+    groups, sizes = len(held), jnp.array(held, jnp.int32)
+    keys = jax.random.split(jax.random.key(groups), 4)
+    up_shape, down_shape = ((ffn * (1 + spec.gated), hidden), (hidden, ffn))
+    if spec.transposed:
+        up_shape, down_shape = up_shape[::-1], down_shape[::-1]
+    rows, probe = jax.random.normal(keys[0], (room, hidden)), jax.random.normal(keys[3], (room, hidden))
+    up = jax.random.normal(keys[1], (groups, *up_shape)) / 3
+    down = jax.random.normal(keys[2], (groups, *down_shape)) / 3
+    loss = lambda expected: jax.jit(jax.value_and_grad(
+        lambda r, u, d: jnp.sum(jnp.sin(moe._ffn(r, sizes, u, d, spec, expected)) * probe), (0, 1, 2)))
+    tolerance = dict(rtol=2e-2, atol=2e-2) if spec.compute else dict(rtol=1e-5, atol=1e-5)
+    for want, got in zip(jax.tree.leaves(loss(None)(rows, up, down)), jax.tree.leaves(loss(32)(rows, up, down))):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tolerance)
+
+
 def test_a_padded_buffer_runs_and_counts_only_the_items_holding_rows():
-    """An expert-parallel receive buffer: 1024 rows of room, 96 held by 2 groups. With `expected`
-    rows the loop's count is known at run time (a while loop, not a scan over every item), its
-    tiles are sized for the rows held, and FLOP counts take the items `expected` rows make."""
-    room, k, n, held = 1024, 16, 8, [40, 56]
-    sizes = jnp.array(held, jnp.int32)
-    args = jax.random.normal(jax.random.key(0), (room, k)), jax.random.normal(jax.random.key(1), (2, k, n))
+    """With `expected` rows the experts' FFN loop has a count known at run time (a while loop,
+    not a scan over every item), its tiles sized for the rows held; FLOP counts take the items
+    `expected` rows make: the forward's 2 GEMMs, the backward's 5 (the tile's up GEMM again)."""
+    room, hidden, ffn, held = 1024, 16, 8, [40, 56]
+    sizes, spec = jnp.array(held, jnp.int32), moe.ExpertsSpec(activation="gelu", gated=False)
+    keys = jax.random.split(jax.random.key(0), 3)
+    args = (jax.random.normal(keys[0], (room, hidden)), jax.random.normal(keys[1], (2, ffn, hidden)),
+            jax.random.normal(keys[2], (2, hidden, ffn)))
     step = lambda expected: jax.make_jaxpr(jax.grad(
-        lambda a, b: jnp.sum(gm.grouped_matmul(a, b, sizes, expected) ** 2), (0, 1)))(*args)
+        lambda r, u, d: jnp.sum(moe._ffn(r, sizes, u, d, spec, expected) ** 2), (0, 1, 2)))(*args)
     every, padded = step(None), step(sum(held))
     assert "while" in str(padded) and "scan" not in str(padded) and "scan" in str(every)
     counted = flops.count(padded)
     assert counted.unknown_loops == 0
-    assert counted.dot == 3 * 2 * sum(held) * k * n  # forward, the rows' and the matrices' gradients
+    assert counted.dot == (2 + 5) * 2 * sum(held) * hidden * ffn
     tile = gm.tile_rows(sum(held), 2)
     items = gm.expected_items(sum(held), 2, tile, room // tile)
-    assert counted.ragged_dense == pytest.approx(3 * 2 * items * tile * k * n - counted.dot)
+    assert counted.ragged_dense == pytest.approx((2 + 5) * 2 * items * tile * hidden * ffn - counted.dot)
     assert counted.dot + counted.ragged_dense < (flops.count(every).dot + flops.count(every).ragged_dense) / 4

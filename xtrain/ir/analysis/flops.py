@@ -19,8 +19,9 @@ transpose, dynamic slices and updates, gathers and scatters, split, copy) and th
 stacked operands cost (its per-iteration outputs written into (length, ...) buffers, which
 are zero-filled first, and its stacked inputs read): memory traffic with no arithmetic.
 Loops multiply their body by the trip count (scan's `length`); a `while` whose trip count is
-not static counts its body once and is listed in `unknown_loops`, but a grouped matmul's over a
-padded buffer counts the items its marker expects. Inside `shard_map` shapes
+not static counts its body once and is listed in `unknown_loops`, but the experts' FFN loop over
+a padded buffer (grouped_matmul.grouped_ffn) counts the items its marker expects; a while loop's
+body is counted without what nothing reads (XLA drops it). Inside `shard_map` shapes
 are already per device, so xtrain's explicit program gives per-device FLOPs directly.
 
 Model FLOPs and MFU have one definition here, used by `xtrain plan` (cost.search), the
@@ -42,6 +43,7 @@ import math
 from typing import Any, Callable, Mapping
 
 import jax
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from xtrain.ir import attention, markers
@@ -173,6 +175,13 @@ def _op(eqn, acc: Flops) -> None:
         acc.moved_bytes += 3 * _bytes(ys) + _bytes(xs)  # zero-fill, write, read back; read
 
 
+def _live(jaxpr):
+    """A loop body without its dead equations (JAX has no dead-code rule for while loops: a
+    gradient taken inside one keeps the primal outputs it does not use)."""
+    body = getattr(jaxpr, "jaxpr", jaxpr)
+    return pe.dce_jaxpr(body, [True] * len(body.outvars), instantiate=True)[0]
+
+
 def _fused_on_cuda(eqn, inside: bool) -> bool:
     """Whether `eqn` is inside a blockwise attention call that CUDA runs fused (Site.fused_on)."""
     if inside or "xtrain_attention=" not in str(eqn.source_info.name_stack):
@@ -196,8 +205,10 @@ def of_eqn(eqn, fused: bool = False) -> Flops:
         acc.add(max((count(s, fused) for s in subs), key=lambda f: f.total))
         return acc
     times, known = _trip_count(eqn)
+    if str(eqn.primitive) == "while":  # what the body computes and nothing reads (XLA drops it) is not run
+        subs = [_live(s) for s in subs]
     tiles = markers.innermost(grouped_matmul.Tiles, eqn.source_info.name_stack)
-    if tiles is not None and not known:  # a grouped matmul over a padded buffer: its expected items
+    if tiles is not None and not known:  # the experts' FFN over a padded buffer: its expected items
         times, known = float(tiles.items), True
     for sub in subs:
         acc.add(count(sub, fused), times)

@@ -21,11 +21,12 @@ the output's gradient by the transposed matrices, the matrices' gradient accumul
 (K x tile) @ (tile x N) product into its group, in float32.
 
 A buffer mostly of padding (an expert-parallel device's receive buffer: room for every pair any
-peer could send it, about 1 / peers of it filled when the load is even) passes `expected`, the
-rows it holds on average: the loop then runs only the items holding rows, a count known at run
-time (a while loop: xtrain uses it on CUDA; Neuron compiles no such loop, and on GPUs each
-iteration's test is a copy to the host), its tiles sized for `expected` rows, and FLOP counts
-take `expected` rows' items.
+peer could send it, about 1 / peers of it filled when the load is even) goes through the experts'
+whole FFN tile by tile (`grouped_ffn`: both GEMMs and the activation per item, so no hidden
+features exist for the padding), over the items holding rows only: a count known at run time (a
+while loop: xtrain uses it on CUDA; Neuron compiles no such loop, and on GPUs each iteration's
+test is a copy to the host), its tiles sized for `expected` rows, the rows held on average, and
+FLOP counts take the items `expected` rows make. Its gradient recomputes each tile's FFN.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def expected_items(rows: int, groups: int, tile: int, tiles: int) -> int:
     return min(-(-rows // tile) + groups - 1, tiles + groups - 1)
 
 
-def _over_items(m: int, sizes, tile: int, init, step, expected: int | None):
+def _over_items(m: int, sizes, tile: int, init, step, expected: int | None = None):
     """`init` carried through the work items of `m` rows in tiles of `tile` (`_items`):
     step(carry, group, first row of the tile, which of the tile's rows are the group's) -> carry.
     `expected` rows (not None): only the items holding rows run, a count known at run time."""
@@ -111,7 +112,7 @@ def _over_items(m: int, sizes, tile: int, init, step, expected: int | None):
                              lambda i, carry: item(carry, (group[i], at[i], True))[0], init)
 
 
-def _matmul(rows, w, sizes, tile: int, expected: int | None = None):
+def _matmul(rows, w, sizes, tile: int):
     """rows (M, K) @ w (G, K, N) by group -> (M, N), in rows' dtype."""
     m = rows.shape[0]
     padded = _padded(rows, -(-m // tile) * tile)
@@ -123,10 +124,10 @@ def _matmul(rows, w, sizes, tile: int, expected: int | None = None):
         return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
 
     zeros = jnp.zeros((padded.shape[0], w.shape[2]), rows.dtype)
-    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step, expected)[:m]
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step)[:m]
 
 
-def _weight_grad(rows, dout, sizes, groups: int, tile: int, expected: int | None = None):
+def _weight_grad(rows, dout, sizes, groups: int, tile: int):
     """The matrices' gradient: per group, its rows' (K x rows) @ (rows x N), in float32."""
     m = rows.shape[0]
     x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout, -(-m // tile) * tile)
@@ -137,32 +138,84 @@ def _weight_grad(rows, dout, sizes, groups: int, tile: int, expected: int | None
         return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0)
 
     zeros = jnp.zeros((groups, rows.shape[1], dout.shape[1]), jnp.float32)
-    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step,
-                       expected)
+    return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def grouped_matmul(rows, w, sizes, expected: int | None = None):
+@jax.custom_vjp
+def grouped_matmul(rows, w, sizes):
     """rows (M, K) sorted by group, w (G, K, N), sizes (G,) int32 rows per group (rows past their
-    sum: zero) -> (M, N) in rows' dtype, each row times its group's matrix (module docstring).
-    `expected`: the rows a mostly padded buffer holds on average (module docstring)."""
-    return _matmul(rows, w, sizes, _tile(rows, w, expected), expected)
+    sum: zero) -> (M, N) in rows' dtype, each row times its group's matrix (module docstring)."""
+    return _matmul(rows, w, sizes, tile_rows(rows.shape[0], w.shape[0]))
 
 
-def _tile(rows, w, expected: int | None) -> int:
-    return tile_rows(rows.shape[0] if expected is None else min(expected, rows.shape[0]), w.shape[0])
+def _fwd(rows, w, sizes):
+    return grouped_matmul(rows, w, sizes), (rows, w, sizes)
 
 
-def _fwd(rows, w, sizes, expected):
-    return grouped_matmul(rows, w, sizes, expected), (rows, w, sizes)
-
-
-def _bwd(expected, res, dout):
+def _bwd(res, dout):
     rows, w, sizes = res
-    tile = _tile(rows, w, expected)
-    drows = _matmul(dout.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes, tile, expected)
-    dw = _weight_grad(rows, dout.astype(rows.dtype), sizes, w.shape[0], tile, expected)
+    tile = tile_rows(rows.shape[0], w.shape[0])
+    drows = _matmul(dout.astype(rows.dtype), jnp.swapaxes(w, 1, 2), sizes, tile)
+    dw = _weight_grad(rows, dout.astype(rows.dtype), sizes, w.shape[0], tile)
     return drows, dw.astype(w.dtype), None
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
+
+
+def _group(w, g):
+    """Group g's matrix: the only one, or a dynamic index (no copy on a GPU: the GEMM reads it)."""
+    return w[0] if w.shape[0] == 1 else lax.dynamic_index_in_dim(w, g, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def grouped_ffn(rows, up, down, sizes, ffn, expected: int):
+    """rows (M, K) sorted by group -> (M, N): each row through its group's FFN, `ffn(x (T, K),
+    up[g], down[g]) -> (T, N)` (its GEMMs and activation), tile by tile over the items holding
+    rows only (a loop count known at run time; `expected` rows on average, module docstring).
+    Nothing of a tile's hidden features outlives it: the gradient recomputes them per item."""
+    m = rows.shape[0]
+    tile = tile_rows(min(expected, m), up.shape[0])
+    padded = _padded(rows, -(-m // tile) * tile)
+    features = jax.eval_shape(ffn, padded[:tile], _group(up, 0), _group(down, 0)).shape[-1]
+
+    def step(out, g, at, mine):
+        y = ffn(lax.dynamic_slice_in_dim(padded, at, tile), _group(up, g), _group(down, g)).astype(out.dtype)
+        here = lax.dynamic_slice_in_dim(out, at, tile)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
+
+    zeros = vma.widen(jnp.zeros((padded.shape[0], features), rows.dtype),
+                      vma.of(rows) | vma.of(up) | vma.of(down) | vma.of(sizes))
+    return _over_items(m, sizes, tile, zeros, step, expected)[:m]
+
+
+def _ffn_fwd(rows, up, down, sizes, ffn, expected):
+    return grouped_ffn(rows, up, down, sizes, ffn, expected), (rows, up, down, sizes)
+
+
+def _ffn_bwd(ffn, expected, res, dout):
+    """Per item: the tile's FFN again and its pullback of the tile's rows of `dout` (the other
+    groups' rows zero); the rows' gradient written where they are, the matrices' summed per
+    group in float32."""
+    rows, up, down, sizes = res
+    m = rows.shape[0]
+    tile = tile_rows(min(expected, m), up.shape[0])
+    x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout.astype(rows.dtype), -(-m // tile) * tile)
+
+    def step(carry, g, at, mine):
+        drows, dup, ddown = carry
+        _, pull = jax.vjp(ffn, lax.dynamic_slice_in_dim(x_all, at, tile), _group(up, g), _group(down, g))
+        dx, du, dd = pull(jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, at, tile), 0))
+        here = lax.dynamic_slice_in_dim(drows, at, tile)
+        drows = lax.dynamic_update_slice_in_dim(drows, jnp.where(mine[:, None], dx.astype(drows.dtype), here), at, 0)
+        add = lambda acc, d: lax.dynamic_update_index_in_dim(acc, _group(acc, g) + d.astype(jnp.float32), g, 0)
+        return drows, add(dup, du), add(ddown, dd)
+
+    kinds = vma.of(rows) | vma.of(dout) | vma.of(up) | vma.of(down) | vma.of(sizes)
+    init = tuple(vma.widen(jnp.zeros(shape, dtype), kinds) for shape, dtype in (
+        (x_all.shape, rows.dtype), (up.shape, jnp.float32), (down.shape, jnp.float32)))
+    drows, dup, ddown = _over_items(m, sizes, tile, init, step, expected)
+    return drows[:m], dup.astype(up.dtype), ddown.astype(down.dtype), None
+
+
+grouped_ffn.defvjp(_ffn_fwd, _ffn_bwd)

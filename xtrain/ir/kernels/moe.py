@@ -71,21 +71,24 @@ def _as_in_out(w, spec: ExpertsSpec):
     return w if spec.transposed else jnp.swapaxes(w, 1, 2)
 
 
-def _grouped(rows, w, sizes, spec: ExpertsSpec, expected: int | None = None):
+def _grouped(rows, w, sizes, spec: ExpertsSpec):
     """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype.
-    One expert: one dot (its rows past `sizes` zero); more, or a mostly padded buffer holding
-    `expected` rows on average: the grouped matmul's tiles (xtrain.ir.kernels.grouped_matmul)."""
+    One expert: one dot (its rows past `sizes` zero); more: the grouped matmul's tiles."""
     dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
-    if w.shape[0] == 1 and expected is None:
+    if w.shape[0] == 1:
         out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
     else:
-        out = grouped_matmul.grouped_matmul(rows.astype(dtype), w.astype(dtype), sizes, expected)
+        out = grouped_matmul.grouped_matmul(rows.astype(dtype), w.astype(dtype), sizes)
     return out.astype(rows.dtype)
 
 
 def _ffn(rows, sizes, up, down, spec: ExpertsSpec, expected: int | None = None):
-    """Each expert's FFN over its contiguous rows: (S, H) -> (S, H). `expected`: _grouped."""
-    h = _grouped(rows, _as_in_out(up, spec), sizes, spec, expected)  # (S, I) or (S, 2I)
+    """Each expert's FFN over its contiguous rows: (S, H) -> (S, H). `expected`: the rows a mostly
+    padded buffer holds on average: tile by tile over the rows held (grouped_matmul.grouped_ffn)."""
+    if expected is not None:
+        ffn = functools.partial(_tile_ffn, spec=spec)
+        return grouped_matmul.grouped_ffn(rows, up, down, sizes, ffn, expected)
+    h = _grouped(rows, _as_in_out(up, spec), sizes, spec)  # (S, I) or (S, 2I)
     act = ACTIVATIONS[spec.activation]
     if spec.gated:
         if spec.concatenated:
@@ -95,7 +98,12 @@ def _ffn(rows, sizes, up, down, spec: ExpertsSpec, expected: int | None = None):
         h = act(gate) * lin
     else:
         h = act(h)
-    return _grouped(h, _as_in_out(down, spec), sizes, spec, expected)  # (S, H)
+    return _grouped(h, _as_in_out(down, spec), sizes, spec)  # (S, H)
+
+
+def _tile_ffn(x, up, down, spec: ExpertsSpec):
+    """One expert's FFN over a tile of its rows: x (T, H), up / down one expert's -> (T, H)."""
+    return _ffn(x, jnp.array([x.shape[0]], jnp.int32), up[None], down[None], spec)
 
 
 def group_sizes(expert_ids, experts: int):

@@ -221,7 +221,7 @@ def routed_experts(x, expert_ids, weights, up, down, *, spec: moe.ExpertsSpec, p
     `peers` blocks: x (N, H), expert_ids / weights (N, k), up / down (E / peers, ...) -> (N, H).
     `per_expert`: each expert's capacity (pairs past it dropped); None: drop-free. `ragged`
     (drop-free only): send only the routed rows (lax.ragged_all_to_all; not on CPU), the tokens
-    in CHUNKS chunks where they divide. `skip_padding`: the expert GEMMs run only the rows a
+    in CHUNKS chunks where they divide. `skip_padding`: the experts' FFN runs only the rows a
     receive buffer holds (a loop count known at run time: CUDA), the cost counted for an even load."""
     n, k = expert_ids.shape
     if ragged and per_expert is None:

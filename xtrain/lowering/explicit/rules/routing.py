@@ -158,9 +158,10 @@ def routed_experts(ctx: Context, eqn, args):
                      f"{x.shape[1]} features each way per device")
         # Neuron compiles no loop whose count is known at run time only; a CPU step stays one it would run
         skip = ctx.platform == "cuda"
-        ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'}'s expert GEMMs run " + (
-            "only the rows its receive buffers hold (a loop count known at run time; costed for an even load)" if skip
-            else "every row of its receive buffers, padding included (on CUDA only the rows they hold)"))
+        ctx.note(f"expert parallel: {ctx.path or 'an MoE layer'}'s experts run " + (
+            "only the rows its receive buffers hold, tile by tile (a loop count known at run time; costed for an "
+            "even load)" if skip else "every row of its receive buffers, padding included (on CUDA only the rows "
+            "they hold)"))
         out = experts.routed_experts(*values, spec=spec, peers=peers, per_expert=per_expert, ragged=ragged,
                                      skip_padding=skip)
         return wrap(eqn, [out], [Layout(tokens.dims, ffn)])
