@@ -89,21 +89,30 @@ def _ffn(rows, sizes, up, down, spec: ExpertsSpec, expected: int | None = None):
         ffn = functools.partial(_tile_ffn, spec=spec)
         return grouped_matmul.grouped_ffn(rows, up, down, sizes, ffn, expected)
     h = _grouped(rows, _as_in_out(up, spec), sizes, spec)  # (S, I) or (S, 2I)
+    return _grouped(_activated(h, spec), _as_in_out(down, spec), sizes, spec)  # (S, H)
+
+
+def _activated(h, spec: ExpertsSpec):
+    """The up projection's features (..., I) or (..., 2 I) through the activation (and its gate)."""
     act = ACTIVATIONS[spec.activation]
-    if spec.gated:
-        if spec.concatenated:
-            gate, lin = jnp.split(h, 2, axis=-1)
-        else:
-            gate, lin = h[..., ::2], h[..., 1::2]
-        h = act(gate) * lin
-    else:
-        h = act(h)
-    return _grouped(h, _as_in_out(down, spec), sizes, spec)  # (S, H)
+    if not spec.gated:
+        return act(h)
+    gate, lin = jnp.split(h, 2, axis=-1) if spec.concatenated else (h[..., ::2], h[..., 1::2])
+    return act(gate) * lin
 
 
 def _tile_ffn(x, up, down, spec: ExpertsSpec):
-    """One expert's FFN over a tile of its rows: x (T, H), up / down one expert's -> (T, H)."""
-    return _ffn(x, jnp.array([x.shape[0]], jnp.int32), up[None], down[None], spec)
+    """One expert's FFN over a tile of its rows: x (T, H), up / down that expert's weights as
+    stored (contracted in place: no transposed copy per tile) -> (T, H), dtypes as _grouped's."""
+    dtype = jnp.dtype(spec.compute) if spec.compute else x.dtype
+    contract = 0 if spec.transposed else 1  # the weight's input dim: (in, out) or (out, in)
+
+    def matmul(a, w):  # summed in float32, rounded once to the compute dtype (as a GPU's GEMM does)
+        out = lax.dot_general(a.astype(dtype), w.astype(dtype), (((1,), (contract,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+        return out.astype(dtype).astype(a.dtype)
+
+    return matmul(_activated(matmul(x, up), spec), down)
 
 
 def group_sizes(expert_ids, experts: int):
