@@ -81,8 +81,26 @@ def _items(sizes, tiles: int, tile: int):
     return group, at, index < through[-1], starts, ends
 
 
-def _padded(x, rows: int):
+def _padded(x, tile: int):
+    """x's rows padded with zeros to whole tiles."""
+    rows = -(-x.shape[0] // tile) * tile
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _group(w, g):
+    """Group g's matrix: the only one, or a dynamic index (no copy on a GPU: the GEMM reads it)."""
+    return w[0] if w.shape[0] == 1 else lax.dynamic_index_in_dim(w, g, keepdims=False)
+
+
+def _add(acc, g, part):
+    """`acc` (G, ...) float32 with `part` added to group g's."""
+    return lax.dynamic_update_index_in_dim(acc, _group(acc, g) + part.astype(jnp.float32), g, 0)
+
+
+def _write(out, at, values, mine):
+    """`out` with the tile at row `at` replaced by `values` where `mine`, kept elsewhere."""
+    here = lax.dynamic_slice_in_dim(out, at, mine.shape[0])
+    return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], values.astype(out.dtype), here), at, 0)
 
 
 def expected_items(rows: int, groups: int, tile: int, tiles: int) -> int:
@@ -115,13 +133,11 @@ def _over_items(m: int, sizes, tile: int, init, step, expected: int | None = Non
 def _matmul(rows, w, sizes, tile: int):
     """rows (M, K) @ w (G, K, N) by group -> (M, N), in rows' dtype."""
     m = rows.shape[0]
-    padded = _padded(rows, -(-m // tile) * tile)
+    padded = _padded(rows, tile)
 
     def step(out, g, at, mine):
-        y = jnp.dot(lax.dynamic_slice_in_dim(padded, at, tile), lax.dynamic_index_in_dim(w, g, keepdims=False),
-                    preferred_element_type=rows.dtype)
-        here = lax.dynamic_slice_in_dim(out, at, tile)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
+        y = jnp.dot(lax.dynamic_slice_in_dim(padded, at, tile), _group(w, g), preferred_element_type=rows.dtype)
+        return _write(out, at, y, mine)
 
     zeros = jnp.zeros((padded.shape[0], w.shape[2]), rows.dtype)
     return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(w) | vma.of(sizes)), step)[:m]
@@ -130,12 +146,12 @@ def _matmul(rows, w, sizes, tile: int):
 def _weight_grad(rows, dout, sizes, groups: int, tile: int):
     """The matrices' gradient: per group, its rows' (K x rows) @ (rows x N), in float32."""
     m = rows.shape[0]
-    x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout, -(-m // tile) * tile)
+    x_all, d_all = _padded(rows, tile), _padded(dout, tile)
 
     def step(dw, g, at, mine):
         d = jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, at, tile), 0)
         part = jnp.dot(lax.dynamic_slice_in_dim(x_all, at, tile).T, d, preferred_element_type=jnp.float32)
-        return lax.dynamic_update_index_in_dim(dw, lax.dynamic_index_in_dim(dw, g, keepdims=False) + part, g, 0)
+        return _add(dw, g, part)
 
     zeros = jnp.zeros((groups, rows.shape[1], dout.shape[1]), jnp.float32)
     return _over_items(m, sizes, tile, vma.widen(zeros, vma.of(rows) | vma.of(dout) | vma.of(sizes)), step)
@@ -163,9 +179,8 @@ def _bwd(res, dout):
 grouped_matmul.defvjp(_fwd, _bwd)
 
 
-def _group(w, g):
-    """Group g's matrix: the only one, or a dynamic index (no copy on a GPU: the GEMM reads it)."""
-    return w[0] if w.shape[0] == 1 else lax.dynamic_index_in_dim(w, g, keepdims=False)
+def _ffn_tile(rows, up, expected: int) -> int:
+    return tile_rows(min(expected, rows.shape[0]), up.shape[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -174,15 +189,12 @@ def grouped_ffn(rows, up, down, sizes, ffn, expected: int):
     up[g], down[g]) -> (T, N)` (its GEMMs and activation), tile by tile over the items holding
     rows only (a loop count known at run time; `expected` rows on average, module docstring).
     Nothing of a tile's hidden features outlives it: the gradient recomputes them per item."""
-    m = rows.shape[0]
-    tile = tile_rows(min(expected, m), up.shape[0])
-    padded = _padded(rows, -(-m // tile) * tile)
+    m, tile = rows.shape[0], _ffn_tile(rows, up, expected)
+    padded = _padded(rows, tile)
     features = jax.eval_shape(ffn, padded[:tile], _group(up, 0), _group(down, 0)).shape[-1]
 
     def step(out, g, at, mine):
-        y = ffn(lax.dynamic_slice_in_dim(padded, at, tile), _group(up, g), _group(down, g)).astype(out.dtype)
-        here = lax.dynamic_slice_in_dim(out, at, tile)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, here), at, 0)
+        return _write(out, at, ffn(lax.dynamic_slice_in_dim(padded, at, tile), _group(up, g), _group(down, g)), mine)
 
     zeros = vma.widen(jnp.zeros((padded.shape[0], features), rows.dtype),
                       vma.of(rows) | vma.of(up) | vma.of(down) | vma.of(sizes))
@@ -198,18 +210,14 @@ def _ffn_bwd(ffn, expected, res, dout):
     groups' rows zero); the rows' gradient written where they are, the matrices' summed per
     group in float32."""
     rows, up, down, sizes = res
-    m = rows.shape[0]
-    tile = tile_rows(min(expected, m), up.shape[0])
-    x_all, d_all = _padded(rows, -(-m // tile) * tile), _padded(dout.astype(rows.dtype), -(-m // tile) * tile)
+    m, tile = rows.shape[0], _ffn_tile(rows, up, expected)
+    x_all, d_all = _padded(rows, tile), _padded(dout.astype(rows.dtype), tile)
 
     def step(carry, g, at, mine):
         drows, dup, ddown = carry
         _, pull = jax.vjp(ffn, lax.dynamic_slice_in_dim(x_all, at, tile), _group(up, g), _group(down, g))
         dx, du, dd = pull(jnp.where(mine[:, None], lax.dynamic_slice_in_dim(d_all, at, tile), 0))
-        here = lax.dynamic_slice_in_dim(drows, at, tile)
-        drows = lax.dynamic_update_slice_in_dim(drows, jnp.where(mine[:, None], dx.astype(drows.dtype), here), at, 0)
-        add = lambda acc, d: lax.dynamic_update_index_in_dim(acc, _group(acc, g) + d.astype(jnp.float32), g, 0)
-        return drows, add(dup, du), add(ddown, dd)
+        return _write(drows, at, dx, mine), _add(dup, g, du), _add(ddown, g, dd)
 
     kinds = vma.of(rows) | vma.of(dout) | vma.of(up) | vma.of(down) | vma.of(sizes)
     init = tuple(vma.widen(jnp.zeros(shape, dtype), kinds) for shape, dtype in (

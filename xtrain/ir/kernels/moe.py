@@ -60,6 +60,10 @@ class ExpertsSpec:
         if self.activation not in ACTIVATIONS:
             raise UnsupportedError(f"ExpertsSpec.activation={self.activation!r}: valid are {sorted(ACTIVATIONS)}")
 
+    def compute_dtype(self, operands):
+        """The GEMMs' dtype: `compute`, else the operands' own."""
+        return jnp.dtype(self.compute) if self.compute else jnp.dtype(operands)
+
 
 def ffn_dims(spec: ExpertsSpec) -> tuple[int, int]:
     """The expert FFN dimension of the up and of the down weight (what tensor parallel splits)."""
@@ -74,7 +78,7 @@ def _as_in_out(w, spec: ExpertsSpec):
 def _grouped(rows, w, sizes, spec: ExpertsSpec):
     """rows (S, K) x w (E, K, N) by group, in the spec's compute dtype; the result in rows' dtype.
     One expert: one dot (its rows past `sizes` zero); more: the grouped matmul's tiles."""
-    dtype = jnp.dtype(spec.compute) if spec.compute else rows.dtype
+    dtype = spec.compute_dtype(rows.dtype)
     if w.shape[0] == 1:
         out = lax.ragged_dot(rows.astype(dtype), w.astype(dtype), sizes, preferred_element_type=dtype)
     else:
@@ -104,7 +108,7 @@ def _activated(h, spec: ExpertsSpec):
 def _tile_ffn(x, up, down, spec: ExpertsSpec):
     """One expert's FFN over a tile of its rows: x (T, H), up / down that expert's weights as
     stored (contracted in place: no transposed copy per tile) -> (T, H), dtypes as _grouped's."""
-    dtype = jnp.dtype(spec.compute) if spec.compute else x.dtype
+    dtype = spec.compute_dtype(x.dtype)
     contract = 0 if spec.transposed else 1  # the weight's input dim: (in, out) or (out, in)
 
     def matmul(a, w):  # summed in float32, rounded once to the compute dtype (as a GPU's GEMM does)

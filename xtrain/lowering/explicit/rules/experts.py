@@ -60,7 +60,7 @@ def wire_dtype(x_dtype, spec: moe.ExpertsSpec, per_device: int):
     holds the expert ids (and the padding id `per_device`) exactly. The first GEMM casts the rows
     to it and the last one's products are in it, so the values are the same and the all-to-alls
     move half the bytes (a bf16 step's residual stream is float32, as under torch autocast)."""
-    dtype = jnp.dtype(spec.compute) if spec.compute else jnp.dtype(x_dtype)
+    dtype = spec.compute_dtype(x_dtype)
     exact = dtype.itemsize == 2 and per_device <= 2 ** (jnp.finfo(dtype).nmant + 1)
     return dtype if exact and dtype.itemsize < jnp.dtype(x_dtype).itemsize else jnp.dtype(x_dtype)
 
